@@ -1,0 +1,199 @@
+"""The command line: `labkit env | list | run | results | report`.
+
+Bad input is one line on stderr and exit code 2, never a traceback. `--json` prints result rows
+as JSON lines on stdout and nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from labkit.config import ConfigError, parse_assignments
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message; we want one line
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="labkit", description="Measure what LLM optimizations do to memory and speed.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    env = sub.add_parser("env", help="this machine: devices, ceilings, environment")
+    env.add_argument("--json", action="store_true")
+    lst = sub.add_parser("list", help="experiments and their variants")
+    lst.add_argument("--json", action="store_true")
+    run = sub.add_parser("run", help="run one experiment")
+    run.add_argument("name")
+    _add_run_options(run)
+    run.add_argument("--variant", action="append", default=[], metavar="V",
+                     help="variant(s) to run besides the reference (repeat or comma-separate)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    run.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...")
+    run.add_argument("--json", action="store_true", help="result rows as JSON lines on stdout")
+    res = sub.add_parser("results", help="stored results")
+    res.add_argument("--experiment")
+    res.add_argument("--run-id")
+    res.add_argument("--runs-dir")
+    res.add_argument("--json", action="store_true")
+    rep = sub.add_parser("report", help="run every experiment; write a table and figures")
+    rep.add_argument("--out", default="lab-report", help="folder for results and figures")
+    _add_run_options(rep)
+    return p
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="model shape and sizes (default: from the device)")
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--runs-dir", help="where results are stored (default: $LABKIT_RUNS_DIR or runs/)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"labkit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("labkit: interrupted; rows measured so far are stored", file=sys.stderr)
+        return 130
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from labkit import hardware
+
+    info = {"fingerprint": hardware.fingerprint(), "ceilings": vars(hardware.ceilings("auto"))}
+    if args.json:
+        print(json.dumps(info, default=str))
+        return 0
+    print(describe_env(info))
+    return 0
+
+
+def describe_env(info: dict[str, Any]) -> str:
+    """A few readable lines about the machine and what the lab will do on it."""
+    fp, ceil = info["fingerprint"], info["ceilings"]
+    cpu = fp["cpu"]
+    lines = [f"device      {ceil['device']} ({ceil['name']})",
+             f"cpu         {cpu['model']}, {cpu['num_cores']} cores, flags: {', '.join(cpu['flags']) or '-'}"]
+    for g in fp["gpus"]:
+        lines.append(f"gpu         {g['name']}, cc {g['compute_capability']}, "
+                     f"{g['memory_total_bytes'] / 2**30:.1f} GiB, driver {g.get('driver')}")
+    peaks = ", ".join(f"{k} {v:.3g}" for k, v in ceil["peak_tflops"].items())
+    lines.append(f"ceilings    {peaks or 'unknown'} TFLOP/s; {ceil['bandwidth_gbps'] or 0:.0f} GB/s "
+                 f"({ceil['source']})")
+    lines.append(f"torch       {fp['torch']} (CUDA {fp['cuda']}), python {fp['python']}")
+    knobs = ", ".join(f"{k}={v}" for k, v in fp["env"].items())
+    lines.append(f"env knobs   {knobs or 'none set'}")
+    return "\n".join(lines)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from labkit.techniques import EXPERIMENTS, get_experiment
+
+    entries = []
+    for name in EXPERIMENTS:
+        exp = get_experiment(name)
+        entries.append({"experiment": name, "reference": exp.REFERENCE, "variants": list(exp.VARIANTS),
+                        "summary": (exp.__doc__ or "").strip().splitlines()[0]})
+    if args.json:
+        for e in entries:
+            print(json.dumps(e))
+        return 0
+    for e in entries:
+        variants = ", ".join(v + (" (reference)" if v == e["reference"] else "") for v in e["variants"])
+        print(f"{e['experiment']:<18} {variants}\n{'':<18} {e['summary']}")
+    return 0
+
+
+def parse_sweep(items: list[str]) -> dict[str, list[str]]:
+    """`["batch_size=1,2,4"]` -> {"batch_size": ["1", "2", "4"]}."""
+    return {k: [v for v in vs.split(",") if v] for k, vs in parse_assignments(items).items()}
+
+
+def split_variants(items: list[str]) -> list[str]:
+    return [v for item in items for v in item.split(",") if v]
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, str]:
+    overrides = parse_assignments(args.overrides) if getattr(args, "overrides", None) else {}
+    if args.device:
+        overrides["device"] = args.device
+    return overrides
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from labkit.experiment import run_experiment
+
+    result = run_experiment(args.name, preset=args.preset, overrides=_overrides(args),
+                            sweep=parse_sweep(args.sweep), variants=split_variants(args.variant),
+                            runs_dir=args.runs_dir, progress=not args.json and sys.stderr.isatty())
+    if args.json:
+        for row in result.rows:
+            print(json.dumps(row, default=str))
+    else:
+        print(format_rows(result.rows))
+        print(f"\nstored as {result.path}")
+    return 0
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    from labkit.results import load_results
+
+    frame = load_results(args.runs_dir, experiment=args.experiment, run_id=args.run_id)
+    if args.json:
+        for row in frame.to_dict(orient="records"):
+            print(json.dumps(row, default=str))
+        return 0
+    if frame.empty:
+        print("no stored results")
+        return 0
+    for run_id, rows in frame.groupby("run_id", sort=False):
+        print(f"== {run_id}")
+        print(format_rows(rows.to_dict(orient="records")))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from labkit.report_job import run_report
+
+    out = run_report(args.out, preset=args.preset, overrides=_overrides(args), runs_dir=args.runs_dir)
+    print(f"report written to {out}")
+    return 0
+
+
+def format_value(metric: str | None, value: Any) -> str:
+    if value is None or value != value:  # None or NaN
+        return ""
+    if metric and metric.endswith("_bytes"):
+        return f"{value / 2**20:,.2f} MiB"
+    if metric and metric.endswith("_bytes_per_token"):
+        return f"{value:,.0f} B"
+    if metric == "flops":
+        return f"{value / 1e9:,.3f} GFLOP"
+    return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """A plain text table: variant, metric, measured, predicted, status, note."""
+    lines = [f"{'variant':<14} {'metric':<26} {'measured':>16} {'predicted':>16}  {'status':<8} note"]
+    for r in rows:
+        unit = "" if (r["metric"] or "").endswith(("_bytes", "flops", "_per_token")) else r["unit"]
+        measured = format_value(r["metric"], r["value"])
+        lines.append(f"{r['variant']:<14} {r['metric'] or '-':<26} {measured + ' ' + unit:>16} "
+                     f"{format_value(r['metric'], r['predicted']):>16}  {r['status']:<8} "
+                     f"{r['message'] or ''}")
+    return "\n".join(lines)
+
+
+COMMANDS = {"env": cmd_env, "list": cmd_list, "run": cmd_run, "results": cmd_results,
+            "report": cmd_report}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Typed configuration: model shapes, presets, run settings, and the one `resolve()`.
+
+Every entry point (CLI, widgets, papermill, tests) builds its config through `resolve()`, so a
+bad value is refused the same way everywhere: one `ConfigError` line naming the valid choices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from labkit import hardware
+
+
+class ConfigError(ValueError):
+    """A bad name or value; the message is one line that names the valid choices."""
+
+
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def knob(default: Any, *, help: str = "", min: float | None = None, max: float | None = None,
+         choices: tuple | None = None) -> Any:
+    """A dataclass field with its help text and valid range (read by resolve() and the widgets)."""
+    meta = {"help": help, "min": min, "max": max, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The shape of one decoder (Llama-style or GPT-2-style)."""
+
+    arch: str = knob("llama", choices=("llama", "gpt2"), help="block style")
+    num_layers: int = knob(4, min=1, help="transformer blocks")
+    hidden_size: int = knob(256, min=8, help="model width")
+    num_heads: int = knob(4, min=1, help="query heads")
+    num_kv_heads: int = knob(2, min=1, help="key/value heads (grouped-query attention)")
+    ffn_size: int = knob(688, min=1, help="MLP inner width")
+    vocab_size: int = knob(4096, min=2, help="vocabulary")
+    max_seq_len: int = knob(2048, min=1, help="context length")
+    rope_theta: float = knob(10000.0, min=1.0, help="RoPE base (llama)")
+    norm_eps: float = knob(1e-5, min=0.0, help="norm epsilon")
+    tie_embeddings: bool = knob(False, help="share input and output embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _llama(**kw: Any) -> ModelConfig:
+    return ModelConfig(arch="llama", **kw)
+
+
+# Published shapes (config.json of each release); the tests check the parameter counts.
+MODELS: dict[str, ModelConfig] = {
+    "tiny": _llama(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, ffn_size=688,
+                   vocab_size=4096, max_seq_len=2048),
+    "small": _llama(num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, ffn_size=2048,
+                    vocab_size=32000, max_seq_len=4096),
+    "medium": _llama(num_layers=16, hidden_size=2048, num_heads=16, num_kv_heads=8, ffn_size=5632,
+                     vocab_size=32000, max_seq_len=4096),
+    "gpt2-124m": ModelConfig(arch="gpt2", num_layers=12, hidden_size=768, num_heads=12,
+                             num_kv_heads=12, ffn_size=3072, vocab_size=50257, max_seq_len=1024,
+                             tie_embeddings=True),
+    "llama-2-7b": _llama(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32,
+                         ffn_size=11008, vocab_size=32000, max_seq_len=4096),
+    "llama-3-8b": _llama(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                         ffn_size=14336, vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    "llama-3-70b": _llama(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+                          ffn_size=28672, vocab_size=128256, max_seq_len=8192,
+                          rope_theta=500000.0),
+    "mistral-7b": _llama(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                         ffn_size=14336, vocab_size=32000, max_seq_len=32768),
+}
+
+# Default run sizes per preset, then per experiment where one differs.
+PRESET_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1}},
+    "small": {"batch_size": 8, "seq_len": 512, "kv_cache": {"batch_size": 8, "prompt_len": 128,
+                                                             "new_tokens": 256}},
+    "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": {"batch_size": 16,
+                                                              "prompt_len": 512,
+                                                              "new_tokens": 256}},
+    "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": {"batch_size": 8}},
+    "llama-2-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {"batch_size": 1}},
+    "llama-3-8b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {"batch_size": 1}},
+    "llama-3-70b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {"batch_size": 1}},
+    "mistral-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {"batch_size": 1}},
+}
+PRESETS = tuple(MODELS)
+# A GPU with at least this much memory gets the `medium` preset by default, else `small`.
+MEDIUM_PRESET_MIN_BYTES = 40 * 2**30
+
+
+def default_preset(device: str) -> str:
+    """`tiny` on the CPU; on a GPU a size chosen from its memory."""
+    if not device.startswith("cuda"):
+        return "tiny"
+    gpus = hardware.gpu_info()
+    index = int(device.split(":")[1]) if ":" in device else 0
+    memory = gpus[index].memory_total_bytes if index < len(gpus) else 0
+    return "medium" if memory >= MEDIUM_PRESET_MIN_BYTES else "small"
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Settings every experiment shares; each experiment subclasses it with its own knobs."""
+
+    variant: str = knob("", help="the line in the plot")
+    preset: str = knob("tiny", choices=PRESETS, help="model shape and default sizes")
+    device: str = knob("auto", help="auto, cpu, cuda or cuda:N")
+    dtype: str = knob("float32", choices=tuple(DTYPE_ALIASES), help="model dtype")
+    attention: str = knob("sdpa", choices=("sdpa", "naive"), help="attention implementation")
+    batch_size: int = knob(1, min=1, help="sequences per step")
+    seq_len: int = knob(64, min=1, help="tokens per sequence")
+    num_threads: int = knob(1, min=1, help="CPU intra-op threads while timing")
+    seed: int = knob(0, min=0, help="seed for weights and data")
+    memory_budget_gib: float | None = knob(None, min=0.001,
+                                           help="virtual memory budget: OOM past it")
+    warmup: int = knob(1, min=0, help="untimed calls before timing")
+    min_run_time_s: float = knob(0.5, min=0.0, help="timing: least total time measured")
+    model: ModelConfig | None = None
+
+    def params(self) -> dict[str, Any]:
+        """The resolved config as a JSON-safe dict (what result rows store)."""
+        return dataclasses.asdict(self)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.name != "model"}
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Turn a CLI string or a widget value into the field's type, or raise ConfigError."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", ""))):
+        return None
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}")
+
+
+def _check_range(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
+    choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
+    if choices and value not in choices:
+        raise ConfigError(f"unknown {name} {value!r}; valid: {', '.join(map(str, choices))}")
+    if value is None or isinstance(value, (str, bool)):
+        return
+    if lo is not None and value < lo:
+        raise ConfigError(f"{name}={value} is out of range; it must be >= {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{name}={value} is out of range; it must be <= {hi}")
+
+
+def resolve_device(name: str) -> str:
+    """`auto` -> the default device; refuse unknown or absent devices with the valid choices."""
+    present = hardware.available_devices()
+    if name == "auto":
+        return hardware.default_device()
+    if name == "cpu" or name in present:
+        return name
+    known = name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit())
+    if not known:
+        raise ConfigError(f"unknown device {name!r}; valid: auto, {', '.join(present)}"
+                          + ("" if "cuda" in present else ", cuda (when a GPU is present)"))
+    raise ConfigError(f"device {name!r} is not present here; available: {', '.join(present)}")
+
+
+def _apply(obj: Any, values: dict[str, Any]) -> Any:
+    """dataclasses.replace with each value coerced and range-checked."""
+    hints, fields = _hints(type(obj)), _fields(type(obj))
+    clean = {}
+    for name, value in values.items():
+        value = _coerce(name, value, hints[name])
+        _check_range(name, value, fields[name].metadata)
+        clean[name] = value
+    return dataclasses.replace(obj, **clean)
+
+
+def _check_model(m: ModelConfig) -> None:
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"hidden_size={m.hidden_size} must be a multiple of num_heads={m.num_heads}")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"num_heads={m.num_heads} must be a multiple of num_kv_heads={m.num_kv_heads}")
+    if m.arch == "gpt2" and m.num_kv_heads != m.num_heads:
+        raise ConfigError("gpt2-style models have num_kv_heads == num_heads")
+
+
+def _check_lengths(cfg: RunConfig) -> None:
+    ctx = cfg.model.max_seq_len
+    total = getattr(cfg, "prompt_len", 0) + getattr(cfg, "new_tokens", 0)
+    if cfg.seq_len > ctx:
+        raise ConfigError(f"seq_len={cfg.seq_len} is longer than the model's context ({ctx})")
+    if total > ctx:
+        raise ConfigError(f"prompt_len + new_tokens = {total} is longer than the model's "
+                          f"context ({ctx})")
+
+
+def resolve(config_cls: type[RunConfig], preset: str | None = None,
+            overrides: dict[str, Any] | None = None, *, experiment: str = "") -> RunConfig:
+    """Build and validate one experiment config.
+
+    Order: the class defaults, then the preset's sizes (and the preset's sizes for this
+    `experiment`), then `overrides`. Overrides may name run fields or model-shape fields; values
+    may be strings (from the command line) or typed values (widgets, papermill).
+    """
+    overrides = dict(overrides or {})
+    run_names, model_names = set(_fields(config_cls)), set(_fields(ModelConfig))
+    unknown = sorted(set(overrides) - run_names - model_names)
+    if unknown:
+        valid = ", ".join(sorted(run_names | model_names))
+        raise ConfigError(f"unknown setting {unknown[0]!r}{' for ' + experiment if experiment else ''}; "
+                          f"valid: {valid}")
+    device = resolve_device(str(overrides.pop("device", "auto")))
+    preset = preset or overrides.pop("preset", None) or default_preset(device)
+    overrides.pop("preset", None)
+    _check_range("preset", preset, {"choices": PRESETS})
+    sizes = {k: v for k, v in PRESET_SIZES[preset].items() if not isinstance(v, dict)}
+    sizes.update(PRESET_SIZES[preset].get(experiment, {}))
+    run_values = {k: v for k, v in {**sizes, **overrides}.items() if k in run_names}
+    model = _apply(MODELS[preset], {k: v for k, v in overrides.items() if k in model_names})
+    _check_model(model)
+    cfg = _apply(config_cls(), run_values)
+    cfg = dataclasses.replace(cfg, preset=preset, device=device, model=model,
+                              dtype=DTYPE_ALIASES[cfg.dtype])
+    _check_lengths(cfg)
+    return cfg
+
+
+def parse_assignments(items: list[str]) -> dict[str, str]:
+    """`["a=1", "b=x"]` -> {"a": "1", "b": "x"}; a malformed item is a ConfigError."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"expected key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def expand_sweep(sweep: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The cartesian product of the swept values, as a list of override dicts (in order)."""
+    if not sweep:
+        return [{}]
+    keys = list(sweep)
+    for key in keys:
+        if not sweep[key]:
+            raise ConfigError(f"sweep {key} has no values")
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+
+
+def torch_dtype(name: str):
+    """The torch dtype for a canonical dtype name."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        DTYPE_ALIASES[name]]

@@ -1,0 +1,222 @@
+"""The harness: the only place where techniques and measurement meet.
+
+For every sweep point: the reference runs first, then each variant is built, checked against the
+reference, measured (peak memory, bytes at rest, bytes saved for backward, FLOPs) and only then
+timed. Every outcome is a row: `ok`, `oom` (memory freed, the sweep goes on), `error` (a mismatch
+or an exception) or `skipped` (with the reason). Rows are stored after every point.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+import torch
+
+from labkit import hardware
+from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
+from labkit.measure.flops import count_flops
+from labkit.measure.memory import MemoryMeter, SavedTensorMeter, free_device_memory, storage_bytes
+from labkit.measure.roofline import roofline
+from labkit.measure.timer import time_step
+from labkit.results import RunRecord, unit_of
+from labkit.techniques import get_experiment
+from labkit.workload import Comparison, SkipVariant, Workload
+
+
+class Mismatch(Exception):
+    """A variant disagrees with the reference beyond its tolerance."""
+
+    def __init__(self, comparison: Comparison):
+        super().__init__(comparison.message)
+        self.comparison = comparison
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    path: str
+    rows: list[dict[str, Any]]
+
+    def frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
+
+
+def choose_variants(exp: ModuleType, variants: list[str] | None) -> list[str]:
+    """The reference first, then the requested variants (all by default), each once."""
+    for v in variants or []:
+        if v not in exp.VARIANTS:
+            raise ConfigError(f"unknown variant {v!r}; valid: {', '.join(exp.VARIANTS)}")
+    chosen = variants or list(exp.VARIANTS)
+    return [exp.REFERENCE] + [v for v in dict.fromkeys(chosen) if v != exp.REFERENCE]
+
+
+def plan_points(name: str, preset: str | None, overrides: dict[str, Any] | None,
+                sweep: dict[str, list[Any]] | None) -> list[tuple[dict[str, Any], RunConfig]]:
+    """Resolve every sweep point before anything runs, so bad input fails before measuring."""
+    exp = get_experiment(name)
+    points = []
+    for point in expand_sweep(sweep or {}):
+        cfg = resolve(exp.Config, preset, {**(overrides or {}), **point}, experiment=name)
+        if hasattr(exp, "validate"):
+            exp.validate(cfg)
+        points.append((point, cfg))
+    return points
+
+
+def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str, Any] | None = None,
+                   sweep: dict[str, list[Any]] | None = None, variants: list[str] | None = None,
+                   runs_dir: str | None = None, progress: bool = True,
+                   on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> RunResult:
+    """Run one experiment over its sweep and variants; store and return every row."""
+    exp = get_experiment(name)
+    chosen = choose_variants(exp, variants)
+    points = plan_points(name, preset, overrides, sweep)
+    record = RunRecord(name, hardware.fingerprint(), points[0][1].params(), runs_dir)
+    bar = _progress(len(points) * len(chosen), name, progress)
+    status = "interrupted"
+    try:
+        for point, cfg in points:
+            reference = None
+            for variant in chosen:
+                bar.set_postfix_str(f"{variant} {point}" if point else variant)
+                rows, outputs = measure_variant(exp, dataclasses.replace(cfg, variant=variant),
+                                                reference, point)
+                reference = outputs if variant == exp.REFERENCE else reference
+                record.add(rows)
+                if on_rows:
+                    on_rows(record.full_rows()[-len(rows):])
+                bar.update(1)
+        status = "complete"
+    finally:
+        record.finish(status)
+        bar.close()
+    return RunResult(record.run_id, str(record.path), record.full_rows())
+
+
+def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
+                    point: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Rows for one variant at one point, and its check outputs (None unless it ran)."""
+    row = _row_maker(cfg, point)
+    outputs, rows = None, []
+    try:
+        with _threads(cfg):
+            outputs, rows = _measure(exp, cfg, reference, row)
+    except SkipVariant as e:
+        rows = [row(None, None, status="skipped", message=str(e))]
+    except torch.OutOfMemoryError as e:
+        rows = [row(None, None, status="oom", message=str(e).splitlines()[0])]
+    except Mismatch as e:
+        rows = [row(m, v, status="error", message=f"does not match {exp.REFERENCE}: {e}")
+                for m, v in e.comparison.metrics.items()]
+    except Exception as e:  # any other failure is a result too; the sweep goes on
+        rows = [row(None, None, status="error", message=f"{type(e).__name__}: {e}".splitlines()[0])]
+    # Only here, with the exception and its traceback gone, can the variant's tensors be freed.
+    free_device_memory(cfg.device)
+    return rows, outputs
+
+
+def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
+             row: Callable[..., dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    budget = int(cfg.memory_budget_gib * 2**30) if cfg.memory_budget_gib else None
+    with MemoryMeter(cfg.device, budget) as meter:
+        wl = exp.build(cfg)
+        outputs = wl.check()
+        comparison = exp.compare(reference if reference is not None else outputs, outputs, cfg)
+        if not comparison.ok:
+            raise Mismatch(comparison)
+        meter.reset_peak()
+        wl.step()
+        measured = {"peak_mem_bytes": meter.peak_bytes, "reserved_bytes": meter.reserved_bytes,
+                    "nvml_used_bytes": meter.nvml_used_bytes}
+        measured.update({m: storage_bytes(fn()) for m, fn in wl.tensors.items()})
+        measured.update({f"{m}_per_token": measured[m] / fn() for m, fn in wl.per_token.items()})
+        saved = _saved_tensors(wl)
+    timing = time_step(wl.step, device=cfg.device, warmup=cfg.warmup,
+                       min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
+    measured.update(step_ms=timing.median_ms, step_iqr_ms=timing.iqr_s * 1e3)
+    if wl.tokens_per_step:
+        measured["tokens_per_s"] = wl.tokens_per_step / timing.median_s
+    measured.update(_flop_rows(wl, cfg, timing.median_s))
+    measured.update(comparison.metrics)
+    measured.update(wl.report())
+    return outputs, _rows(measured, saved, exp.expected(cfg), wl.notes, row)
+
+
+def _saved_tensors(wl: Workload) -> SavedTensorMeter | None:
+    if wl.forward is None:
+        return None
+    with SavedTensorMeter(exclude=wl.resident()) as saved:
+        out = wl.forward()
+    del out
+    return saved
+
+
+def _flop_rows(wl: Workload, cfg: RunConfig, seconds: float) -> dict[str, float]:
+    if not wl.count_flops:
+        return {}
+    flops = count_flops(wl.step)
+    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops
+    point = roofline(flops, seconds, peak_tflops=peak.get(wl.compute_dtype))
+    out = {"flops": float(flops), "tflops": point.tflops}
+    if point.pct_peak_flops is not None:
+        out["pct_peak_flops"] = point.pct_peak_flops
+    return out
+
+
+def _rows(measured: dict[str, Any], saved: SavedTensorMeter | None, predicted: dict[str, float],
+          notes: dict[str, str], row: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    if saved is not None:
+        measured["activation_bytes"] = saved.total_bytes
+        measured["saved_weight_copy_bytes"] = saved.weight_copy_bytes
+        measured.update({f"activation_{d}_bytes": b for d, b in sorted(saved.by_dtype.items())})
+        top = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in saved.by_producer.most_common(4))
+        note = notes.get("activation_bytes", "")
+        notes = {**notes, "activation_bytes": f"{note} Largest saved: {top}.".strip()}
+    return [row(metric, value, predicted=predicted.get(metric), message=notes.get(metric, ""))
+            for metric, value in measured.items() if value is not None]
+
+
+def _row_maker(cfg: RunConfig, point: dict[str, Any]) -> Callable[..., dict[str, Any]]:
+    params = {**cfg.params(), "sweep": point}
+
+    def row(metric: str | None, value: Any, *, predicted: float | None = None,
+            status: str = "ok", message: str = "") -> dict[str, Any]:
+        return {"variant": cfg.variant, "params": params, "metric": metric,
+                "value": None if value is None else float(value),
+                "unit": unit_of(metric) if metric else "", "predicted": predicted,
+                "status": status, "message": message, "rank": 0}
+
+    return row
+
+
+@contextlib.contextmanager
+def _threads(cfg: RunConfig) -> Iterator[None]:
+    """The whole point (build, check, memory, timing) at the config's CPU thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class _NoBar:
+    def set_postfix_str(self, _: str) -> None: ...
+    def update(self, _: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int, name: str, enabled: bool):
+    """A tqdm.auto bar on long sweeps when tqdm is installed (the core does not need it)."""
+    if not enabled or total < 2:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=name, leave=False)

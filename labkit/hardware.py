@@ -1,0 +1,507 @@
+"""What machine is this, and what are its limits?
+
+Three jobs, in order of the file:
+
+1. Describe the devices: ``available_devices``, ``cpu_info``, ``gpu_info`` (torch properties plus
+   NVML readings) and ``nvml_sample`` (one cheap reading for a background monitor).
+2. Give the ceilings every measurement is compared against: ``ceilings`` returns datasheet peaks
+   for a GPU (``data/gpus.json`` via ``gpu_spec``) and a short *measured* calibration for the CPU.
+3. Record the context of a result: ``env_knobs`` and ``fingerprint``.
+
+Importing this module is cheap: no NVML init, no ``torch.cuda`` call, no calibration. NVML is
+initialised lazily on first use and then kept for the life of the process (init is refcounted and
+a monitor samples often, so re-initialising per call would cost more than it saves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+DATA_DIR: Path = Path(__file__).resolve().parents[1] / "data"
+_REPO_DIR = Path(__file__).resolve().parents[1]
+
+# Flags that decide which CPU kernels (and which dtypes) run natively.
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16",
+              "amx_int8")
+
+
+# ---------------------------------------------------------------- devices
+
+
+def available_devices() -> list[str]:
+    """``["cpu"]``, plus ``"cuda"`` and ``"cuda:0"``..``"cuda:N-1"`` when CUDA is available.
+
+    N is what torch sees, so ``CUDA_VISIBLE_DEVICES`` is respected.
+    """
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
+        devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return devices
+
+
+def default_device() -> str:
+    """``"cuda"`` if torch can use a GPU, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------- CPU
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The host CPU as torch uses it."""
+
+    model: str
+    num_cores: int  # logical CPUs (os.cpu_count)
+    torch_threads: int  # intra-op threads torch uses now
+    flags: tuple[str, ...]  # the subset of _CPU_FLAGS present
+    capability: str  # torch.backends.cpu.get_cpu_capability(), e.g. "AVX512"
+
+    @property
+    def native_bf16(self) -> bool:
+        """True when bf16 matmuls have hardware support (otherwise they are emulated, ~50x slower)."""
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+
+def cpu_info() -> CpuInfo:
+    """Describe the CPU; static parts are read once, ``torch_threads`` on every call."""
+    model, flags, capability = _cpu_static()
+    return CpuInfo(model, os.cpu_count() or 1, torch.get_num_threads(), flags, capability)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_static() -> tuple[str, tuple[str, ...], str]:
+    """(model, flags, capability) from /proc/cpuinfo, or torch's capability off Linux."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    model, present = _parse_cpuinfo()
+    if present is None:  # not Linux: infer what we can from the kernel torch dispatches to
+        present = {"AVX512": {"avx2", "avx512f"}, "AVX2": {"avx2"}}.get(capability, set())
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    return model, tuple(f for f in _CPU_FLAGS if f in present), capability
+
+
+def _parse_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str | None, set[str] | None]:
+    """First "model name" and first "flags" line of /proc/cpuinfo; (None, None) if unreadable."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None, None
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    flags = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", text, re.MULTILINE)
+    return (model.group(1).strip() if model else None), set(flags.group(1).split() if flags else ())
+
+
+def _memory_total_bytes() -> int | None:
+    """Physical RAM: /proc/meminfo MemTotal, else sysconf; None if neither works."""
+    with contextlib.suppress(OSError, ValueError):
+        match = re.search(r"^MemTotal:\s*(\d+)\s*kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+        if match:
+            return int(match.group(1)) * 1024
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One visible GPU: torch properties, plus NVML readings (None when NVML is unavailable)."""
+
+    index: int  # torch index (after CUDA_VISIBLE_DEVICES)
+    name: str
+    compute_capability: tuple[int, int]
+    multiprocessors: int
+    l2_cache_bytes: int | None
+    memory_total_bytes: int
+    memory_used_bytes: int | None = None  # all processes, as NVML sees it
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    max_sm_clock_mhz: int | None = None
+    power_draw_w: float | None = None
+    power_limit_w: float | None = None  # enforced limit
+    utilization_pct: int | None = None
+    driver: str | None = None
+    temperature_c: int | None = None
+
+    @property
+    def tensor_core_dtypes(self) -> tuple[str, ...]:
+        """Dtypes with tensor-core matmuls, by compute capability.
+
+        Rule: <7.0 none (Pascal and older); 7.0 Volta float16 only; 7.2/7.5 (Xavier, Turing) add
+        int8; 8.0-8.8 Ampere float16, bfloat16, tf32, int8; 8.9 Ada and 9.x Hopper add float8;
+        >=10 Blackwell adds float4.
+        """
+        cc = self.compute_capability
+        if cc < (7, 0):
+            return ()
+        if cc < (8, 0):
+            return ("float16",) if cc == (7, 0) else ("float16", "int8")
+        ampere = ("float16", "bfloat16", "tf32", "int8")
+        if cc < (8, 9):
+            return ampere
+        return ampere + ("float8",) if cc < (10, 0) else ampere + ("float8", "float4")
+
+
+def gpu_info() -> list[GpuInfo]:
+    """Every GPU torch can see, in torch order; ``[]`` without CUDA. NVML failures leave None."""
+    if not torch.cuda.is_available():
+        return []
+    return [_gpu_at(i) for i in range(torch.cuda.device_count())]
+
+
+def _gpu_at(index: int) -> GpuInfo:
+    props = torch.cuda.get_device_properties(index)
+    return GpuInfo(
+        index=index,
+        name=props.name,
+        compute_capability=(props.major, props.minor),
+        multiprocessors=props.multi_processor_count,
+        l2_cache_bytes=getattr(props, "L2_cache_size", None),  # absent in older torch
+        memory_total_bytes=props.total_memory,
+        **_nvml_fields(index),
+    )
+
+
+def nvml_sample(index: int = 0) -> dict[str, Any] | None:
+    """One cheap NVML reading of GPU ``index`` (torch numbering), or None without NVML or GPU.
+
+    Keys: memory_used_bytes, sm_clock_mhz, power_draw_w, utilization_pct, temperature_c; a value
+    is None when the GPU does not report it. Meant to be polled by a background monitor.
+    """
+    nv, handle = _nvml(), _nvml_handle(index)
+    if nv is None or handle is None:
+        return None
+    return _read_sample(nv, handle)
+
+
+def _read_sample(nv: Any, handle: Any) -> dict[str, Any]:
+    memory = _nvml_try(nv, nv.nvmlDeviceGetMemoryInfo, handle)
+    power_mw = _nvml_try(nv, nv.nvmlDeviceGetPowerUsage, handle)  # NVML reports milliwatts
+    utilization = _nvml_try(nv, nv.nvmlDeviceGetUtilizationRates, handle)
+    return {
+        "memory_used_bytes": None if memory is None else int(memory.used),
+        "sm_clock_mhz": _nvml_try(nv, nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM),
+        "power_draw_w": None if power_mw is None else power_mw / 1000.0,
+        "utilization_pct": None if utilization is None else int(utilization.gpu),
+        "temperature_c": _nvml_try(nv, nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU),
+    }
+
+
+def _nvml_fields(index: int) -> dict[str, Any]:
+    """The NVML half of GpuInfo as keyword arguments; {} when NVML cannot see this GPU."""
+    nv, handle = _nvml(), _nvml_handle(index)
+    if nv is None or handle is None:
+        return {}
+    limit_mw = _nvml_try(nv, nv.nvmlDeviceGetEnforcedPowerLimit, handle)
+    driver = _nvml_try(nv, nv.nvmlSystemGetDriverVersion)
+    return {
+        **_read_sample(nv, handle),
+        "mem_clock_mhz": _nvml_try(nv, nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM),
+        "max_sm_clock_mhz": _nvml_try(nv, nv.nvmlDeviceGetMaxClockInfo, handle, nv.NVML_CLOCK_SM),
+        "power_limit_w": None if limit_mw is None else limit_mw / 1000.0,
+        "driver": driver.decode() if isinstance(driver, bytes) else driver,  # old pynvml: bytes
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _nvml() -> Any | None:
+    """The initialised ``pynvml`` module, or None (not installed, no driver, init failed)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    return pynvml
+
+
+@functools.lru_cache(maxsize=None)
+def _nvml_handle(index: int) -> Any | None:
+    """NVML handle for torch GPU ``index``: by PCI bus id (survives CUDA_VISIBLE_DEVICES), else by index."""
+    nv = _nvml()
+    if nv is None:
+        return None
+    bus_id = _torch_pci_bus_id(index)
+    if bus_id is not None:
+        with contextlib.suppress(nv.NVMLError):
+            return nv.nvmlDeviceGetHandleByPciBusId(bus_id)
+    try:
+        return nv.nvmlDeviceGetHandleByIndex(index)
+    except nv.NVMLError:
+        return None
+
+
+def _torch_pci_bus_id(index: int) -> str | None:
+    """'domain:bus:device.0' (hex) of torch GPU ``index``, None if torch cannot tell."""
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    props = torch.cuda.get_device_properties(index)
+    ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+    if any(i is None for i in ids):
+        return None
+    return f"{ids[0]:08x}:{ids[1]:02x}:{ids[2]:02x}.0"
+
+
+def _nvml_try(nv: Any, fn: Callable[..., Any], *args: Any) -> Any | None:
+    """``fn(*args)``, or None when NVML says the GPU does not support or answer it."""
+    try:
+        return fn(*args)
+    except nv.NVMLError:
+        return None
+
+
+def _forget_nvml() -> None:
+    """Drop the cached NVML session and handles (tests swap pynvml in and out)."""
+    _nvml.cache_clear()
+    _nvml_handle.cache_clear()
+
+
+# ---------------------------------------------------------------- datasheet specs
+
+
+def load_gpu_specs() -> list[dict[str, Any]]:
+    """Rows of ``data/gpus.json`` (a fresh copy; the file is read once per process)."""
+    return copy.deepcopy(_spec_rows())
+
+
+@functools.lru_cache(maxsize=1)
+def _spec_rows() -> list[dict[str, Any]]:
+    with open(DATA_DIR / "gpus.json", encoding="utf-8") as f:
+        return json.load(f)["gpus"]
+
+
+def _tokens(text: str) -> str:
+    """Lowercase, non-alphanumeric runs -> one space, padded, so ' a10 ' never matches ' a100 '."""
+    return " " + " ".join(re.split(r"[^a-z0-9]+", text.lower())).strip() + " "
+
+
+def gpu_spec(name: str, *, memory_bytes: int | None = None) -> dict[str, Any] | None:
+    """The ``gpus.json`` row for a device name such as "NVIDIA H100 80GB HBM3", or None.
+
+    A row matches when one of its ``match`` patterns appears as whole tokens in the name and none
+    of its ``exclude`` patterns does. The longest matching pattern wins ("h100 pcie" over
+    "h100"); ties go to the row whose ``memory_gib`` is closest to ``memory_bytes`` if given,
+    else to the first row in the file.
+    """
+    target = _tokens(name)
+    best, best_key = None, None
+    for row in _spec_rows():
+        if any(_tokens(p) in target for p in row.get("exclude", ())):
+            continue
+        lengths = [len(p) for p in row["match"] if _tokens(p) in target]
+        if not lengths:
+            continue
+        gap = 0.0 if memory_bytes is None else abs(row["memory_gib"] - memory_bytes / 2**30)
+        key = (max(lengths), -gap)
+        if best_key is None or key > best_key:
+            best, best_key = row, key
+    return copy.deepcopy(best)
+
+
+# ---------------------------------------------------------------- ceilings
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The limits a measurement is reported against. Treat as read-only: CPU results are cached."""
+
+    device: str  # "cuda:0" or "cpu"
+    name: str
+    peak_tflops: dict[str, float]  # dense peak per dtype key; int8 in TOPS; only known keys
+    bandwidth_gbps: float | None  # memory bandwidth, GB/s (1e9 bytes/s)
+    memory_bytes: int | None
+    source: str  # the datasheet URL, or how the CPU numbers were measured
+    measured: bool  # True for the CPU calibration, False for datasheet numbers
+
+
+def ceilings(device: str | torch.device = "auto", *, num_threads: int = 1) -> Ceilings:
+    """Peak compute and bandwidth of ``device`` ("auto", "cpu", "cuda", "cuda:N").
+
+    GPU: datasheet numbers from ``data/gpus.json`` (empty peaks for an unknown GPU).
+    CPU: a measured ceiling, not a datasheet: a <1 s calibration with ``num_threads`` torch
+    threads, cached per ``num_threads`` for the life of the process.
+    """
+    resolved = _resolve_device(device)
+    if resolved == "cpu":
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        return _cpu_ceilings(num_threads)
+    return _gpu_ceilings(int(resolved.split(":")[1]))
+
+
+def _resolve_device(device: str | torch.device) -> str:
+    """'cpu' or 'cuda:N'; raises when a GPU is asked for and torch has none."""
+    text = default_device() if str(device) == "auto" else str(device)
+    if text == "cpu":
+        return text
+    parsed = torch.device(text)
+    if parsed.type != "cuda":
+        raise ValueError(f"unsupported device for ceilings: {device!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{device!r} requested but torch sees no CUDA device")
+    return f"cuda:{parsed.index or 0}"
+
+
+def _gpu_ceilings(index: int) -> Ceilings:
+    props = torch.cuda.get_device_properties(index)
+    spec = gpu_spec(props.name, memory_bytes=props.total_memory)
+    if spec is None:
+        return Ceilings(f"cuda:{index}", props.name, {}, None, props.total_memory,
+                        "unknown GPU: not in data/gpus.json", measured=False)
+    return Ceilings(
+        device=f"cuda:{index}",
+        name=props.name,
+        peak_tflops={k: float(v) for k, v in spec["peak_tflops"].items()},
+        bandwidth_gbps=float(spec["bandwidth_gbps"]),
+        memory_bytes=props.total_memory,
+        source=spec["source"],
+        measured=False,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_ceilings(num_threads: int) -> Ceilings:
+    """Calibrate the CPU with ``num_threads`` threads, restoring torch's thread count after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        peaks = {
+            "float32": _matmul_tflops(1024, torch.float32),
+            # small: without avx512_bf16/amx bf16 (avx512_fp16 for fp16) is emulated, ~50x slower
+            "bfloat16": _matmul_tflops(256, torch.bfloat16),
+            "float16": _matmul_tflops(256, torch.float16),
+        }
+        bandwidth = _copy_gbps(64 * 2**20)
+    finally:
+        torch.set_num_threads(previous)
+    model = cpu_info().model
+    source = (f"measured on this CPU: {model}, {num_threads} thread(s); fp32 matmul 1024^3, "
+              "bf16 and fp16 matmuls 256^3, 64 MiB copy; median of 3 after warm-up")
+    return Ceilings("cpu", model, peaks, bandwidth, _memory_total_bytes(), source, measured=True)
+
+
+def _median_seconds(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs (CPU only: no sync)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_tflops(n: int, dtype: torch.dtype) -> float:
+    """Achieved TFLOP/s of an (n, n) @ (n, n) matmul: 2 n^3 flops."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b)) / 1e12
+
+
+def _copy_gbps(num_bytes: int) -> float:
+    """Achieved GB/s of copying ``num_bytes``, counting read + write (2 * num_bytes)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)  # zeros_like touches the pages so first-touch faults are not timed
+    return 2 * num_bytes / _median_seconds(lambda: dst.copy_(src)) / 1e9
+
+
+# ---------------------------------------------------------------- context of a result
+
+# Variables that change what the lab measures: device visibility, allocator, threading, kernels.
+_ENV_EXACT = frozenset({
+    "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS",
+    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "OMP_PROC_BIND", "KMP_AFFINITY",
+    "TRITON_INTERPRET", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "CUBLAS_WORKSPACE_CONFIG",
+})
+_ENV_PREFIXES = ("TORCH_CUDNN_V8_API_", "NCCL_", "TORCHINDUCTOR_", "LABKIT_")
+
+
+def env_knobs() -> dict[str, str]:
+    """The set environment variables that change measurements, sorted by name."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k in _ENV_EXACT or k.startswith(_ENV_PREFIXES)}
+
+
+def fingerprint() -> dict[str, Any]:
+    """JSON-safe description of machine and software, stored with every result.
+
+    Static parts are gathered once per process; ``cpu.torch_threads`` and ``env`` are re-read on
+    every call. Each call returns a fresh dict.
+    """
+    result = copy.deepcopy(_static_fingerprint())
+    result["cpu"]["torch_threads"] = torch.get_num_threads()
+    result["env"] = env_knobs()
+    return result
+
+
+@functools.lru_cache(maxsize=1)
+def _static_fingerprint() -> dict[str, Any]:
+    cpu = cpu_info()
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "device": default_device(),
+        "gpus": [_gpu_fingerprint(g) for g in gpu_info()],
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": {"model": cpu.model, "num_cores": cpu.num_cores, "flags": list(cpu.flags)},
+        "hostname": socket.gethostname(),
+        "git_commit": _git_commit(_REPO_DIR),
+    }
+
+
+def _gpu_fingerprint(gpu: GpuInfo) -> dict[str, Any]:
+    major, minor = gpu.compute_capability
+    return {
+        "name": gpu.name,
+        "compute_capability": f"{major}.{minor}",
+        "memory_total_bytes": gpu.memory_total_bytes,
+        "driver": gpu.driver,
+        "sm_clock_mhz": gpu.sm_clock_mhz,
+        "max_sm_clock_mhz": gpu.max_sm_clock_mhz,
+        "power_limit_w": gpu.power_limit_w,
+    }
+
+
+def _git_commit(repo: Path) -> str | None:
+    """Short HEAD of ``repo``, with "-dirty" if ``git status --porcelain`` lists anything; None
+    if ``repo`` is not a git checkout or git is missing or slow (2 s timeout per command)."""
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    if not head:
+        return None
+    status = _git(repo, "status", "--porcelain")
+    return head + "-dirty" if status else head
+
+
+def _git(repo: Path, *args: str) -> str | None:
+    """Stripped stdout of ``git args`` in ``repo``, None on any failure."""
+    try:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=2)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None

@@ -1,0 +1,1 @@
+"""Measurement: timing, memory, FLOPs and roofline units. Techniques never import this package."""

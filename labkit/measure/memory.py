@@ -1,0 +1,216 @@
+"""Memory: bytes measured from tensor storage, never from a config.
+
+- `storage_bytes`: bytes of a set of tensors at rest (each storage once; a DTensor's local shard).
+- `MemoryMeter`: peak and current bytes allocated inside a block. CUDA: the caching allocator's
+  counters plus NVML. CPU: `LiveTensorTracker`, a dispatch mode that follows every storage an op
+  returns until it is freed (`torch.cuda.memory_allocated()` is 0 on a CPU build).
+- A virtual budget makes the CPU tracker raise `torch.OutOfMemoryError` past it (and caps the CUDA
+  allocator), so OOM handling can be exercised without a GPU.
+- `SavedTensorMeter`: the bytes autograd saves for backward, by dtype and by producing op.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import weakref
+from typing import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from labkit import hardware
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    t = local_tensor(t)
+    if t.device.type == "meta" or not hasattr(t, "untyped_storage"):
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+        return None
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = _storage(t) if isinstance(t, torch.Tensor) else None
+        if st is not None:
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def budget_message(needed: int, budget: int) -> str:
+    return (f"labkit virtual memory budget exceeded: {needed / 2**30:.3f} GiB live "
+            f"> {budget / 2**30:.3f} GiB budget")
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Live bytes of the storages created inside the mode, and their peak."""
+
+    def __init__(self, budget_bytes: int | None = None):
+        super().__init__()
+        self.budget_bytes = budget_bytes
+        self.live: dict[int, int] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = _storage(t)
+        if st is None or st._cdata in self.live:
+            return
+        key, nbytes = st._cdata, st.nbytes()
+        self.live[key] = nbytes
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        weakref.finalize(st, self._free, key)
+        if self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
+            raise torch.OutOfMemoryError(budget_message(self.current_bytes, self.budget_bytes))
+
+    def _free(self, key: int) -> None:
+        self.current_bytes -= self.live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+
+
+class MemoryMeter:
+    """Bytes allocated inside the `with` block on `device`: `current_bytes`, `peak_bytes` (since
+    entry or the last `reset_peak()`), and on CUDA `reserved_bytes` and `nvml_used_bytes`."""
+
+    def __init__(self, device: str, budget_bytes: int | None = None):
+        self.device, self.budget_bytes = device, budget_bytes
+        self.cuda = device.startswith("cuda")
+        self.tracker = None if self.cuda else LiveTensorTracker(budget_bytes)
+        self.baseline = 0
+
+    def __enter__(self) -> "MemoryMeter":
+        if self.cuda:
+            free_device_memory(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            if self.budget_bytes is not None:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                fraction = min(1.0, (self.budget_bytes + self.baseline) / total)
+                torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        else:
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            if self.budget_bytes is not None:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        else:
+            self.tracker.__exit__(*exc)
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.tracker.reset_peak()
+
+    @property
+    def current_bytes(self) -> int:
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.device) - self.baseline
+        return self.tracker.current_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        return self.tracker.peak_bytes
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        return torch.cuda.max_memory_reserved(self.device) if self.cuda else None
+
+    @property
+    def nvml_used_bytes(self) -> int | None:
+        if not self.cuda:
+            return None
+        index = torch.device(self.device).index or 0
+        sample = hardware.nvml_sample(index)
+        return sample["memory_used_bytes"] if sample else None
+
+
+def free_device_memory(device: str) -> None:
+    """Drop unreachable tensors (and, on CUDA, the allocator's cached blocks)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# Ops that only cast, view or transpose: a saved tensor reached from a parameter through these
+# alone is a copy of a weight (autocast's 16-bit casts), not an activation.
+_WEIGHT_COPY_OPS = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
+                    "PermuteBackward0", "ExpandBackward0", "UnsafeViewBackward0"}
+
+
+class SavedTensorMeter:
+    """Tensors autograd saves for backward inside the block, each storage once, leaving out
+    `exclude` (the parameters, which are resident anyway). Copies of those parameters (autocast's
+    16-bit weight casts) are counted apart from activations, in `weight_copy_bytes`."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.excluded = {st._cdata for st in map(_storage, exclude) if st is not None}
+        self.seen: set[int] = set()
+        self.weight_copy_bytes = 0
+        self.by_dtype: collections.Counter[str] = collections.Counter()
+        self.by_producer: collections.Counter[str] = collections.Counter()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __enter__(self) -> "SavedTensorMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = _storage(t)
+        if st is None or st._cdata in self.excluded or st._cdata in self.seen:
+            return t
+        self.seen.add(st._cdata)
+        if self._is_weight_copy(t.grad_fn):
+            self.weight_copy_bytes += st.nbytes()
+            return t
+        dtype = str(t.dtype).removeprefix("torch.")
+        producer = t.grad_fn.name() if t.grad_fn is not None else "input"
+        self.by_dtype[dtype] += st.nbytes()
+        self.by_producer[f"{producer} ({dtype})"] += st.nbytes()
+        return t
+
+    def _is_weight_copy(self, node) -> bool:
+        while node is not None and node.name() in _WEIGHT_COPY_OPS:
+            inputs = [n for n, _ in node.next_functions if n is not None]
+            if len(inputs) != 1:
+                return False
+            node = inputs[0]
+            if node.name() == "torch::autograd::AccumulateGrad":
+                st = _storage(node.variable)
+                return st is not None and st._cdata in self.excluded
+        return False
+
+    @property
+    def total_bytes(self) -> int:
+        """Activation bytes: everything saved except the parameters and copies of them."""
+        return sum(self.by_dtype.values())

@@ -1,0 +1,117 @@
+"""The results store: one JSON file per run under `runs/` (or `--runs-dir`, or `LABKIT_RUNS_DIR`),
+rewritten atomically after every sweep point, so a crash keeps what was measured and many
+processes can write at once (each run has its own file; a reader never sees half a file)."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROW_FIELDS = ("run_id", "timestamp", "experiment", "variant", "params", "metric", "value", "unit",
+              "predicted", "status", "message", "rank", "env")
+STATUSES = ("ok", "oom", "error", "skipped")
+
+
+def runs_dir(path: str | os.PathLike | None = None) -> Path:
+    """The store's folder: `path`, else `$LABKIT_RUNS_DIR`, else `./runs`."""
+    return Path(path or os.environ.get("LABKIT_RUNS_DIR") or "runs")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def new_run_id(experiment: str) -> str:
+    """Unique across processes and machines: time, experiment, pid and random bits."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{experiment}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+UNIT_SUFFIXES = (("_ms", "ms"), ("_bytes", "bytes"), ("_fraction", "fraction"), ("_pct", "%"),
+                 ("tflops", "TFLOP/s"), ("gbps", "GB/s"), ("flops", "FLOP"), ("_s", "s"))
+
+
+def unit_of(metric: str) -> str:
+    """The unit carried by a metric's name (one vocabulary everywhere): `tokens_per_s` ->
+    tokens/s, `peak_mem_bytes` -> bytes; dimensionless metrics (`loss`) have none."""
+    if metric.endswith("_per_s"):
+        return metric.removesuffix("_per_s").rsplit("_", 1)[-1] + "/s"
+    return next((unit for suffix, unit in UNIT_SUFFIXES if metric.endswith(suffix)), "")
+
+
+def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
+    """Write to a temporary file in the same folder, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class RunRecord:
+    """One run of one experiment; `add()` appends rows and saves the whole record at once."""
+
+    def __init__(self, experiment: str, env: dict[str, Any], config: dict[str, Any],
+                 directory: str | os.PathLike | None = None, run_id: str | None = None):
+        self.run_id = run_id or new_run_id(experiment)
+        self.path = runs_dir(directory) / f"{self.run_id}.json"
+        self.record = {"run_id": self.run_id, "experiment": experiment, "timestamp": now(),
+                       "status": "running", "env": env, "config": config, "rows": []}
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return self.record["rows"]
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        self.rows.extend(rows)
+        write_json_atomic(self.path, self.record)
+
+    def finish(self, status: str = "complete") -> None:
+        self.record["status"] = status
+        write_json_atomic(self.path, self.record)
+
+    def full_rows(self) -> list[dict[str, Any]]:
+        """Rows with every field of the schema, the run's env included."""
+        return [expand_row(r, self.record) for r in self.rows]
+
+
+def expand_row(row: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    base = {"run_id": record["run_id"], "timestamp": record["timestamp"],
+            "experiment": record["experiment"], "env": record.get("env", {})}
+    return {k: {**base, **row}.get(k) for k in ROW_FIELDS}
+
+
+def load_runs(directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """Every stored run record, oldest first (temporary files are skipped)."""
+    folder = runs_dir(directory)
+    records = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        with open(path) as f:
+            records.append(json.load(f))
+    return sorted(records, key=lambda r: (r["timestamp"], r["run_id"]))
+
+
+def load_results(directory: str | os.PathLike | None = None, *, experiment: str | None = None,
+                 run_id: str | None = None, expand_params: bool = False):
+    """All stored rows as a tidy pandas DataFrame (one measurement per row, columns ROW_FIELDS).
+    `expand_params` adds one column per config field (`batch_size`, `seq_len`, ...)."""
+    import pandas as pd
+
+    rows = [expand_row(row, rec) for rec in load_runs(directory)
+            if experiment in (None, rec["experiment"]) and run_id in (None, rec["run_id"])
+            for row in rec["rows"]]
+    frame = pd.DataFrame(rows, columns=list(ROW_FIELDS))
+    if expand_params and not frame.empty:
+        flat = pd.json_normalize(frame["params"].tolist(), sep=".").set_index(frame.index)
+        frame = frame.join(flat[[c for c in flat.columns if c not in frame.columns]])
+    return frame

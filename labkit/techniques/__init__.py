@@ -1,0 +1,19 @@
+"""Technique families, one module each. Each module is an experiment (see `labkit.workload`)."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from labkit.config import ConfigError
+
+EXPERIMENTS = {
+    "mixed_precision": "labkit.techniques.mixed_precision",
+    "kv_cache": "labkit.techniques.kv_cache",
+}
+
+
+def get_experiment(name: str) -> ModuleType:
+    """The experiment module called `name`, or a ConfigError naming the valid ones."""
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
+    return importlib.import_module(EXPERIMENTS[name])

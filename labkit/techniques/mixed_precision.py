@@ -1,0 +1,240 @@
+"""Mixed precision: one training step of the decoder (AdamW) in fp32, TF32, fp16 and bf16.
+
+- `fp32`: the reference.
+- `tf32`: fp32 tensors, matmuls on tensor cores with a 10-bit mantissa (NVIDIA Ampere or newer).
+- `fp16`: autocast to float16 and a GradScaler: the loss is multiplied so small gradients do not
+  flush to zero in fp16; steps whose gradients overflow are skipped and the scale halves.
+- `bf16`: autocast to bfloat16 (fp32's exponent range, so no scaling), fp32 weights.
+- `bf16_weights`: the weights themselves in bf16 (half the bytes), with an fp32 master copy that
+  the optimizer updates, so small updates are not lost to bf16 rounding.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from labkit import hardware, planner
+from labkit.config import ConfigError, RunConfig, knob
+from labkit.model import build_model
+from labkit.workload import Comparison, SkipVariant, Workload
+
+VARIANTS = ("fp32", "tf32", "fp16", "bf16", "bf16_weights")
+REFERENCE = "fp32"
+AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Relative loss difference against fp32 after `steps` steps that still counts as a match.
+TOLERANCE = {"fp32": 0.0, "tf32": 0.01, "fp16": 0.02, "bf16": 0.05, "bf16_weights": 0.05}
+
+
+@dataclass(kw_only=True)
+class Config(RunConfig):
+    variant: str = knob(REFERENCE, choices=VARIANTS, help="precision recipe")
+    steps: int = knob(3, min=1, help="training steps compared with fp32")
+    lr: float = knob(1e-3, min=0.0, help="AdamW learning rate")
+
+
+def validate(cfg: Config) -> None:
+    if cfg.dtype != "float32":
+        raise ConfigError("mixed_precision sets precision by variant; dtype must be float32 "
+                          f"(got {cfg.dtype}); valid variants: {', '.join(VARIANTS)}")
+
+
+class MasterWeightAdamW:
+    """AdamW on fp32 master copies of 16-bit weights: grads are upcast, the update is made in
+    fp32, and the result is rounded back into the 16-bit weights."""
+
+    def __init__(self, params, lr: float):
+        self.params = list(params)
+        self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.inner = torch.optim.AdamW(self.master, lr=lr)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+                m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.master + optimizer_state(self.inner)
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+class Trainer:
+    """A model, one fixed batch, and the variant's precision recipe around a training step."""
+
+    def __init__(self, cfg: Config):
+        device_type = torch.device(cfg.device).type
+        weights = torch.bfloat16 if cfg.variant == "bf16_weights" else torch.float32
+        self.model = build_model(cfg.model, device=cfg.device, dtype=weights, seed=cfg.seed,
+                                 attention=cfg.attention)
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        batch = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
+        batch = batch.to(cfg.device)
+        self.inputs, self.targets = batch[:, :-1], batch[:, 1:]
+        self.variant, self.device_type = cfg.variant, device_type
+        self.scaler = torch.amp.GradScaler(device_type) if cfg.variant == "fp16" else None
+        params = self.model.parameters()
+        self.optimizer = (MasterWeightAdamW(params, cfg.lr) if cfg.variant == "bf16_weights"
+                          else torch.optim.AdamW(params, lr=cfg.lr))
+        self.grad_norm, self.skipped_steps, self.losses = math.nan, 0, []
+
+    def precision(self) -> contextlib.AbstractContextManager:
+        if self.variant in AUTOCAST:
+            return torch.autocast(self.device_type, dtype=AUTOCAST[self.variant])
+        if self.variant == "tf32":
+            return tf32_matmuls()
+        return contextlib.nullcontext()
+
+    def forward(self) -> torch.Tensor:
+        """The loss of the batch; the loss itself is computed on fp32 logits in every variant."""
+        with self.precision():
+            logits = self.model(self.inputs)  # (B, T, vocab)
+            return F.cross_entropy(logits.float().flatten(0, 1), self.targets.flatten())
+
+    def step(self) -> float:
+        loss = self.forward()
+        if self.scaler is None:
+            loss.backward()
+            self.grad_norm = total_norm(self.model.parameters())
+            self.optimizer.step()
+        else:
+            self._scaled_step(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+    def _scaled_step(self, loss: torch.Tensor) -> None:
+        scale = self.scaler.get_scale()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        self.grad_norm = total_norm(self.model.parameters())
+        self.scaler.step(self.optimizer)  # skipped when the unscaled grads hold inf or nan
+        self.scaler.update()
+        self.skipped_steps += self.scaler.get_scale() < scale  # the scale halves on a skip
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        if isinstance(self.optimizer, MasterWeightAdamW):
+            return self.optimizer.state_tensors()
+        return optimizer_state(self.optimizer)
+
+    def report(self) -> dict[str, float]:
+        out = {"grad_norm": self.grad_norm}
+        if self.scaler is not None:
+            out.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
+        return out
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # "high" = TF32 tensor cores for fp32 matmuls
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def total_norm(params) -> float:
+    grads = [p.grad.float() for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+def skip_reason(cfg: Config) -> str | None:
+    """Why this variant cannot run on this device, or None."""
+    if cfg.variant == "tf32":
+        if not cfg.device.startswith("cuda"):
+            return "TF32 is a mode of NVIDIA tensor cores (Ampere or newer); this device is a CPU"
+        if torch.cuda.get_device_capability(cfg.device)[0] < 8:
+            return "TF32 needs compute capability 8.0 (Ampere) or newer"
+    if cfg.variant.startswith("bf16") and cfg.device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16 support (compute capability 8.0 or newer needed)"
+    return None
+
+
+def build(cfg: Config) -> Workload:
+    reason = skip_reason(cfg)
+    if reason:
+        raise SkipVariant(reason)
+    trainer = Trainer(cfg)
+    model = trainer.model
+
+    def check() -> dict[str, object]:
+        for _ in range(cfg.steps):
+            trainer.step()
+        return {"losses": list(trainer.losses), "grad_norm": trainer.grad_norm}
+
+    return Workload(
+        step=trainer.step, check=check, tokens_per_step=cfg.batch_size * cfg.seq_len,
+        tensors={"param_bytes": model.parameters, "optimizer_bytes": trainer.optimizer_tensors},
+        forward=trainer.forward, resident=trainer.model.parameters, report=trainer.report,
+        notes=notes(cfg), compute_dtype=compute_dtype(cfg.variant))
+
+
+def compute_dtype(variant: str) -> str:
+    return {"fp16": "float16", "bf16": "bfloat16", "bf16_weights": "bfloat16",
+            "tf32": "tf32"}.get(variant, "float32")
+
+
+def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
+    """The loss after the same steps from the same weights and batch: the quality delta."""
+    ref, got = reference["losses"][-1], outputs["losses"][-1]
+    delta = abs(got - ref)
+    rel = delta / abs(ref)
+    ok = math.isfinite(got) and rel <= TOLERANCE[cfg.variant]
+    message = "" if ok else f"loss {got:.5f} vs {ref:.5f} ({100 * rel:.2f}% > {100 * TOLERANCE[cfg.variant]:.0f}%)"
+    return Comparison({"loss": got, "loss_delta": delta}, ok, message)
+
+
+def expected(cfg: Config) -> dict[str, float]:
+    m = cfg.model
+    weights = "bfloat16" if cfg.variant == "bf16_weights" else "float32"
+    flops = planner.train_step_flops(m, batch=cfg.batch_size, seq_len=cfg.seq_len)
+    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(compute_dtype(cfg.variant))
+    out = {"param_bytes": planner.param_bytes(m, weights), "flops": flops, "loss_delta": 0.0,
+           "optimizer_bytes": planner.adamw_state_bytes(m, master_copy=cfg.variant == "bf16_weights")}
+    if peak:
+        out.update(tflops=peak, step_ms=flops / (peak * 1e12) * 1e3)
+    return out
+
+
+def notes(cfg: Config) -> dict[str, str]:
+    """What to read in the numbers, for this variant on this device."""
+    out = {"step_ms": "predicted: the step's FLOPs at the device's peak (a floor)."}
+    if cfg.variant in AUTOCAST:
+        out["activation_bytes"] = (
+            "Autocast casts the inputs of matmul-type ops (linear, matmul, SDPA) to 16 bits and "
+            "saves those casts (the weights' casts are counted apart, in "
+            "saved_weight_copy_bytes); the rest keeps its dtype: the residual stream stays fp32 "
+            "(fp32 + 16-bit promotes to fp32), RMSNorm and RoPE compute in fp32 on purpose (a "
+            "16-bit sum of squares loses precision), and the loss uses fp32 logits. So saved "
+            "bytes shrink by less than 2x.")
+        out["saved_weight_copy_bytes"] = (
+            "16-bit copies of the fp32 weights that autocast makes and keeps for backward: a "
+            "per-step cost independent of batch size that can outweigh the activation saving "
+            "at small batches.")
+    if cfg.variant == "bf16_weights":
+        out["activation_bytes"] = ("Weights in bf16: activations are bf16 except where the model "
+                                   "upcasts on purpose (RMSNorm, RoPE, the fp32 logits of the loss).")
+    if not cfg.device.startswith("cuda") and cfg.variant in ("fp16", "bf16", "bf16_weights"):
+        cpu, kind = hardware.cpu_info(), cfg.variant[:4]
+        native = {"fp16": ("avx512_fp16", "amx_fp16")}.get(kind, ("avx512_bf16", "amx_bf16"))
+        if not set(native) & set(cpu.flags):
+            out["step_ms"] = (f"no {kind} speed-up on this CPU ({cpu.model}): it has no "
+                              f"{' or '.join(native)}, so {kind} matmuls are converted and run "
+                              "many times slower than fp32; expect a slowdown, not a speed-up.")
+    if cfg.variant == "fp16":
+        out["loss_scale"] = "GradScaler's scale after the run; it halves on every skipped step."
+    return out

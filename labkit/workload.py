@@ -1,0 +1,51 @@
+"""The experiment contract's types: what a technique hands the harness, and how it says no.
+
+An experiment module offers `Config` (a `RunConfig` subclass whose `variant` chooses the line),
+`VARIANTS`, `REFERENCE`, `build(cfg) -> Workload`, `compare(reference, outputs, cfg) ->
+Comparison`, and `expected(cfg) -> {metric: predicted value}` (the napkin math); optionally
+`validate(cfg)`, which raises `ConfigError` for settings the experiment cannot take.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+class SkipVariant(Exception):
+    """This variant cannot run here; the message is the reason (a `skipped` row)."""
+
+
+@dataclass
+class Workload:
+    """One variant at one sweep point, built and ready to run.
+
+    `check()` runs first (it doubles as warm-up) and returns the outputs compared with the
+    reference's. `step()` is what is timed and whose peak memory is measured. `tensors` maps a
+    `*_bytes` metric to the tensors whose storage it is measured from; `per_token` turns such a
+    metric into `*_bytes_per_token` given the number of tokens those tensors hold. `forward()`, when given, is
+    one forward pass (with grad) in which the tensors saved for backward are measured, leaving out
+    `resident` (the parameters). `report()` gives values only the technique knows (a loss scale).
+    """
+
+    step: Callable[[], Any]
+    check: Callable[[], dict[str, Any]]
+    tokens_per_step: int = 0
+    tensors: dict[str, Callable[[], Iterable[torch.Tensor]]] = field(default_factory=dict)
+    per_token: dict[str, Callable[[], int]] = field(default_factory=dict)  # `x_bytes` -> tokens held
+    forward: Callable[[], Any] | None = None
+    resident: Callable[[], Iterable[torch.Tensor]] = tuple
+    report: Callable[[], dict[str, float]] = dict
+    notes: dict[str, str] = field(default_factory=dict)
+    compute_dtype: str = "float32"  # the dtype the matmuls run in: picks the roofline's peak
+    count_flops: bool = True
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A variant against the reference: quality metrics, whether it passes, and why not."""
+
+    metrics: dict[str, float]
+    ok: bool
+    message: str = ""
