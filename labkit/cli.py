@@ -67,30 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_env(args: argparse.Namespace) -> int:
     from labkit import hardware
 
-    info = {"fingerprint": hardware.fingerprint(), "ceilings": vars(hardware.ceilings("auto"))}
     if args.json:
+        info = {"fingerprint": hardware.fingerprint(), "ceilings": vars(hardware.ceilings("auto"))}
         print(json.dumps(info, default=str))
         return 0
-    print(describe_env(info))
+    print(hardware.describe())
     return 0
-
-
-def describe_env(info: dict[str, Any]) -> str:
-    """A few readable lines about the machine and what the lab will do on it."""
-    fp, ceil = info["fingerprint"], info["ceilings"]
-    cpu = fp["cpu"]
-    lines = [f"device      {ceil['device']} ({ceil['name']})",
-             f"cpu         {cpu['model']}, {cpu['num_cores']} cores, flags: {', '.join(cpu['flags']) or '-'}"]
-    for g in fp["gpus"]:
-        lines.append(f"gpu         {g['name']}, cc {g['compute_capability']}, "
-                     f"{g['memory_total_bytes'] / 2**30:.1f} GiB, driver {g.get('driver')}")
-    peaks = ", ".join(f"{k} {v:.3g}" for k, v in ceil["peak_tflops"].items())
-    lines.append(f"ceilings    {peaks or 'unknown'} TFLOP/s; {ceil['bandwidth_gbps'] or 0:.0f} GB/s "
-                 f"({ceil['source']})")
-    lines.append(f"torch       {fp['torch']} (CUDA {fp['cuda']}), python {fp['python']}")
-    knobs = ", ".join(f"{k}={v}" for k, v in fp["env"].items())
-    lines.append(f"env knobs   {knobs or 'none set'}")
-    return "\n".join(lines)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -129,6 +111,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from labkit.experiment import run_experiment
+    from labkit.results import format_rows
 
     result = run_experiment(args.name, preset=args.preset, overrides=_overrides(args),
                             sweep=parse_sweep(args.sweep), variants=split_variants(args.variant),
@@ -143,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from labkit.results import load_results
+    from labkit.results import format_rows, load_results
 
     frame = load_results(args.runs_dir, experiment=args.experiment, run_id=args.run_id)
     if args.json:
@@ -160,35 +143,11 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from labkit.report_job import run_report
+    from labkit.report import run_report
 
     out = run_report(args.out, preset=args.preset, overrides=_overrides(args), runs_dir=args.runs_dir)
     print(f"report written to {out}")
     return 0
-
-
-def format_value(metric: str | None, value: Any) -> str:
-    if value is None or value != value:  # None or NaN
-        return ""
-    if metric and metric.endswith("_bytes"):
-        return f"{value / 2**20:,.2f} MiB"
-    if metric and metric.endswith("_bytes_per_token"):
-        return f"{value:,.0f} B"
-    if metric == "flops":
-        return f"{value / 1e9:,.3f} GFLOP"
-    return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
-
-
-def format_rows(rows: list[dict[str, Any]]) -> str:
-    """A plain text table: variant, metric, measured, predicted, status, note."""
-    lines = [f"{'variant':<14} {'metric':<26} {'measured':>16} {'predicted':>16}  {'status':<8} note"]
-    for r in rows:
-        unit = "" if (r["metric"] or "").endswith(("_bytes", "flops", "_per_token")) else r["unit"]
-        measured = format_value(r["metric"], r["value"])
-        lines.append(f"{r['variant']:<14} {r['metric'] or '-':<26} {measured + ' ' + unit:>16} "
-                     f"{format_value(r['metric'], r['predicted']):>16}  {r['status']:<8} "
-                     f"{r['message'] or ''}")
-    return "\n".join(lines)
 
 
 COMMANDS = {"env": cmd_env, "list": cmd_list, "run": cmd_run, "results": cmd_results,

@@ -22,7 +22,7 @@ from labkit.measure.memory import MemoryMeter, SavedTensorMeter, free_device_mem
 from labkit.measure.roofline import roofline
 from labkit.measure.timer import time_step
 from labkit.results import RunRecord, unit_of
-from labkit.techniques import get_experiment
+from labkit.techniques import EXPERIMENTS, get_experiment
 from labkit.workload import Comparison, SkipVariant, Workload
 
 
@@ -96,6 +96,21 @@ def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str,
         record.finish(status)
         bar.close()
     return RunResult(record.run_id, str(record.path), record.full_rows())
+
+
+def lab_plan(device: str = "auto", preset: str | None = None) -> list[dict[str, Any]]:
+    """What the lab will do on `device`: each experiment's variants, the preset, and which will be
+    skipped and why (without running anything)."""
+    plan = []
+    for name in EXPERIMENTS:
+        exp = get_experiment(name)
+        cfg = resolve(exp.Config, preset, {"device": device}, experiment=name)
+        for variant in exp.VARIANTS:
+            reason = exp.skip_reason(dataclasses.replace(cfg, variant=variant)) \
+                if hasattr(exp, "skip_reason") else None
+            plan.append({"experiment": name, "variant": variant, "preset": cfg.preset,
+                         "device": cfg.device, "runs": reason is None, "reason": reason or ""})
+    return plan
 
 
 def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,

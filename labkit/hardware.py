@@ -505,3 +505,37 @@ def _git(repo: Path, *args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def describe() -> str:
+    """A few readable lines about this machine: devices, ceilings, software, knobs."""
+    fp, ceil = fingerprint(), vars(ceilings("auto"))
+    cpu = fp["cpu"]
+    lines = [f"device      {ceil['device']} ({ceil['name']})",
+             f"cpu         {cpu['model']}, {cpu['num_cores']} cores, flags: {', '.join(cpu['flags']) or '-'}"]
+    for g in fp["gpus"]:
+        lines.append(f"gpu         {g['name']}, cc {g['compute_capability']}, "
+                     f"{g['memory_total_bytes'] / 2**30:.1f} GiB, driver {g.get('driver')}")
+    peaks = ", ".join(f"{k} {v:.3g}" for k, v in ceil["peak_tflops"].items())
+    lines.append(f"ceilings    {peaks or 'unknown'} TFLOP/s; {ceil['bandwidth_gbps'] or 0:.0f} GB/s "
+                 f"({ceil['source']})")
+    lines.append(f"torch       {fp['torch']} (CUDA {fp['cuda']}), python {fp['python']}")
+    knobs = ", ".join(f"{k}={v}" for k, v in fp["env"].items())
+    lines.append(f"env knobs   {knobs or 'none set'}")
+    return "\n".join(lines)
+
+
+def architecture() -> list[dict[str, Any]]:
+    """One row per device (the CPU, then each GPU): what it is and which dtypes it runs natively."""
+    cpu = cpu_info()
+    rows = [{"device": "cpu", "name": cpu.model, "cores / SMs": cpu.num_cores,
+             "memory_gib": round((_memory_total_bytes() or 0) / 2**30, 1),
+             "native 16-bit matmul": ", ".join(f for f in cpu.flags if "bf16" in f or "fp16" in f) or "none",
+             "notes": f"kernel capability {cpu.capability}"}]
+    for g in gpu_info():
+        l2 = f"L2 {g.l2_cache_bytes / 2**20:.0f} MiB" if g.l2_cache_bytes else "L2 unknown"
+        rows.append({"device": f"cuda:{g.index}", "name": g.name, "cores / SMs": g.multiprocessors,
+                     "memory_gib": round(g.memory_total_bytes / 2**30, 1),
+                     "native 16-bit matmul": "tensor cores: " + (", ".join(g.tensor_core_dtypes) or "none"),
+                     "notes": f"compute capability {g.compute_capability[0]}.{g.compute_capability[1]}, {l2}"})
+    return rows

@@ -8,9 +8,10 @@ from __future__ import annotations
 from labkit.config import DTYPE_BYTES, ModelConfig
 
 
-def block_linear_params(m: ModelConfig) -> int:
-    """Weights (and biases) of the linear layers of one block: the matmul parameters."""
-    hd, bias = m.head_dim, m.arch == "gpt2"
+def block_linear_params(m: ModelConfig, *, biases: bool = True) -> int:
+    """Weights (and biases) of the linear layers of one block; the weights alone are what the
+    matmuls multiply by (bias adds are not counted as FLOPs)."""
+    hd, bias = m.head_dim, biases and m.arch == "gpt2"
     q_o = 2 * m.hidden_size * m.num_heads * hd
     k_v = 2 * m.hidden_size * m.num_kv_heads * hd
     mlp = (3 if m.arch == "llama" else 2) * m.hidden_size * m.ffn_size
@@ -37,19 +38,27 @@ def adamw_state_bytes(m: ModelConfig, *, master_copy: bool = False) -> int:
     return num_params(m) * 4 * (3 if master_copy else 2)
 
 
+def attention_flops(m: ModelConfig, *, batch: int, new: int, keys: int) -> int:
+    """Scores and weighted sum, 2 * 2 * new * keys * head_dim per head and layer. The full
+    new x keys matrix counts, as FlopCounterMode counts SDPA (causal masking does not halve it)."""
+    return batch * 4 * new * keys * m.num_layers * m.num_heads * m.head_dim
+
+
 def forward_flops(m: ModelConfig, *, batch: int, new: int, keys: int, logits: int) -> int:
     """FLOPs of one forward pass over `new` tokens attending to `keys` positions, projecting
-    `logits` positions to the vocabulary (multiply-add = 2). Attention counts the full new x keys
-    score matrix, as FlopCounterMode does for SDPA (causal masking does not halve it there)."""
-    blocks = 2 * new * m.num_layers * block_linear_params(m)
-    attention = 4 * new * keys * m.num_layers * m.num_heads * m.head_dim
+    `logits` positions to the vocabulary (multiply-add = 2)."""
+    blocks = 2 * new * m.num_layers * block_linear_params(m, biases=False)
     head = 2 * logits * m.hidden_size * m.vocab_size
-    return batch * (blocks + attention + head)
+    return batch * (blocks + head) + attention_flops(m, batch=batch, new=new, keys=keys)
 
 
-def train_step_flops(m: ModelConfig, *, batch: int, seq_len: int) -> int:
-    """Forward + backward (backward = 2x forward): the familiar 6 * N * tokens plus attention."""
-    return 3 * forward_flops(m, batch=batch, new=seq_len, keys=seq_len, logits=seq_len)
+def train_step_flops(m: ModelConfig, *, batch: int, seq_len: int, attention: str = "sdpa") -> int:
+    """Forward + backward: the matmuls cost 2x forward again (the familiar 6 * N * tokens);
+    attention's backward is 2x its forward with plain matmuls, 2.5x with SDPA, whose fused
+    backward recomputes the scores (5 matmuls)."""
+    attn = attention_flops(m, batch=batch, new=seq_len, keys=seq_len)
+    rest = forward_flops(m, batch=batch, new=seq_len, keys=seq_len, logits=seq_len) - attn
+    return 3 * rest + attn * (7 if attention == "sdpa" else 6) // 2
 
 
 def kv_bytes_per_token(m: ModelConfig, dtype: str) -> int:

@@ -115,3 +115,27 @@ def load_results(directory: str | os.PathLike | None = None, *, experiment: str 
         flat = pd.json_normalize(frame["params"].tolist(), sep=".").set_index(frame.index)
         frame = frame.join(flat[[c for c in flat.columns if c not in frame.columns]])
     return frame
+
+
+def format_value(metric: str | None, value: Any) -> str:
+    if value is None or value != value:  # None or NaN
+        return ""
+    if metric and metric.endswith("_bytes"):
+        return f"{value / 2**20:,.2f} MiB"
+    if metric and metric.endswith("_bytes_per_token"):
+        return f"{value:,.0f} B"
+    if metric == "flops":
+        return f"{value / 1e9:,.3f} GFLOP"
+    return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """A plain text table: variant, metric, measured, predicted, status, note."""
+    lines = [f"{'variant':<14} {'metric':<26} {'measured':>16} {'predicted':>16}  {'status':<8} note"]
+    for r in rows:
+        unit = "" if (r["metric"] or "").endswith(("_bytes", "flops", "_per_token")) else r["unit"]
+        measured = format_value(r["metric"], r["value"])
+        lines.append(f"{r['variant']:<14} {r['metric'] or '-':<26} {measured + ' ' + unit:>16} "
+                     f"{format_value(r['metric'], r['predicted']):>16}  {r['status']:<8} "
+                     f"{r['message'] or ''}")
+    return "\n".join(lines)
