@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--json", action="store_true")
     rep = sub.add_parser("report", help="run every experiment; write a table and figures")
     rep.add_argument("--out", default="lab-report", help="folder for results and figures")
+    rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                     help="a setting applied to every experiment")
     _add_run_options(rep)
     return p
 

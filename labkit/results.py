@@ -133,9 +133,10 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     """A plain text table: variant, metric, measured, predicted, status, note."""
     lines = [f"{'variant':<14} {'metric':<26} {'measured':>16} {'predicted':>16}  {'status':<8} note"]
     for r in rows:
-        unit = "" if (r["metric"] or "").endswith(("_bytes", "flops", "_per_token")) else r["unit"]
-        measured = format_value(r["metric"], r["value"])
-        lines.append(f"{r['variant']:<14} {r['metric'] or '-':<26} {measured + ' ' + unit:>16} "
-                     f"{format_value(r['metric'], r['predicted']):>16}  {r['status']:<8} "
-                     f"{r['message'] or ''}")
+        metric = r["metric"] if isinstance(r["metric"], str) else None  # NaN from a DataFrame
+        unit = "" if (metric or "").endswith(("_bytes", "flops", "_per_token")) else r["unit"]
+        measured = format_value(metric, r["value"])
+        lines.append(f"{r['variant']:<14} {metric or '-':<26} {measured + ' ' + unit:>16} "
+                     f"{format_value(metric, r['predicted']):>16}  {r['status']:<8} "
+                     f"{r['message'] if isinstance(r['message'], str) else ''}")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ _SPECIAL = {"variant", "preset", "device", "model"}
 
 def field_widget(f: dataclasses.Field, hint: Any) -> W.Widget | None:
     """A control for one config field, or None for a type the panel does not edit."""
-    meta, label = f.metadata, {"description": f.name, "description_tooltip": f.metadata.get("help", ""),
+    meta, label = f.metadata, {"description": f.name, "tooltip": f.metadata.get("help", ""),
                                "style": {"description_width": "initial"}}
     if meta.get("choices"):
         return W.Dropdown(options=list(meta["choices"]), value=f.default, **label)
@@ -68,6 +68,7 @@ class Panel:
         self.run_button = W.Button(description="Run", button_style="primary", icon="play")
         self.run_button.on_click(lambda _: self.run())
         self.output = W.Output()
+        self.frame, self.error = None, None  # the last run's rows, or why it could not run
         self.widget = W.VBox([W.HBox([self.variants, W.VBox([self.preset, self.device])]),
                               W.GridBox(list(self.controls.values()),
                                         layout=W.Layout(grid_template_columns="repeat(3, 1fr)")),
@@ -89,13 +90,16 @@ class Panel:
         """Run with the panel's settings; errors appear in the panel, measured rows are kept."""
         self.run_button.disabled = True
         self.output.clear_output()
+        self.frame, self.error = None, None
         with self.output:
             try:
                 result = run_experiment(self.name, preset=self.preset.value, overrides=self.overrides(),
                                         variants=list(self.variants.value), runs_dir=self.runs_dir)
-                show_result(result.frame(), self.name)
-            except ConfigError as e:
-                print(f"error: {e}")
+                self.frame = result.frame()
+                show_result(self.frame, self.name)
+            except Exception as e:  # shown in the panel, not lost in the log console
+                self.error = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+                print(f"error: {self.error}")
             finally:
                 self.run_button.disabled = False
 

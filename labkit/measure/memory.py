@@ -186,18 +186,23 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t)
+        # Detached: a saved output that referenced its own grad_fn would make a reference cycle
+        # through C++ that the garbage collector cannot see, and the graph would never be freed.
+        return t.detach()
+
+    def _count(self, t: torch.Tensor) -> None:
         st = _storage(t)
         if st is None or st._cdata in self.excluded or st._cdata in self.seen:
-            return t
+            return
         self.seen.add(st._cdata)
         if self._is_weight_copy(t.grad_fn):
             self.weight_copy_bytes += st.nbytes()
-            return t
+            return
         dtype = str(t.dtype).removeprefix("torch.")
         producer = t.grad_fn.name() if t.grad_fn is not None else "input"
         self.by_dtype[dtype] += st.nbytes()
         self.by_producer[f"{producer} ({dtype})"] += st.nbytes()
-        return t
 
     def _is_weight_copy(self, node) -> bool:
         while node is not None and node.name() in _WEIGHT_COPY_OPS:

@@ -1,0 +1,18 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    """Every test stores runs in its own folder and runs torch on one thread (2-core machine)."""
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# Sizes that make every experiment finish in well under a second per variant on a 2-core CPU.
+FAST = {"min_run_time_s": 0.0, "warmup": 0}
+TINY_TRAIN = {**FAST, "batch_size": 1, "seq_len": 8, "steps": 1, "num_layers": 2}
+TINY_DECODE = {**FAST, "prompt_len": 4, "new_tokens": 6, "num_layers": 2}

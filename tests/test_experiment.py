@@ -1,0 +1,141 @@
+import gc
+
+import pytest
+import torch
+
+from conftest import FAST, TINY_DECODE, TINY_TRAIN
+from labkit import planner
+from labkit.config import ConfigError
+from labkit.experiment import lab_plan, run_experiment
+from labkit.measure.memory import LiveTensorTracker
+from labkit.results import load_results
+from labkit.techniques import kv_cache, mixed_precision
+
+
+def by(rows, variant, metric, sweep=None):
+    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric
+            and (sweep is None or r["params"]["sweep"] == sweep)]
+    assert len(hits) == 1, (variant, metric, hits)
+    return hits[0]
+
+
+def test_kv_cache_tokens_identical_and_bytes_measured_equal_the_formula():
+    result = run_experiment("kv_cache", preset="tiny", overrides=TINY_DECODE, progress=False)
+    rows = result.rows
+    assert [r["variant"] for r in rows][0] == "none"  # the reference runs first
+    assert by(rows, "none", "token_agreement")["value"] == 1.0
+    assert by(rows, "dynamic", "token_agreement")["value"] == 1.0
+    m = result.rows[0]["params"]["model"]
+    per_token = 2 * m["num_layers"] * m["num_kv_heads"] * (m["hidden_size"] // m["num_heads"]) * 4
+    row = by(rows, "dynamic", "kv_bytes_per_token")
+    assert row["value"] == row["predicted"] == per_token
+    held = 1 * (4 + 6 - 1)  # batch x (prompt + new - 1): the last token is never fed back
+    assert by(rows, "dynamic", "kv_bytes")["value"] == per_token * held
+    assert by(rows, "dynamic", "flops")["value"] == by(rows, "dynamic", "flops")["predicted"]
+    assert all(r["status"] == "ok" for r in rows)
+    assert len(load_results(run_id=result.run_id)) == len(rows)  # stored as returned
+
+
+def test_mixed_precision_bytes_and_precision_rows():
+    variants = ["fp16", "bf16", "bf16_weights", "tf32"]
+    rows = run_experiment("mixed_precision", preset="tiny", overrides=TINY_TRAIN, variants=variants,
+                          progress=False).rows
+    fp32 = by(rows, "fp32", "param_bytes")["value"]
+    assert by(rows, "bf16_weights", "param_bytes")["value"] * 2 == fp32  # exactly half
+    assert by(rows, "bf16_weights", "param_bytes")["predicted"] * 2 == fp32
+    # the master copy: the 16-bit weights' optimizer holds 4 more bytes per parameter
+    extra = by(rows, "bf16_weights", "optimizer_bytes")["value"] - by(rows, "fp32", "optimizer_bytes")["value"]
+    assert extra == fp32
+    tf32 = [r for r in rows if r["variant"] == "tf32"]
+    assert len(tf32) == 1 and tf32[0]["status"] == "skipped" and "CPU" in tf32[0]["message"]
+    assert by(rows, "fp16", "loss_scale")["value"] == 2.0**16
+    assert by(rows, "fp16", "skipped_steps")["value"] == 0
+    assert by(rows, "fp32", "loss_delta")["value"] == 0.0
+    assert 0 < by(rows, "bf16", "loss_delta")["value"] < 0.05
+    # under autocast some activations stay fp32 and the weights' bf16 casts are counted apart
+    assert by(rows, "bf16", "activation_bfloat16_bytes")["value"] > 0
+    assert by(rows, "bf16", "activation_float32_bytes")["value"] > 0
+    assert "stays fp32" in by(rows, "bf16", "activation_bytes")["message"]
+    m = rows[0]["params"]["model"]
+    from labkit.config import ModelConfig
+    matmul_weights = (m["num_layers"] * planner.block_linear_params(ModelConfig(**m))
+                      + m["vocab_size"] * m["hidden_size"])
+    assert by(rows, "bf16", "saved_weight_copy_bytes")["value"] == 2 * matmul_weights
+    assert by(rows, "fp32", "saved_weight_copy_bytes")["value"] == 0
+    assert by(rows, "fp32", "flops")["value"] == by(rows, "fp32", "flops")["predicted"]
+
+
+def test_oom_under_the_virtual_budget_is_a_row_memory_is_freed_and_the_sweep_goes_on():
+    gc.collect()
+    outer = LiveTensorTracker()
+    with outer:
+        result = run_experiment("mixed_precision", preset="tiny", variants=["fp32"], progress=False,
+                                overrides={**TINY_TRAIN, "memory_budget_gib": 0.1},
+                                sweep={"batch_size": [1, 512, 2]})
+        gc.collect()
+    assert outer.current_bytes == 0  # every tensor of every point, the OOM one too, is gone
+    statuses = {r["params"]["sweep"]["batch_size"]: r["status"] for r in result.rows}
+    assert statuses == {1: "ok", 512: "oom", 2: "ok"}
+    oom = [r for r in result.rows if r["status"] == "oom"]
+    assert len(oom) == 1 and "virtual memory budget" in oom[0]["message"]
+    assert by(result.rows, "fp32", "peak_mem_bytes", {"batch_size": 2})["value"] < 0.1 * 2**30
+
+
+def test_a_variant_that_disagrees_with_the_reference_is_an_error_and_is_not_timed(monkeypatch):
+    monkeypatch.setitem(mixed_precision.TOLERANCE, "bf16", 0.0)
+    rows = run_experiment("mixed_precision", preset="tiny", overrides=TINY_TRAIN, variants=["bf16"],
+                          progress=False).rows
+    bf16 = [r for r in rows if r["variant"] == "bf16"]
+    assert {r["status"] for r in bf16} == {"error"}
+    assert {r["metric"] for r in bf16} == {"loss", "loss_delta"}  # the quality delta, no timing
+    assert "does not match fp32" in bf16[0]["message"]
+
+
+def test_an_exception_is_an_error_row_and_the_other_variants_still_run(monkeypatch):
+    real_build = kv_cache.build
+
+    def build(cfg):
+        if cfg.variant == "dynamic":
+            raise RuntimeError("boom\nsecond line")
+        return real_build(cfg)
+
+    monkeypatch.setattr(kv_cache, "build", build)
+    rows = run_experiment("kv_cache", preset="tiny", overrides=TINY_DECODE, sweep={"batch_size": [1, 2]},
+                          progress=False).rows
+    errors = [r for r in rows if r["status"] == "error"]
+    assert len(errors) == 2 and errors[0]["message"] == "RuntimeError: boom"
+    assert len([r for r in rows if r["variant"] == "none" and r["metric"] == "step_ms"]) == 2
+
+
+def test_bad_input_fails_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match="unknown variant 'fp8'"):
+        run_experiment("mixed_precision", variants=["fp8"], runs_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        run_experiment("kv_cache", sweep={"batch_size": [1, 0]}, runs_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="dtype must be float32"):
+        run_experiment("mixed_precision", overrides={"dtype": "bf16"}, runs_dir=str(tmp_path))
+    assert not list(tmp_path.iterdir())  # nothing stored, nothing measured
+
+
+def test_rows_are_stored_after_every_point_even_when_the_run_is_interrupted(monkeypatch):
+    real_build = kv_cache.build
+    calls = []
+
+    def build(cfg):
+        calls.append(cfg.variant)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the user pressed Stop during the second point
+        return real_build(cfg)
+
+    monkeypatch.setattr(kv_cache, "build", build)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment("kv_cache", preset="tiny", overrides=TINY_DECODE, sweep={"batch_size": [1, 2]},
+                       progress=False)
+    frame = load_results(experiment="kv_cache")
+    assert set(frame["variant"]) == {"none", "dynamic"} and (frame["status"] == "ok").all()
+
+
+def test_lab_plan_says_what_will_be_skipped_here():
+    plan = {(p["experiment"], p["variant"]): p for p in lab_plan("cpu")}
+    assert not plan[("mixed_precision", "tf32")]["runs"]
+    assert plan[("kv_cache", "dynamic")]["runs"] and plan[("kv_cache", "dynamic")]["preset"] == "tiny"

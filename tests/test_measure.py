@@ -1,0 +1,143 @@
+import dataclasses
+import gc
+import time
+
+import pytest
+import torch
+
+from labkit import planner
+from labkit.config import MODELS
+from labkit.measure.flops import count_flops
+from labkit.measure.memory import (LiveTensorTracker, MemoryMeter, SavedTensorMeter,
+                                   storage_bytes)
+from labkit.measure.roofline import roofline
+from labkit.measure.timer import Timing, time_step
+from labkit.model import build_model
+from labkit.techniques import kv_cache
+
+MIB = 2**20
+
+
+def test_timer_runs_warmup_then_at_least_the_repeats_and_measures_the_step():
+    calls = []
+
+    def step():
+        calls.append(1)
+        time.sleep(0.02)
+
+    timing = time_step(step, warmup=2, min_run_time_s=0.0, min_repeats=4)
+    assert len(timing.times_s) >= 4 and len(calls) >= 2 + 4
+    # sleep() can only overshoot: every repeat is at least the 20 ms slept
+    assert min(timing.times_s) >= 0.02 and timing.median_s >= 0.02
+    assert timing.iqr_s >= 0.0
+
+
+def test_timer_keeps_timing_until_the_minimum_time():
+    timing = time_step(lambda: time.sleep(0.01), warmup=0, min_run_time_s=0.1, min_repeats=1)
+    assert sum(timing.times_s) >= 0.1 * 0.9 and len(timing.times_s) >= 5
+
+
+def test_timing_statistics():
+    t = Timing(times_s=(1.0, 2.0, 3.0, 4.0, 100.0), warmup=0)
+    assert t.median_s == 3.0 and t.iqr_s == 2.0 and t.median_ms == 3000.0
+
+
+def test_meter_counts_a_known_allocation_exactly_and_sees_it_freed():
+    with MemoryMeter("cpu") as meter:
+        a = torch.empty(MIB // 4)  # 1 MiB of fp32
+        view = a[10:]  # a view allocates nothing
+        b = torch.empty(3 * MIB, dtype=torch.uint8)
+        assert meter.current_bytes == 4 * MIB and meter.peak_bytes == 4 * MIB
+        del a, view
+        assert meter.current_bytes == 3 * MIB
+        meter.reset_peak()
+        c = torch.ones(2 * MIB, dtype=torch.uint8)
+        del b, c
+        assert meter.current_bytes == 0 and meter.peak_bytes == 5 * MIB
+
+
+def test_meter_sees_the_temporaries_of_an_op_chain():
+    x = torch.randn(256, 256)  # 256 KiB, made outside: not counted
+    with MemoryMeter("cpu") as meter:
+        y = (x * 2 + 1).sum()  # two 256 KiB temporaries alive at once at most
+        del y
+    assert meter.peak_bytes == 2 * 256 * 256 * 4
+    assert meter.current_bytes == 0
+
+
+def test_virtual_budget_raises_out_of_memory_and_memory_returns():
+    tracker = LiveTensorTracker(budget_bytes=2 * MIB)
+    with pytest.raises(torch.OutOfMemoryError, match="virtual memory budget"):
+        with tracker:
+            keep = [torch.empty(MIB // 4) for _ in range(3)]  # the third MiB crosses 2 MiB
+    gc.collect()
+    assert tracker.current_bytes == 0
+
+
+def test_storage_bytes_counts_each_storage_once():
+    a = torch.zeros(100)
+    tied = torch.nn.Linear(10, 10, bias=False)
+    assert storage_bytes([a, a[:10], a.view(10, 10)]) == 400
+    assert storage_bytes([tied.weight, tied.weight]) == 400
+    assert storage_bytes([torch.zeros(10, dtype=torch.bfloat16)]) == 20
+    assert storage_bytes([torch.empty(5, device="meta")]) == 0
+
+
+def test_saved_tensor_meter_counts_what_backward_keeps():
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    x = torch.randn(8, 64, requires_grad=True)
+    with SavedTensorMeter(exclude=[w]) as saved:
+        h = x @ w  # saves x (the parameter w is excluded)
+        y = torch.tanh(h)  # saves its output
+        y.sum().backward()
+    assert saved.total_bytes == 8 * 64 * 4 + 8 * 32 * 4
+    assert saved.by_dtype == {"float32": 8 * 64 * 4 + 8 * 32 * 4}
+    assert saved.weight_copy_bytes == 0
+
+
+def test_saved_tensor_meter_puts_autocast_weight_casts_apart():
+    lin = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    with SavedTensorMeter(exclude=lin.parameters()) as saved:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x)
+    assert saved.weight_copy_bytes == 64 * 32 * 2  # the bf16 copy of the weight
+    assert saved.by_dtype == {"bfloat16": 8 * 64 * 2}  # the bf16 copy of the input
+
+
+def test_flop_counter_counts_matmuls_and_cpu_attention():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    assert count_flops(lambda: a @ b) == 2 * 8 * 16 * 4
+    q = torch.randn(2, 3, 10, 8)
+    flops = count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert flops == 2 * 3 * 4 * 10 * 10 * 8  # QK^T and PV: 2 matmuls of 2*T*T*D per head
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+def test_planner_predicts_the_counted_train_step_flops_exactly(attention):
+    m = dataclasses.replace(MODELS["tiny"], num_layers=2)
+    model = build_model(m, attention=attention)
+    tokens = torch.randint(0, m.vocab_size, (2, 16))
+    counted = count_flops(lambda: model(tokens).sum().backward())
+    assert counted == planner.train_step_flops(m, batch=2, seq_len=16, attention=attention)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_planner_predicts_the_counted_generation_flops_exactly(cached):
+    m = dataclasses.replace(MODELS["tiny"], num_layers=2)
+    model = build_model(m)
+    prompt = torch.randint(0, m.vocab_size, (2, 5))
+    if cached:
+        fn = lambda: kv_cache.generate_cached(model, prompt, 4, kv_cache.DynamicCache(2))  # noqa: E731
+    else:
+        fn = lambda: kv_cache.generate_uncached(model, prompt, 4)  # noqa: E731
+    predicted = planner.generate_flops(m, batch=2, prompt_len=5, new_tokens=4, cached=cached)
+    assert count_flops(fn) == predicted
+
+
+def test_roofline_units_and_bound():
+    p = roofline(2e12, 1.0, bytes_moved=1e9, peak_tflops=4.0, bandwidth_gbps=100.0)
+    assert p.tflops == 2.0 and p.gbps == 1.0 and p.pct_peak_flops == 50.0 and p.pct_bandwidth == 1.0
+    assert p.intensity == 2000.0 and p.bound == "compute"  # ridge at 40 FLOP/byte
+    assert roofline(1e9, 1.0, bytes_moved=1e9, peak_tflops=4.0, bandwidth_gbps=100.0).bound == "memory"
+    assert roofline(1e12, 1.0).pct_peak_flops is None

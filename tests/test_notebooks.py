@@ -1,0 +1,49 @@
+"""Each notebook is executed by papermill with small CPU parameters, as a report would be."""
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, TINY_DECODE, TINY_TRAIN
+
+papermill = pytest.importorskip("papermill")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+PARAMETERS = {
+    "00_environment.ipynb": {},
+    "01_mixed_precision.ipynb": {"overrides": {**TINY_TRAIN, "batch_size": 2}, "variants": "bf16_weights"},
+    "02_kv_cache.ipynb": {"overrides": TINY_DECODE},
+}
+
+
+def test_every_notebook_is_covered_committed_clean_with_one_parameters_cell():
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(PARAMETERS)
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        cells = json.loads(path.read_text())["cells"]
+        assert not any(c.get("outputs") for c in cells), path
+        tagged = [c for c in cells if "parameters" in c["metadata"].get("tags", [])]
+        assert len(tagged) == 1, path
+
+
+def outputs_of(nb: dict) -> list[dict]:
+    return [o for c in nb["cells"] for o in c.get("outputs", [])]
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_notebook_runs_under_papermill(name, tmp_path):
+    out = tmp_path / name
+    papermill.execute_notebook(str(NOTEBOOKS / name), str(out), parameters=PARAMETERS[name],
+                               kernel_name="python3", progress_bar=False, store_widget_state=False,
+                               cwd=str(tmp_path))
+    nb = json.loads(out.read_text())
+    outputs = outputs_of(nb)
+    assert not any(o["output_type"] == "error" for o in outputs)
+    text = json.dumps(outputs)
+    assert "cpu" in text
+    if name != "00_environment.ipynb":
+        assert "application/vnd.plotly.v1+json" in text  # the comparison figure
+        assert "predicted" in text and "measured" in text  # predicted beside measured
+        assert "application/vnd.jupyter.widget-view+json" in text  # the panel
+        assert out.stat().st_size < 1_000_000  # static figures, no embedded widget JavaScript
+    else:
+        assert "peak TFLOP/s" in text and "reason" in text
