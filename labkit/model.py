@@ -56,12 +56,18 @@ def causal_mask(num_queries: int, num_keys: int, start_pos: int, device: torch.d
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, impl: str) -> torch.Tensor:
-    """Causal attention of q (B, H, T, hd) over k, v (B, H, S, hd); returns (B, H, T, hd)."""
+    """Causal attention of q (B, H, T, hd) over k, v (B, KV, S, hd); returns (B, H, T, hd).
+    With fewer kv heads (grouped-query attention) each serves H / KV query heads."""
     T, S = q.shape[-2], k.shape[-2]
-    if impl == "sdpa":
+    gqa = q.shape[1] != k.shape[1]
+    if impl == "sdpa":  # enable_gqa shares kv heads without copying them
         if T == S:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, S, start_pos, q.device))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        mask = causal_mask(T, S, start_pos, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if gqa:
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, S)
     mask = causal_mask(T, S, start_pos, q.device)
     if mask is not None:
@@ -80,22 +86,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
         self.wo = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache, impl: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int, cache, impl: str, rope) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         # view(..., -1, hd): the local head count, so a tensor-parallel shard works unchanged.
         q = self.wq(x).view(B, T, -1, hd).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, -1, hd).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, -1, hd).transpose(1, 2)
-        if self.cfg.arch == "llama":
-            positions = torch.arange(start_pos, start_pos + T, device=x.device)
-            cos, sin = rope_tables(positions, hd, self.cfg.rope_theta)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, KV, S, hd)
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:  # grouped-query attention: each kv head serves `repeats` query heads
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         y = attend(q, k, v, start_pos, impl)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -129,8 +130,8 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = make_norm(cfg), make_norm(cfg)
         self.attn, self.mlp = Attention(cfg, layer_idx), MLP(cfg)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache, impl: str) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), start_pos, cache, impl)
+    def forward(self, x: torch.Tensor, start_pos: int, cache, impl: str, rope) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), start_pos, cache, impl, rope)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -151,10 +152,14 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, *, start_pos: int = 0, cache=None,
                 last_only: bool = False) -> torch.Tensor:
         x = self.embed(tokens)  # (B, T, d)
+        positions = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
+        rope = None
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device))
+            x = x + self.pos_embed(positions)
+        else:  # RoPE tables once per forward, shared by every layer
+            rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         for layer in self.layers:
-            x = layer(x, start_pos, cache, self.attention)
+            x = layer(x, start_pos, cache, self.attention, rope)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))

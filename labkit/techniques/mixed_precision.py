@@ -207,13 +207,15 @@ def expected(cfg: Config) -> dict[str, float]:
     out = {"param_bytes": planner.param_bytes(m, weights), "flops": flops, "loss_delta": 0.0,
            "optimizer_bytes": planner.adamw_state_bytes(m, master_copy=cfg.variant == "bf16_weights")}
     if peak:
-        out.update(tflops=peak, step_ms=flops / (peak * 1e12) * 1e3)
+        step_s = flops / (peak * 1e12)
+        out.update(tflops=peak, step_ms=step_s * 1e3, tokens_per_s=cfg.batch_size * cfg.seq_len / step_s)
     return out
 
 
 def notes(cfg: Config) -> dict[str, str]:
     """What to read in the numbers, for this variant on this device."""
-    out = {"step_ms": "predicted: the step's FLOPs at the device's peak (a floor)."}
+    out = {"step_ms": "predicted: the step's FLOPs at the device's peak (the datasheet's on a GPU, "
+                      "a measured matmul rate on a CPU)."}
     if cfg.variant in AUTOCAST:
         out["activation_bytes"] = (
             "Autocast casts the inputs of matmul-type ops (linear, matmul, SDPA) to 16 bits and "
