@@ -120,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                             runs_dir=args.runs_dir, progress=not args.json and sys.stderr.isatty())
     if args.json:
         for row in result.rows:
-            print(json.dumps(row, default=str))
+            print(json.dumps(row, default=str, allow_nan=False))
     else:
         print(format_rows(result.rows))
         print(f"\nstored as {result.path}")
@@ -132,8 +132,9 @@ def cmd_results(args: argparse.Namespace) -> int:
 
     frame = load_results(args.runs_dir, experiment=args.experiment, run_id=args.run_id)
     if args.json:
+        frame = frame.astype(object).where(frame.notna(), None)  # missing -> null, never NaN
         for row in frame.to_dict(orient="records"):
-            print(json.dumps(row, default=str))
+            print(json.dumps(row, default=str, allow_nan=False))
         return 0
     if frame.empty:
         print("no stored results")

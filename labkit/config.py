@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,18 +83,18 @@ MODELS: dict[str, ModelConfig] = {
 }
 
 # Default run sizes per preset, then per experiment where one differs.
+# Default run sizes per preset, then per experiment where one differs. GPU presets decode in bf16,
+# as GPU inference does; the uncached reference recomputes the prefix, so lengths stay modest.
+_GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "bfloat16"}
 PRESET_SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1}},
-    "small": {"batch_size": 8, "seq_len": 512, "kv_cache": {"batch_size": 8, "prompt_len": 128,
-                                                             "new_tokens": 256}},
-    "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": {"batch_size": 16,
-                                                              "prompt_len": 512,
-                                                              "new_tokens": 256}},
-    "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": {"batch_size": 8}},
-    "llama-2-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {"batch_size": 1}},
-    "llama-3-8b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {"batch_size": 1}},
-    "llama-3-70b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {"batch_size": 1}},
-    "mistral-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {"batch_size": 1}},
+    "small": {"batch_size": 8, "seq_len": 512, "kv_cache": _GPU_DECODE},
+    "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
+    "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
+    "llama-2-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
+    "llama-3-8b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
+    "llama-3-70b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
+    "mistral-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
 }
 PRESETS = tuple(MODELS)
 # A GPU with at least this much memory gets the `medium` preset by default, else `small`.
@@ -127,6 +129,7 @@ class RunConfig:
     warmup: int = knob(1, min=0, help="untimed calls before timing")
     min_run_time_s: float = knob(0.5, min=0.0, help="timing: least total time measured")
     model: ModelConfig | None = None
+    uses_seq_len: typing.ClassVar[bool] = True  # False where an experiment never reads seq_len
 
     def params(self) -> dict[str, Any]:
         """The resolved config as a JSON-safe dict (what result rows store)."""
@@ -156,15 +159,17 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     elif base is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
             return int(value)
-    elif base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+    elif base is float and not isinstance(value, bool):
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
-            pass
+            number = None
+        if number is not None and math.isfinite(number):
+            return number
+        if number is not None:
+            raise ConfigError(f"{name}={value!r} must be a finite number")
     elif base is str:
         if isinstance(value, str):
             return value
@@ -220,7 +225,7 @@ def _check_model(m: ModelConfig) -> None:
 def _check_lengths(cfg: RunConfig) -> None:
     ctx = cfg.model.max_seq_len
     total = getattr(cfg, "prompt_len", 0) + getattr(cfg, "new_tokens", 0)
-    if cfg.seq_len > ctx:
+    if cfg.uses_seq_len and cfg.seq_len > ctx:
         raise ConfigError(f"seq_len={cfg.seq_len} is longer than the model's context ({ctx})")
     if total > ctx:
         raise ConfigError(f"prompt_len + new_tokens = {total} is longer than the model's "

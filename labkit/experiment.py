@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -59,12 +60,15 @@ def plan_points(name: str, preset: str | None, overrides: dict[str, Any] | None,
                 sweep: dict[str, list[Any]] | None) -> list[tuple[dict[str, Any], RunConfig]]:
     """Resolve every sweep point before anything runs, so bad input fails before measuring."""
     exp = get_experiment(name)
+    if "variant" in {**(overrides or {}), **(sweep or {})}:
+        raise ConfigError(f"variants are chosen with --variant, not set; valid: {', '.join(exp.VARIANTS)}")
     points = []
     for point in expand_sweep(sweep or {}):
         cfg = resolve(exp.Config, preset, {**(overrides or {}), **point}, experiment=name)
         if hasattr(exp, "validate"):
             exp.validate(cfg)
-        points.append((point, cfg))
+        typed = {k: getattr(cfg, k) if hasattr(cfg, k) else getattr(cfg.model, k) for k in point}
+        points.append((typed, cfg))
     return points
 
 
@@ -179,7 +183,7 @@ def _flop_rows(wl: Workload, cfg: RunConfig, seconds: float) -> dict[str, float]
     point = roofline(flops, seconds, peak_tflops=peak.get(wl.compute_dtype))
     out = {"flops": float(flops), "tflops": point.tflops}
     if point.pct_peak_flops is not None:
-        out["pct_peak_flops"] = point.pct_peak_flops
+        out["peak_flops_pct"] = point.pct_peak_flops
     return out
 
 
@@ -201,8 +205,10 @@ def _row_maker(cfg: RunConfig, point: dict[str, Any]) -> Callable[..., dict[str,
 
     def row(metric: str | None, value: Any, *, predicted: float | None = None,
             status: str = "ok", message: str = "") -> dict[str, Any]:
-        return {"variant": cfg.variant, "params": params, "metric": metric,
-                "value": None if value is None else float(value),
+        value = None if value is None else float(value)
+        if value is not None and not math.isfinite(value):  # JSON has no nan/inf: say it in words
+            value, message = None, f"measured {value}. {message}".strip()
+        return {"variant": cfg.variant, "params": params, "metric": metric, "value": value,
                 "unit": unit_of(metric) if metric else "", "predicted": predicted,
                 "status": status, "message": message, "rank": 0}
 

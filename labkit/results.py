@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ def new_run_id(experiment: str) -> str:
     return f"{stamp}-{experiment}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-UNIT_SUFFIXES = (("_ms", "ms"), ("_bytes", "bytes"), ("_fraction", "fraction"), ("_pct", "%"),
+UNIT_SUFFIXES = (("_ms", "ms"), ("_bytes_per_token", "bytes/token"), ("_bytes", "bytes"), ("_fraction", "fraction"), ("_pct", "%"),
                  ("tflops", "TFLOP/s"), ("gbps", "GB/s"), ("flops", "FLOP"), ("_s", "s"))
 
 
@@ -96,8 +97,16 @@ def load_runs(directory: str | os.PathLike | None = None) -> list[dict[str, Any]
     folder = runs_dir(directory)
     records = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        with open(path) as f:
-            records.append(json.load(f))
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            warnings.warn(f"skipping {path}: not a labkit run ({e})", stacklevel=2)
+            continue
+        if not isinstance(record, dict) or not {"run_id", "timestamp", "experiment", "rows"} <= set(record):
+            warnings.warn(f"skipping {path}: not a labkit run record", stacklevel=2)
+            continue
+        records.append(record)
     return sorted(records, key=lambda r: (r["timestamp"], r["run_id"]))
 
 

@@ -9,6 +9,9 @@ from plotly.subplots import make_subplots
 MEMORY_METRICS = ("peak_mem_bytes", "param_bytes", "optimizer_bytes", "activation_bytes",
                   "saved_weight_copy_bytes", "kv_bytes")
 THROUGHPUT_METRICS = ("tokens_per_s", "requests_per_s")
+COLORS = dict(zip(MEMORY_METRICS + THROUGHPUT_METRICS,
+                  ("#264653", "#e76f51", "#8e7dbe", "#457b9d", "#f4a261", "#e9c46a", "#2a9d8f",
+                   "#2a9d8f")))
 MIB = 2**20
 
 
@@ -33,15 +36,16 @@ def variant_comparison(frame: pd.DataFrame, *, title: str = "") -> go.Figure:
         sel = rows[rows["metric"] == metric].set_index("variant").reindex(variants)
         if sel["value"].notna().any():
             fig.add_bar(x=variants, y=sel["value"] / MIB, name=metric, legendgroup=metric,
-                        row=1, col=1)
+                        offsetgroup=metric, marker_color=COLORS[metric], row=1, col=1)
             _add_predicted(fig, variants, sel["predicted"] / MIB, metric, col=1)
     if throughput:
         sel = rows[rows["metric"] == throughput].set_index("variant").reindex(variants)
-        fig.add_bar(x=variants, y=sel["value"], name=throughput, marker_color="#2a9d8f", row=1, col=2)
+        fig.add_bar(x=variants, y=sel["value"], name=throughput, offsetgroup=throughput,
+                    marker_color=COLORS[throughput], row=1, col=2)
         _add_predicted(fig, variants, sel["predicted"], throughput, col=2)
     skipped = not_run(frame)
     note = "; ".join(f"{r.variant}: {r.status}" for r in skipped.itertuples())
-    fig.update_layout(barmode="group", title=title + (f"  (not run: {note})" if note else ""),
+    fig.update_layout(barmode="group", scattermode="group", title=title + (f"  (not run: {note})" if note else ""),
                       height=420, legend={"orientation": "h", "y": -0.2})
     return fig
 
@@ -49,8 +53,9 @@ def variant_comparison(frame: pd.DataFrame, *, title: str = "") -> go.Figure:
 def _add_predicted(fig: go.Figure, variants: list[str], predicted: pd.Series, metric: str, col: int) -> None:
     if predicted.notna().any():
         fig.add_scatter(x=variants, y=predicted, mode="markers", name=f"{metric} predicted",
-                        legendgroup=metric, marker={"symbol": "diamond-open", "size": 12},
-                        row=1, col=col)
+                        legendgroup=metric, offsetgroup=metric, row=1, col=col,
+                        marker={"symbol": "diamond-open", "size": 13, "color": "black",
+                                "line": {"width": 2}})
 
 
 def sweep_lines(frame: pd.DataFrame, x: str, metric: str) -> go.Figure:

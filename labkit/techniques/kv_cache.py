@@ -26,6 +26,7 @@ class Config(RunConfig):
     variant: str = knob(REFERENCE, choices=VARIANTS, help="cache strategy")
     prompt_len: int = knob(16, min=1, help="prompt tokens")
     new_tokens: int = knob(128, min=1, help="tokens generated per sequence")
+    uses_seq_len = False  # lengths come from prompt_len and new_tokens
 
 
 class DynamicCache:

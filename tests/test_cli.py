@@ -1,0 +1,306 @@
+"""Mechanism tests for the command line (labkit.cli): exit codes, what goes to stdout and stderr,
+the schema of the rows, and the one-line refusal of bad input.
+
+Everything runs in-process through `labkit.cli.main([...])` (a subprocess costs an `import
+torch`), except one test that checks the real `python -m labkit` entry point. Experiments are
+kept tiny with overrides and always write into a tmp folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit.cli import main
+from labkit.results import ROW_FIELDS
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU-only behaviour")
+
+KV_TINY = ["--device", "cpu", "--preset", "tiny", "--set", "new_tokens=4", "--set", "prompt_len=4",
+           "--set", "min_run_time_s=0", "--set", "warmup=0"]
+MP_TINY = ["--device", "cpu", "--preset", "tiny", "--set", "seq_len=8", "--set", "batch_size=1",
+           "--set", "steps=1", "--set", "min_run_time_s=0", "--set", "warmup=0"]
+
+
+def call(argv: list[str]) -> tuple[int, str, str]:
+    """main(argv) -> (exit code, stdout, stderr). An exception escaping main is a failure: the
+    CLI promises one error line and an exit code, never a traceback."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's own exits (e.g. --help)
+            rc = e.code
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"main({argv}) raised {type(e).__name__}: {e}; stderr={err.getvalue()!r}")
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(line: str):
+    """json.loads that refuses NaN and Infinity (Python's json accepts them; JSON does not)."""
+    return json.loads(line, parse_constant=_reject_constant)
+
+
+def json_lines(out: str) -> list[dict]:
+    lines = out.splitlines()
+    assert lines, "no output"
+    return [json.loads(line) for line in lines]  # every line, so stdout holds nothing else
+
+
+# ---- list and env ---------------------------------------------------------------------------
+
+def test_list_names_experiments_and_variants():
+    rc, out, err = call(["list"])
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    mp = next(line for line in lines if line.startswith("mixed_precision"))
+    kv = next(line for line in lines if line.startswith("kv_cache"))
+    for variant in ("fp32 (reference)", "tf32", "fp16", "bf16", "bf16_weights"):
+        assert variant in mp
+    for variant in ("none (reference)", "dynamic"):
+        assert variant in kv
+
+
+def test_list_json():
+    rc, out, err = call(["list", "--json"])
+    assert rc == 0 and err == ""
+    entries = {e["experiment"]: e for e in json_lines(out)}
+    assert set(entries) == {"mixed_precision", "kv_cache"}
+    assert entries["kv_cache"]["reference"] == "none"
+    assert entries["kv_cache"]["variants"] == ["none", "dynamic"]
+    assert entries["mixed_precision"]["reference"] == "fp32"
+    assert entries["mixed_precision"]["variants"] == ["fp32", "tf32", "fp16", "bf16", "bf16_weights"]
+    assert all(e["summary"] for e in entries.values())
+
+
+def test_env_human():
+    rc, out, err = call(["env"])
+    assert rc == 0
+    assert "cpu" in out.lower()
+
+
+def test_env_json_is_one_object():
+    rc, out, _ = call(["env", "--json"])
+    assert rc == 0
+    (info,) = json_lines(out)
+    assert isinstance(info, dict)
+    assert {"fingerprint", "ceilings"} <= set(info)
+    assert isinstance(info["fingerprint"], dict) and isinstance(info["ceilings"], dict)
+    assert "cpu" in json.dumps(info).lower()
+
+
+# ---- run ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kv_run(tmp_path_factory):
+    """One tiny kv_cache run with --json, shared by the tests that read its rows and store."""
+    runs = tmp_path_factory.mktemp("kv-runs")
+    rc, out, err = call(["run", "kv_cache", *KV_TINY, "--runs-dir", str(runs), "--json"])
+    return {"rc": rc, "out": out, "err": err, "runs": runs}
+
+
+def test_run_json_stdout_is_only_rows_of_the_schema(kv_run):
+    assert kv_run["rc"] == 0, kv_run["err"]
+    rows = [strict_json(line) for line in kv_run["out"].splitlines()]
+    assert rows
+    for row in rows:
+        assert list(row) == list(ROW_FIELDS)
+    assert {r["experiment"] for r in rows} == {"kv_cache"}
+    assert len({r["run_id"] for r in rows}) == 1
+    assert [r["status"] for r in rows] == ["ok"] * len(rows)
+    variants = [r["variant"] for r in rows]
+    assert set(variants) == {"none", "dynamic"}
+    assert variants == sorted(variants, key=lambda v: v != "none")  # reference first
+
+
+def test_run_json_measures_what_the_napkin_math_predicts(kv_run):
+    rows = json_lines(kv_run["out"])
+    by = {(r["variant"], r["metric"]): r for r in rows}
+    for variant in ("none", "dynamic"):
+        assert by[(variant, "token_agreement")]["value"] == 1.0
+    per_token = by[("dynamic", "kv_bytes_per_token")]
+    assert per_token["predicted"] is not None
+    assert per_token["value"] == per_token["predicted"]
+    kv = by[("dynamic", "kv_bytes")]
+    assert kv["value"] == kv["predicted"]
+    assert ("none", "kv_bytes") not in by  # no cache, no cache bytes
+    for r in rows:
+        assert r["params"]["variant"] == r["variant"]
+        assert r["params"]["new_tokens"] == 4 and r["params"]["prompt_len"] == 4
+        assert r["params"]["device"] == "cpu" and r["params"]["preset"] == "tiny"
+
+
+def test_run_is_stored_in_the_runs_dir(kv_run):
+    rows = json_lines(kv_run["out"])
+    run_id = rows[0]["run_id"]
+    path = kv_run["runs"] / f"{run_id}.json"
+    assert path.is_file()
+    record = json.loads(path.read_text())
+    assert record["status"] == "complete"
+    assert len(record["rows"]) == len(rows)
+    assert [p.name for p in kv_run["runs"].iterdir()] == [path.name]  # no temporary files
+
+
+def test_results_lists_a_stored_run(kv_run):
+    rows = json_lines(kv_run["out"])
+    run_id, runs = rows[0]["run_id"], str(kv_run["runs"])
+
+    rc, out, err = call(["results", "--runs-dir", runs])
+    assert rc == 0 and err == ""
+    assert f"== {run_id}" in out
+    assert out.count("== ") == 1
+    assert "variant" in out and "metric" in out and "kv_bytes_per_token" in out
+
+    rc, out, err = call(["results", "--runs-dir", runs, "--json"])
+    assert rc == 0 and err == ""
+    stored = json_lines(out)
+    assert len(stored) == len(rows)
+    assert {r["run_id"] for r in stored} == {run_id}
+    assert [(r["variant"], r["metric"], r["value"]) for r in stored] == \
+        [(r["variant"], r["metric"], r["value"]) for r in rows]
+
+    rc, out, _ = call(["results", "--runs-dir", runs, "--run-id", run_id, "--json"])
+    assert rc == 0 and len(json_lines(out)) == len(rows)
+    rc, out, _ = call(["results", "--runs-dir", runs, "--experiment", "mixed_precision"])
+    assert rc == 0 and out.strip() == "no stored results"
+    rc, out, _ = call(["results", "--runs-dir", str(kv_run["runs"] / "absent")])
+    assert rc == 0 and out.strip() == "no stored results"
+
+
+def test_results_json_is_strict_json(kv_run):
+    rc, out, _ = call(["results", "--runs-dir", str(kv_run["runs"]), "--json"])
+    assert rc == 0
+    for line in out.splitlines():
+        strict_json(line)
+
+
+def test_run_human_output_has_a_table_and_the_stored_path(tmp_path):
+    runs = tmp_path / "runs"
+    rc, out, err = call(["run", "mixed_precision", *MP_TINY, "--variant", "fp32",
+                         "--runs-dir", str(runs)])
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:5] == ["variant", "metric", "measured", "predicted", "status"]
+    assert any(line.startswith("fp32") and "param_bytes" in line for line in lines)
+    assert not any(line.startswith(("tf32", "fp16", "bf16")) for line in lines)
+    stored = [line for line in lines if line.startswith("stored as ")]
+    assert len(stored) == 1
+    path = Path(stored[0].removeprefix("stored as "))
+    assert path.parent == runs and path.is_file()
+    assert json.loads(path.read_text())["experiment"] == "mixed_precision"
+
+
+def test_sweep_gives_rows_for_every_point_reference_first(tmp_path):
+    rc, out, err = call(["run", "kv_cache", *KV_TINY, "--sweep", "batch_size=1,2",
+                         "--runs-dir", str(tmp_path), "--json"])
+    assert rc == 0, err
+    rows = json_lines(out)
+    assert all(r["status"] == "ok" for r in rows)
+    points = [r["params"]["sweep"]["batch_size"] for r in rows]  # typed, as resolved
+    assert set(points) == {1, 2}
+    assert points == sorted(points)  # the first point's rows all come before the second's
+    for point in (1, 2):
+        mine = [r for r, p in zip(rows, points) if p == point]
+        assert all(r["params"]["batch_size"] == point for r in mine)
+        variants = [r["variant"] for r in mine]
+        assert variants[0] == "none"
+        assert set(variants) == {"none", "dynamic"}
+        assert variants == sorted(variants, key=lambda v: v != "none")
+        by = {(r["variant"], r["metric"]): r["value"] for r in mine}
+        assert by[("dynamic", "token_agreement")] == 1.0
+    assert len(list(tmp_path.glob("*.json"))) == 1  # one run for the whole sweep
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+BAD_INPUT = [
+    ("unknown-experiment", ["run", "nope"], ["'nope'", "mixed_precision", "kv_cache"]),
+    ("unknown-variant", ["run", "kv_cache", "--variant", "bogus"], ["'bogus'", "none", "dynamic"]),
+    ("unknown-variant-comma", ["run", "kv_cache", "--variant", "dynamic,bogus"], ["'bogus'", "none"]),
+    ("unknown-set-key", ["run", "kv_cache", "--set", "foo=1"],
+     ["'foo'", "batch_size", "prompt_len", "new_tokens", "dtype"]),
+    ("wrong-type", ["run", "kv_cache", "--set", "batch_size=abc"], ["batch_size", "abc", "int"]),
+    ("zero", ["run", "kv_cache", "--set", "batch_size=0"], ["batch_size", ">= 1"]),
+    ("negative", ["run", "kv_cache", "--set", "batch_size=-3"], ["batch_size", ">= 1"]),
+    ("seq-len-past-context", ["run", "mixed_precision", "--preset", "tiny", "--set", "seq_len=999999"],
+     ["seq_len", "context", "2048"]),
+    ("generation-past-context", ["run", "kv_cache", "--preset", "tiny", "--set", "prompt_len=2000",
+                                 "--set", "new_tokens=100"], ["prompt_len", "new_tokens", "context"]),
+    ("unknown-dtype", ["run", "kv_cache", "--set", "dtype=float64"],
+     ["float64", "float32", "bfloat16", "float16"]),
+    ("unknown-device", ["run", "kv_cache", "--device", "tpu"], ["'tpu'", "cpu"]),
+    pytest.param("absent-device", ["run", "kv_cache", "--device", "cuda"],
+                 ["'cuda'", "not present", "available: cpu"], marks=CPU_ONLY, id="absent-device"),
+    ("unknown-preset", ["run", "kv_cache", "--preset", "nope"], ["'nope'", "tiny", "small"]),
+    ("set-without-equals", ["run", "kv_cache", "--set", "foo"], ["'foo'", "key=value"]),
+    ("set-without-key", ["run", "kv_cache", "--set", "=3"], ["'=3'", "key=value"]),
+    ("sweep-without-equals", ["run", "kv_cache", "--sweep", "batch_size"], ["batch_size", "key=value"]),
+    ("sweep-empty", ["run", "kv_cache", "--sweep", "batch_size="], ["batch_size", "no values"]),
+    ("sweep-only-commas", ["run", "kv_cache", "--sweep", "batch_size=,"], ["batch_size", "no values"]),
+    ("sweep-bad-value", ["run", "kv_cache", "--sweep", "batch_size=1,abc"], ["batch_size", "abc"]),
+    ("sweep-unknown-key", ["run", "kv_cache", "--sweep", "foo=1,2"], ["'foo'", "batch_size"]),
+    ("unknown-subcommand", ["frobnicate"], ["frobnicate", "run", "env"]),
+    ("no-subcommand", [], ["command"]),
+    ("missing-name", ["run"], ["name"]),
+    ("unknown-option", ["list", "--bogus"], ["--bogus"]),
+    ("mixed-precision-dtype", ["run", "mixed_precision", "--set", "dtype=bfloat16"],
+     ["dtype", "float32", "bf16"]),
+    pytest.param("int-double-minus", ["run", "kv_cache", *KV_TINY, "--set", "batch_size=--3"],
+                 ["batch_size"], id="int-double-minus"),
+    pytest.param("int-superscript", ["run", "kv_cache", *KV_TINY, "--set", "batch_size=\u00b2"],
+                 ["batch_size"], id="int-superscript"),
+    pytest.param("float-nan-budget", ["run", "kv_cache", *KV_TINY, "--variant", "none", "--set",
+                                      "memory_budget_gib=nan"], ["memory_budget_gib"],
+                 id="float-nan-budget"),
+    pytest.param("variant-set", ["run", "kv_cache", "--set", "variant=dynamic"], ["--variant", "none"],
+                 id="variant-set"),
+    pytest.param("float-nan-model", ["run", "kv_cache", *KV_TINY, "--variant", "none", "--set",
+                                     "rope_theta=nan"], ["rope_theta"],
+                 id="float-nan-model"),
+]
+
+
+def _case(case):
+    return case if hasattr(case, "marks") else pytest.param(*case, id=case[0])
+
+
+@pytest.mark.parametrize("name, argv, mentions", [_case(c) for c in BAD_INPUT])
+def test_bad_input_is_one_error_line_and_exit_2(name, argv, mentions, tmp_path):
+    runs = tmp_path / "runs"
+    if argv and argv[0] == "run":
+        argv = [*argv, "--runs-dir", str(runs)]
+    rc, out, err = call(argv)
+    assert rc == 2
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n"), err
+    assert lines[0].startswith("labkit: error: ")
+    for text in mentions:
+        assert text in lines[0], f"{text!r} not in {lines[0]!r}"
+    assert not runs.exists() or list(runs.iterdir()) == []  # refused before anything was stored
+
+
+def test_python_m_labkit_refuses_bad_input_without_a_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LABKIT_RUNS_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "labkit", "run", "nope"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("labkit: error: unknown experiment 'nope'")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,107 @@
+"""The core (CLI env/list/run, experiments, results) runs with only torch, numpy, pandas and
+nvidia-ml-py: the notebook-side packages are made unimportable in a fresh interpreter, and the
+CLI must still work and must not have loaded any of them.
+
+One subprocess for everything (each launch pays for an `import torch`).
+
+How packages are blocked: every finder on `sys.meta_path` is wrapped so that a blocked name is
+simply not found; `import tqdm` then raises ModuleNotFoundError, and `importlib.util.find_spec`
+returns None, both exactly as when the package is not installed. (A finder that *raises* from
+find_spec is not faithful: torch._dynamo.trace_rules probes optional modules such as tqdm with
+importlib.util.find_spec, which must return None for a missing one; a raising finder makes every
+variant fail with an `error` row that no real environment would produce.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+BLOCKED = ("ipywidgets", "IPython", "plotly", "papermill", "nbconvert", "nbformat", "jupyter",
+           "jupyterlab", "anywidget", "tqdm", "ipykernel", "matplotlib")
+
+SCRIPT = textwrap.dedent("""
+    import contextlib, importlib.abc, io, json, sys
+
+    BLOCKED = {blocked!r}
+    attempted = []
+
+    def is_blocked(name):
+        top = name.split(".")[0]
+        return top in BLOCKED or top.startswith("jupyter")
+
+    class Hide(importlib.abc.MetaPathFinder):
+        # wraps a finder; a blocked name is not found, exactly as if it were not installed
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def find_spec(self, fullname, path=None, target=None):
+            if is_blocked(fullname):
+                attempted.append(fullname)
+                return None
+            find = getattr(self.inner, "find_spec", None)
+            return find(fullname, path, target) if find else None
+
+        def invalidate_caches(self):
+            if hasattr(self.inner, "invalidate_caches"):
+                self.inner.invalidate_caches()
+
+    preloaded = sorted(m for m in sys.modules if is_blocked(m))
+    sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+    try:
+        import tqdm  # noqa: F401
+        raise SystemExit("the blocker does not block")
+    except ModuleNotFoundError as e:
+        assert e.name == "tqdm", e
+
+    from labkit.cli import main
+
+    report = {{"preloaded": preloaded, "codes": [], "outputs": [], "errors": []}}
+    for argv in (["env"], ["run", "kv_cache", *{tiny!r}, "--json"], ["list"]):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        report["codes"].append(code)
+        report["outputs"].append(out.getvalue())
+        report["errors"].append(err.getvalue())
+    report["loaded"] = sorted(m for m in sys.modules if is_blocked(m))
+    report["attempted"] = sorted(set(attempted))
+    print(json.dumps(report))
+    sys.exit(max(report["codes"]))
+""")
+
+TINY = ["--device", "cpu", "--preset", "tiny", "--set", "new_tokens=4", "--set", "prompt_len=4",
+        "--set", "min_run_time_s=0", "--set", "warmup=0"]
+
+
+def test_core_runs_without_notebook_packages(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LABKIT_RUNS_DIR": str(tmp_path / "runs")}
+    script = SCRIPT.format(blocked=BLOCKED, tiny=TINY)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+
+    assert report["preloaded"] == []  # the blocker was in place before anything was imported
+    assert report["codes"] == [0, 0, 0], report["errors"]
+    assert report["loaded"] == []  # none of the notebook-side packages got in
+
+    env_out, run_out, list_out = report["outputs"]
+    assert "cpu" in env_out.lower()
+    assert "kv_cache" in list_out and "mixed_precision" in list_out
+    rows = [json.loads(line) for line in run_out.splitlines()]
+    assert rows
+    assert {r["variant"] for r in rows} == {"none", "dynamic"}
+    assert all(r["status"] == "ok" for r in rows)
+
+    # LABKIT_RUNS_DIR chose the store: the run is there and nowhere else
+    stored = list((tmp_path / "runs").glob("*.json"))
+    assert [p.stem for p in stored] == [rows[0]["run_id"]]
+    assert not (tmp_path / "runs" / "runs").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
