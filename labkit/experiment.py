@@ -19,7 +19,7 @@ import torch
 from labkit import hardware
 from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
 from labkit.measure.flops import count_flops
-from labkit.measure.memory import MemoryMeter, SavedTensorMeter, free_device_memory, storage_bytes
+from labkit.measure.memory import ActivationMeter, MemoryMeter, free_device_memory, storage_bytes
 from labkit.measure.roofline import roofline
 from labkit.measure.timer import time_step
 from labkit.results import RunRecord, unit_of
@@ -166,13 +166,8 @@ def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
     return outputs, _rows(measured, saved, exp.expected(cfg), wl.notes, row)
 
 
-def _saved_tensors(wl: Workload) -> SavedTensorMeter | None:
-    if wl.forward is None:
-        return None
-    with SavedTensorMeter(exclude=wl.resident()) as saved:
-        out = wl.forward()
-    del out
-    return saved
+def _saved_tensors(wl: Workload) -> ActivationMeter | None:
+    return None if wl.forward is None else ActivationMeter(wl.resident()).measure(wl.forward)
 
 
 def _flop_rows(wl: Workload, cfg: RunConfig, seconds: float) -> dict[str, float]:
@@ -187,13 +182,13 @@ def _flop_rows(wl: Workload, cfg: RunConfig, seconds: float) -> dict[str, float]
     return out
 
 
-def _rows(measured: dict[str, Any], saved: SavedTensorMeter | None, predicted: dict[str, float],
+def _rows(measured: dict[str, Any], saved: ActivationMeter | None, predicted: dict[str, float],
           notes: dict[str, str], row: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
     if saved is not None:
         measured["activation_bytes"] = saved.total_bytes
         measured["saved_weight_copy_bytes"] = saved.weight_copy_bytes
         measured.update({f"activation_{d}_bytes": b for d, b in sorted(saved.by_dtype.items())})
-        top = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in saved.by_producer.most_common(4))
+        top = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in saved.largest)
         note = notes.get("activation_bytes", "")
         notes = {**notes, "activation_bytes": f"{note} Largest saved: {top}.".strip()}
     return [row(metric, value, predicted=predicted.get(metric), message=notes.get(metric, ""))

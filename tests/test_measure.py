@@ -141,3 +141,30 @@ def test_roofline_units_and_bound():
     assert p.intensity == 2000.0 and p.bound == "compute"  # ridge at 40 FLOP/byte
     assert roofline(1e9, 1.0, bytes_moved=1e9, peak_tflops=4.0, bandwidth_gbps=100.0).bound == "memory"
     assert roofline(1e12, 1.0).pct_peak_flops is None
+
+
+def test_views_of_tensors_made_before_the_meter_allocate_nothing():
+    w = torch.nn.Parameter(torch.randn(64, 32))  # made outside: not ours to count
+    with MemoryMeter("cpu") as meter:
+        wt = w.t()  # a view: no new storage
+        w2 = w.detach()
+        y = torch.ones(8, 64) @ w
+        assert meter.current_bytes == 8 * 64 * 4 + 8 * 32 * 4
+        del wt, w2, y
+
+
+def test_activation_meter_sees_what_checkpointing_keeps():
+    from labkit.measure.memory import ActivationMeter
+    from labkit.techniques.checkpointing import apply_checkpointing
+
+    m = dataclasses.replace(MODELS["tiny"], num_layers=2)
+    tokens = torch.randint(0, m.vocab_size, (2, 16))
+    held = {}
+    for mode in ("none", "full", "selective"):
+        model = apply_checkpointing(build_model(m), mode)
+        held[mode] = ActivationMeter(model.parameters()).measure(lambda: model(tokens).sum()).total_bytes
+    assert held["full"] < held["selective"] < held["none"]
+    d = m.hidden_size * 2 * 16 * 4  # one block input: (B, T, d) fp32
+    logits = 2 * 16 * m.vocab_size * 4
+    # full: each block keeps only its input; after the blocks, the final norm and the head keep theirs
+    assert held["full"] < 2 * d + 4 * d + logits

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import gc
 import weakref
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,22 +59,29 @@ class LiveTensorTracker(TorchDispatchMode):
         super().__init__()
         self.budget_bytes = budget_bytes
         self.live: dict[int, int] = {}
+        self.dtypes: dict[int, str] = {}  # of the first tensor seen on each storage
         self.current_bytes = 0
         self.peak_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # An output on an input's storage (a view, an in-place op) allocated nothing; without this,
+        # a view of a tensor made before the mode (a parameter's .t()) would count as new.
+        inputs = {st._cdata for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, inputs)
         return out
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, inputs: set[int] = frozenset()) -> None:
         st = _storage(t)
-        if st is None or st._cdata in self.live:
+        if st is None or st._cdata in self.live or st._cdata in inputs:
             return
         key, nbytes = st._cdata, st.nbytes()
         self.live[key] = nbytes
+        self.dtypes[key] = str(t.dtype).removeprefix("torch.")
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         weakref.finalize(st, self._free, key)
@@ -83,6 +90,13 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current_bytes -= self.live.pop(key, 0)
+        self.dtypes.pop(key, None)
+
+    def live_by_dtype(self) -> collections.Counter[str]:
+        out: collections.Counter[str] = collections.Counter()
+        for key, nbytes in list(self.live.items()):
+            out[self.dtypes.get(key, "unknown")] += nbytes
+        return out
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
@@ -174,6 +188,7 @@ class SavedTensorMeter:
         self.excluded = {st._cdata for st in map(_storage, exclude) if st is not None}
         self.seen: set[int] = set()
         self.weight_copy_bytes = 0
+        self.weight_copy_by_dtype: collections.Counter[str] = collections.Counter()
         self.by_dtype: collections.Counter[str] = collections.Counter()
         self.by_producer: collections.Counter[str] = collections.Counter()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -196,10 +211,11 @@ class SavedTensorMeter:
         if st is None or st._cdata in self.excluded or st._cdata in self.seen:
             return
         self.seen.add(st._cdata)
+        dtype = str(t.dtype).removeprefix("torch.")
         if self._is_weight_copy(t.grad_fn):
             self.weight_copy_bytes += st.nbytes()
+            self.weight_copy_by_dtype[dtype] += st.nbytes()
             return
-        dtype = str(t.dtype).removeprefix("torch.")
         producer = t.grad_fn.name() if t.grad_fn is not None else "input"
         self.by_dtype[dtype] += st.nbytes()
         self.by_producer[f"{producer} ({dtype})"] += st.nbytes()
@@ -218,4 +234,35 @@ class SavedTensorMeter:
     @property
     def total_bytes(self) -> int:
         """Activation bytes: everything saved except the parameters and copies of them."""
+        return sum(self.by_dtype.values())
+
+
+class ActivationMeter:
+    """What one forward pass leaves held for backward: every storage created during the forward
+    and still alive at its end (so also what checkpointing keeps, which saved-tensor hooks cannot
+    see), less the forward's own output, with autocast's weight copies counted apart."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.exclude = list(exclude)
+        self.by_dtype: collections.Counter[str] = collections.Counter()
+        self.weight_copy_bytes = 0
+        self.largest: list[tuple[str, int]] = []  # the biggest saved tensors, by producing op
+
+    def measure(self, forward: Callable[[], object]) -> "ActivationMeter":
+        tracker, saved = LiveTensorTracker(), SavedTensorMeter(self.exclude)
+        with tracker, saved:
+            out = forward()
+        held = tracker.live_by_dtype()
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
+                held[str(t.dtype).removeprefix("torch.")] -= st.nbytes()
+        held.subtract(saved.weight_copy_by_dtype)
+        self.by_dtype = collections.Counter({d: b for d, b in held.items() if b > 0})
+        self.weight_copy_bytes = saved.weight_copy_bytes
+        self.largest = saved.by_producer.most_common(4)
+        del out
+        return self
+
+    @property
+    def total_bytes(self) -> int:
         return sum(self.by_dtype.values())

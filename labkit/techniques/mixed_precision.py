@@ -15,11 +15,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
-from labkit.model import build_model
+from labkit.techniques.training import Trainer, optimizer_state, total_norm
 from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "bf16_weights")
@@ -68,28 +67,20 @@ class MasterWeightAdamW:
         return self.master + optimizer_state(self.inner)
 
 
-def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-
-
-class Trainer:
-    """A model, one fixed batch, and the variant's precision recipe around a training step."""
+class PrecisionTrainer(Trainer):
+    """The plain training step with the variant's precision recipe around it."""
 
     def __init__(self, cfg: Config):
-        device_type = torch.device(cfg.device).type
+        self.variant, self.device_type = cfg.variant, torch.device(cfg.device).type
+        self.scaler = torch.amp.GradScaler(self.device_type) if cfg.variant == "fp16" else None
+        self.skipped_steps = 0
         weights = torch.bfloat16 if cfg.variant == "bf16_weights" else torch.float32
-        self.model = build_model(cfg.model, device=cfg.device, dtype=weights, seed=cfg.seed,
-                                 attention=cfg.attention)
-        gen = torch.Generator().manual_seed(cfg.seed + 1)
-        batch = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
-        batch = batch.to(cfg.device)
-        self.inputs, self.targets = batch[:, :-1], batch[:, 1:]
-        self.variant, self.device_type = cfg.variant, device_type
-        self.scaler = torch.amp.GradScaler(device_type) if cfg.variant == "fp16" else None
-        params = self.model.parameters()
-        self.optimizer = (MasterWeightAdamW(params, cfg.lr) if cfg.variant == "bf16_weights"
-                          else torch.optim.AdamW(params, lr=cfg.lr))
-        self.grad_norm, self.skipped_steps, self.losses = math.nan, 0, []
+        super().__init__(cfg, weights=weights, lr=cfg.lr)
+
+    def make_optimizer(self, lr: float):
+        if self.variant == "bf16_weights":
+            return MasterWeightAdamW(self.model.parameters(), lr)
+        return super().make_optimizer(lr)
 
     def precision(self) -> contextlib.AbstractContextManager:
         if self.variant in AUTOCAST:
@@ -98,25 +89,9 @@ class Trainer:
             return tf32_matmuls()
         return contextlib.nullcontext()
 
-    def forward(self) -> torch.Tensor:
-        """The loss of the batch; the loss itself is computed on fp32 logits in every variant."""
-        with self.precision():
-            logits = self.model(self.inputs)  # (B, T, vocab)
-            return F.cross_entropy(logits.float().flatten(0, 1), self.targets.flatten())
-
-    def step(self) -> float:
-        loss = self.forward()
+    def backward_and_update(self, loss: torch.Tensor) -> None:
         if self.scaler is None:
-            loss.backward()
-            self.grad_norm = total_norm(self.model.parameters())
-            self.optimizer.step()
-        else:
-            self._scaled_step(loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.losses.append(loss.item())
-        return self.losses[-1]
-
-    def _scaled_step(self, loss: torch.Tensor) -> None:
+            return super().backward_and_update(loss)
         scale = self.scaler.get_scale()
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
@@ -128,7 +103,7 @@ class Trainer:
     def optimizer_tensors(self) -> list[torch.Tensor]:
         if isinstance(self.optimizer, MasterWeightAdamW):
             return self.optimizer.state_tensors()
-        return optimizer_state(self.optimizer)
+        return super().optimizer_tensors()
 
     def report(self) -> dict[str, float]:
         out = {"grad_norm": self.grad_norm}
@@ -147,11 +122,6 @@ def tf32_matmuls():
         torch.set_float32_matmul_precision(before)
 
 
-def total_norm(params) -> float:
-    grads = [p.grad.float() for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
-
-
 def skip_reason(cfg: Config) -> str | None:
     """Why this variant cannot run on this device, or None."""
     if cfg.variant == "tf32":
@@ -168,16 +138,11 @@ def build(cfg: Config) -> Workload:
     reason = skip_reason(cfg)
     if reason:
         raise SkipVariant(reason)
-    trainer = Trainer(cfg)
+    trainer = PrecisionTrainer(cfg)
     model = trainer.model
-
-    def check() -> dict[str, object]:
-        for _ in range(cfg.steps):
-            trainer.step()
-        return {"losses": list(trainer.losses), "grad_norm": trainer.grad_norm}
-
     return Workload(
-        step=trainer.step, check=check, tokens_per_step=cfg.batch_size * cfg.seq_len,
+        step=trainer.step, check=lambda: trainer.train(cfg.steps),
+        tokens_per_step=cfg.batch_size * cfg.seq_len,
         tensors={"param_bytes": model.parameters, "optimizer_bytes": trainer.optimizer_tensors},
         forward=trainer.forward, resident=trainer.model.parameters, report=trainer.report,
         notes=notes(cfg), compute_dtype=compute_dtype(cfg.variant))

@@ -1,0 +1,88 @@
+"""The plain training step every training experiment starts from: the decoder, one fixed seeded
+batch, next-token cross-entropy on fp32 logits, AdamW, `zero_grad(set_to_none=True)`.
+
+Techniques change it from outside: a precision context (`Trainer.precision`), a transformed model
+(checkpointing), a different backward/step (`Trainer.backward_and_update`), or several
+micro-batches per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from labkit.config import RunConfig
+from labkit.model import build_model
+
+
+def make_batch(cfg: RunConfig, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded token ids: inputs (B, T) and next-token targets (B, T), on the config's device."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    batch = torch.randint(0, cfg.model.vocab_size, (batch_size or cfg.batch_size, cfg.seq_len + 1),
+                          generator=gen).to(cfg.device)
+    return batch[:, :-1], batch[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed on fp32 logits whatever the model's dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def total_norm(params) -> float:
+    """The global L2 norm of the gradients (nan when there are none)."""
+    grads = [p.grad.float() for p in params if p.grad is not None]
+    if not grads:
+        return math.nan
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+class Trainer:
+    """A model, one fixed batch and AdamW; `step()` is one training step and returns the loss."""
+
+    def __init__(self, cfg: RunConfig, *, weights: torch.dtype = torch.float32, lr: float = 1e-3):
+        self.cfg = cfg
+        self.model = build_model(cfg.model, device=cfg.device, dtype=weights, seed=cfg.seed,
+                                 attention=cfg.attention)
+        self.inputs, self.targets = make_batch(cfg)
+        self.optimizer = self.make_optimizer(lr)
+        self.grad_norm, self.losses = math.nan, []
+
+    def make_optimizer(self, lr: float):
+        return torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    def precision(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def forward(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of a batch (the trainer's own by default)."""
+        inputs = self.inputs if inputs is None else inputs
+        targets = self.targets if targets is None else targets
+        with self.precision():
+            return lm_loss(self.model(inputs), targets)
+
+    def backward_and_update(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.grad_norm = total_norm(self.model.parameters())
+        self.optimizer.step()
+
+    def step(self) -> float:
+        loss = self.forward()
+        self.backward_and_update(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+    def train(self, steps: int) -> dict[str, object]:
+        """`steps` steps; the losses and the last gradient norm (what `check()` compares)."""
+        for _ in range(steps):
+            self.step()
+        return {"losses": list(self.losses), "grad_norm": self.grad_norm}
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        return optimizer_state(self.optimizer)
