@@ -109,6 +109,17 @@ NOTEBOOKS = {
         "decode step is bound by per-step overhead and by reading the weights, not by FLOPs."),
 }
 
+# Issue 3: training memory. Each entry: filename -> (experiment, title, intro, what to look for).
+TRAINING_MEMORY = {
+    "03_checkpointing.ipynb": ("checkpointing", "03 · Activation checkpointing", "TODO(checkpointing) intro", "TODO(checkpointing) look for"),
+    "04_grad_accumulation.ipynb": ("grad_accumulation", "04 · Gradient accumulation", "TODO(grad_accumulation) intro", "TODO(grad_accumulation) look for"),
+    "05_offload.ipynb": ("offload", "05 · CPU offload", "TODO(offload) intro", "TODO(offload) look for"),
+    "06_memory_pool.ipynb": ("memory_pool", "06 · The CUDA caching allocator", "TODO(memory_pool) intro", "TODO(memory_pool) look for"),
+    "07_batch_finder.ipynb": ("batch_finder", "07 · The OOM frontier", "TODO(batch_finder) intro", "TODO(batch_finder) look for"),
+}
+NOTEBOOKS.update({filename: experiment_notebook(*spec) for filename, spec in TRAINING_MEMORY.items()})
+# TODO(planner): NOTEBOOKS["08_memory_planner.ipynb"] = planner_notebook()
+
 if __name__ == "__main__":
     ROOT.mkdir(exist_ok=True)
     for filename, nb in NOTEBOOKS.items():

@@ -9,6 +9,11 @@ from labkit.config import ConfigError
 EXPERIMENTS = {
     "mixed_precision": "labkit.techniques.mixed_precision",
     "kv_cache": "labkit.techniques.kv_cache",
+    "checkpointing": "labkit.techniques.checkpointing",
+    "grad_accumulation": "labkit.techniques.grad_accumulation",
+    "offload": "labkit.techniques.offload",
+    "memory_pool": "labkit.techniques.memory_pool",
+    "batch_finder": "labkit.techniques.batch_finder",
 }
 
 
