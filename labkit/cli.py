@@ -1,4 +1,4 @@
-"""The command line: `labkit env | list | run | results | report`.
+"""The command line: `labkit env | list | run | results | report | plan`.
 
 Bad input is one line on stderr and exit code 2, never a traceback. `--json` prints result rows
 as JSON lines on stdout and nothing else.
@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from labkit.config import ConfigError, parse_assignments
+from labkit.config import PRESETS, ConfigError, parse_assignments
 
 EXIT_BAD_INPUT = 2
 
@@ -45,7 +45,32 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                      help="a setting applied to every experiment")
     _add_run_options(rep)
+    _add_plan_parser(sub)
     return p
+
+
+def _add_plan_parser(sub) -> None:
+    """`labkit plan`: choices are checked by the planner (one line naming the valid ones)."""
+    pl = sub.add_parser("plan", help="predict training memory per GPU; recommend a plan that fits")
+    pl.add_argument("--model", help=f"a preset: {', '.join(PRESETS)} (default: tiny)")
+    pl.add_argument("--params", help="a bare parameter count instead of --model, e.g. 7.5e9 "
+                                     "(then only model states are predicted)")
+    pl.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per GPU")
+    pl.add_argument("--seq-len", type=int, help="tokens per sequence (default: 2048 or the context)")
+    pl.add_argument("--precision", default="mixed", help="fp32, fp16, bf16 or mixed (16-bit "
+                    "weights and gradients, fp32 master weights and optimizer states; default)")
+    pl.add_argument("--optimizer", default="adamw", help="adam, adamw or sgd (with momentum)")
+    pl.add_argument("--optimizer-impl", default="foreach",
+                    help="torch's Adam implementation: foreach (CUDA's default), single or fused")
+    pl.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3")
+    pl.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    pl.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    pl.add_argument("--gpus", type=int, help="GPUs in all (default: tp x pp); dp = gpus / (tp x pp)")
+    pl.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU (GiB)")
+    pl.add_argument("--checkpointing", default="none", help="none, selective or full")
+    pl.add_argument("--effective-batch", type=int,
+                    help="sequences per optimizer step (default: batch size x dp)")
+    pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -153,8 +178,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """A plan that does not fit is an answer (exit 0); only bad input exits 2."""
+    from labkit.plan_view import format_plan
+    from labkit.planner import plan_report
+
+    report = plan_report(model=args.model, params=args.params, batch_size=args.batch_size,
+                         seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
+                         optimizer_impl=args.optimizer_impl, zero_stage=args.zero_stage,
+                         tp=args.tp, pp=args.pp, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib,
+                         checkpointing=args.checkpointing, effective_batch=args.effective_batch)
+    print(json.dumps(report, allow_nan=False) if args.json else format_plan(report))
+    return 0
+
+
 COMMANDS = {"env": cmd_env, "list": cmd_list, "run": cmd_run, "results": cmd_results,
-            "report": cmd_report}
+            "report": cmd_report, "plan": cmd_plan}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 
 from labkit import hardware
+from labkit.config import ConfigError
 from labkit.experiment import run_experiment
 from labkit.results import format_rows
 from labkit.techniques import EXPERIMENTS
@@ -20,21 +21,26 @@ def run_report(out: str | Path, *, preset: str | None = None, overrides: dict[st
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     runs_dir = Path(runs_dir or out / "runs")
-    frames = {}
+    frames, refused = {}, {}
     for name in experiments or list(EXPERIMENTS):
-        result = run_experiment(name, preset=preset, overrides=overrides, runs_dir=str(runs_dir))
-        frames[name] = result.frame()
+        try:
+            frames[name] = run_experiment(name, preset=preset, overrides=overrides,
+                                          runs_dir=str(runs_dir)).frame()
+        except ConfigError as e:  # e.g. a setting this experiment does not take: say so, go on
+            refused[name] = str(e)
     table = pd.concat(frames.values(), ignore_index=True)
     table.drop(columns=["params", "env"]).to_csv(out / "results.csv", index=False)
-    (out / "summary.md").write_text(summary_markdown(frames))
+    (out / "summary.md").write_text(summary_markdown(frames, refused))
     write_figures(frames, out / "figures.html")
     return out
 
 
-def summary_markdown(frames: dict[str, pd.DataFrame]) -> str:
+def summary_markdown(frames: dict[str, pd.DataFrame], refused: dict[str, str]) -> str:
     parts = ["# labkit report", "", "```", hardware.describe(), "```"]
     for name, frame in frames.items():
         parts += ["", f"## {name}", "", "```", format_rows(frame.to_dict(orient="records")), "```"]
+    for name, reason in refused.items():
+        parts += ["", f"## {name}", "", f"not run: {reason}"]
     return "\n".join(parts) + "\n"
 
 

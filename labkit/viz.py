@@ -25,9 +25,19 @@ def not_run(frame: pd.DataFrame) -> pd.DataFrame:
     return bad.drop_duplicates("variant")[["variant", "status", "message"]].reset_index(drop=True)
 
 
+def point_labels(frame: pd.DataFrame) -> pd.Series:
+    """`variant`, or `variant key=value,...` when the run swept settings: one bar per point."""
+    def label(row) -> str:
+        sweep = row["params"].get("sweep") if isinstance(row["params"], dict) else None
+        return row["variant"] + (" " + ",".join(f"{k}={v}" for k, v in sweep.items()) if sweep else "")
+    return frame.apply(label, axis=1) if not frame.empty else pd.Series(dtype=str)
+
+
 def variant_comparison(frame: pd.DataFrame, *, title: str = "") -> go.Figure:
-    """Memory (MiB, by kind) and throughput of each variant; predictions as open diamonds."""
+    """Memory (MiB, by kind) and throughput of each variant (and sweep point); predictions as
+    open diamonds."""
     rows = ok_rows(frame)
+    rows = rows.assign(variant=point_labels(rows))
     variants = list(dict.fromkeys(rows["variant"]))
     throughput = next((m for m in THROUGHPUT_METRICS if (rows["metric"] == m).any()), None)
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
@@ -45,8 +55,9 @@ def variant_comparison(frame: pd.DataFrame, *, title: str = "") -> go.Figure:
         _add_predicted(fig, variants, sel["predicted"], throughput, col=2)
     skipped = not_run(frame)
     note = "; ".join(f"{r.variant}: {r.status}" for r in skipped.itertuples())
-    fig.update_layout(barmode="group", scattermode="group", title=title + (f"  (not run: {note})" if note else ""),
-                      height=420, legend={"orientation": "h", "y": -0.2})
+    fig.update_layout(barmode="group", scattermode="group", height=420,
+                      title=title + (f"  (not run: {note})" if note else ""),
+                      legend={"orientation": "h", "y": -0.2})
     return fig
 
 
@@ -83,3 +94,32 @@ def metric_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Variants as columns, metrics as rows: the numbers behind the figure."""
     rows = ok_rows(frame)
     return rows.pivot_table(index="metric", columns="variant", values="value", sort=False)
+
+
+PALETTE = ("#264653", "#e76f51", "#2a9d8f", "#8e7dbe", "#f4a261", "#457b9d")  # one per variant
+
+
+def frontier(frame: pd.DataFrame) -> go.Figure:
+    """The OOM frontier (batch_finder rows): the largest size that fits against the other
+    dimension (max batch size against seq_len, or max seq_len against batch size), one line per
+    variant; the planner's answer dashed. Below a line fits, above it runs out of memory."""
+    rows = ok_rows(frame)
+    metric = "max_batch_size" if (rows["metric"] == "max_batch_size").any() else "max_seq_len"
+    x = "seq_len" if metric == "max_batch_size" else "batch_size"
+    rows = rows[rows["metric"] == metric].assign(**{x: lambda t: t["params"].map(lambda p: p[x])})
+    fig = go.Figure()
+    for i, (variant, sel) in enumerate(rows.groupby("variant", sort=False)):
+        sel, color = sel.sort_values(x), PALETTE[i % len(PALETTE)]
+        fig.add_scatter(x=sel[x], y=sel["value"], mode="lines+markers", name=f"{variant} measured",
+                        line={"color": color}, legendgroup=variant)
+        if sel["predicted"].notna().any():
+            fig.add_scatter(x=sel[x], y=sel["predicted"], mode="lines+markers",
+                            name=f"{variant} predicted", legendgroup=variant,
+                            line={"color": color, "dash": "dash"}, marker={"symbol": "diamond-open"})
+    skipped = not_run(frame)
+    note = "; ".join(f"{r.variant}: {r.status}" for r in skipped.itertuples())
+    fig.update_layout(title="OOM frontier: fits below the line" + (f"  (not run: {note})" if note else ""),
+                      xaxis_title=x, yaxis_title=f"{metric} (fits)", height=420,
+                      legend={"orientation": "h", "y": -0.2})
+    return fig
+

@@ -80,7 +80,9 @@ class Panel:
                       {**overrides, "device": self.device.value}, experiment=self.name)
         for key, widget in self.controls.items():
             value = getattr(cfg, key)
-            widget.value = "" if value is None and isinstance(widget, W.Text) else value
+            if isinstance(widget, W.Text):  # an optional number: blank means none
+                value = "" if value is None else str(value)
+            widget.value = value
 
     def overrides(self) -> dict[str, Any]:
         values = {k: w.value for k, w in self.controls.items()}

@@ -13,12 +13,15 @@ EXPERIMENT_PARAMETERS = '''preset = None  # model shape and sizes: tiny, small, 
 device = "auto"  # auto, cpu, cuda or cuda:N
 variants = "all"  # comma-separated variants to run beside the reference, or "all"
 overrides = {}  # any config field, e.g. {"batch_size": 8, "seq_len": 128}
+sweep = {SWEEP}  # config fields and the values to sweep, e.g. {"batch_size": [1, 2, 4]}
 interactive = True  # show the widget panel to re-run with other settings
 runs_dir = None  # where results are stored (None: $LABKIT_RUNS_DIR or ./runs)'''
 
 
-def experiment_notebook(name: str, title: str, intro: str, look_for: str) -> nbformat.NotebookNode:
-    parameters = new_code_cell(EXPERIMENT_PARAMETERS, metadata={"tags": ["parameters"]})
+def experiment_notebook(name: str, title: str, intro: str, look_for: str,
+                        sweep: str = "{}") -> nbformat.NotebookNode:
+    parameters = new_code_cell(EXPERIMENT_PARAMETERS.replace("{SWEEP}", sweep),
+                               metadata={"tags": ["parameters"]})
     return new_notebook(metadata=KERNEL, cells=[
         new_markdown_cell(f"# {title}\n\n{intro}"),
         parameters,
@@ -30,7 +33,7 @@ def experiment_notebook(name: str, title: str, intro: str, look_for: str) -> nbf
             "from labkit.widgets import build_panel, show_result\n\n"
             f'result = run_experiment("{name}", preset=preset, overrides={{**overrides, "device": device}},\n'
             '                        variants=None if variants == "all" else variants.split(","),\n'
-            "                        runs_dir=runs_dir, progress=False)\n"
+            "                        sweep=sweep, runs_dir=runs_dir, progress=False)\n"
             "frame = result.frame()\n"
             f'show_result(frame, "{name}")'),
         new_markdown_cell("## Every measured number"),
@@ -109,20 +112,214 @@ NOTEBOOKS = {
         "decode step is bound by per-step overhead and by reading the weights, not by FLOPs."),
 }
 
+BATCH_FINDER_PARAMETERS = '''preset = None  # model shape and sizes: tiny, small, medium, gpt2-124m, ...; None: from the device
+device = "auto"  # auto, cpu, cuda or cuda:N
+variants = "all"  # comma-separated variants to run beside the reference, or "all"
+seq_lens = [16, 32, 64]  # one search per sequence length: the frontier's x axis
+cpu_budget_gib = 0.25  # the virtual memory budget on the CPU (a GPU searches its real memory)
+overrides = {}  # any config field, e.g. {"mode": "dynamic", "effective_batch": 64}
+interactive = True  # show the widget panel to re-run with other settings
+runs_dir = None  # where results are stored (None: $LABKIT_RUNS_DIR or ./runs)'''
+
+
+def batch_finder_notebook(name: str, title: str, intro: str, look_for: str) -> nbformat.NotebookNode:
+    """The experiment notebook with a sweep over sequence lengths and the frontier figure."""
+    return new_notebook(metadata=KERNEL, cells=[
+        new_markdown_cell(f"# {title}\n\n{intro}"),
+        new_code_cell(BATCH_FINDER_PARAMETERS, metadata={"tags": ["parameters"]}),
+        new_markdown_cell("## The machine"),
+        new_code_cell("from labkit import hardware\n\nprint(hardware.describe())"),
+        new_markdown_cell("## Run: one search per sequence length and variant"),
+        new_code_cell(
+            "from labkit.experiment import run_experiment\n"
+            f"from labkit.techniques.{name} import budget_overrides\n"
+            "from labkit.widgets import build_panel\n\n"
+            "settings = {**budget_overrides(device, cpu_budget_gib), **overrides, \"device\": device}\n"
+            f'result = run_experiment("{name}", preset=preset, overrides=settings, sweep={{"seq_len": seq_lens}},\n'
+            '                        variants=None if variants == "all" else variants.split(","),\n'
+            "                        runs_dir=runs_dir, progress=False)\n"
+            "frame = result.frame()"),
+        new_markdown_cell("## The frontier"),
+        new_code_cell("from labkit import viz\n\nviz.frontier(frame).show()"),
+        new_markdown_cell("## Measured beside predicted, and what did not run"),
+        new_code_cell("display(viz.predicted_table(frame))\nviz.not_run(frame)"),
+        new_markdown_cell("## Every measured number (averaged over the lengths)"),
+        new_code_cell("viz.metric_table(frame)"),
+        new_markdown_cell("## Try other settings\n\nOn a CPU, give the panel a `memory_budget_gib`: the "
+                          "search needs a budget to run out of."),
+        new_code_cell("if interactive:\n"
+                      f'    display(build_panel("{name}", preset=preset, device=device, overrides=overrides,\n'
+                      "                        runs_dir=runs_dir))"),
+        new_markdown_cell(f"## What to look for\n\n{look_for}"),
+    ])
+
+
 # Issue 3: training memory. Each entry: filename -> (experiment, title, intro, what to look for).
 TRAINING_MEMORY = {
-    "03_checkpointing.ipynb": ("checkpointing", "03 · Activation checkpointing", "TODO(checkpointing) intro", "TODO(checkpointing) look for"),
-    "04_grad_accumulation.ipynb": ("grad_accumulation", "04 · Gradient accumulation", "TODO(grad_accumulation) intro", "TODO(grad_accumulation) look for"),
-    "05_offload.ipynb": ("offload", "05 · CPU offload", "TODO(offload) intro", "TODO(offload) look for"),
-    "06_memory_pool.ipynb": ("memory_pool", "06 · The CUDA caching allocator", "TODO(memory_pool) intro", "TODO(memory_pool) look for"),
-    "07_batch_finder.ipynb": ("batch_finder", "07 · The OOM frontier", "TODO(batch_finder) intro", "TODO(batch_finder) look for"),
+    "03_checkpointing.ipynb": ("checkpointing", "03 · Activation checkpointing",
+        "One training step with the blocks' activations kept for backward (`none`), or dropped "
+        "and recomputed by `torch.utils.checkpoint` (non-reentrant): every block (`full`), every "
+        "n-th (`every_n`), every block but keeping the matmul outputs (`selective`), or the blocks "
+        "a memory budget needs (`budget`, chosen from a measured per-block table of bytes freed "
+        "against time recomputed). Recomputation replays the same ops, so every gradient must "
+        "equal `none`'s; then you see the bytes each keeps, the peak, the extra FLOPs and time.",
+        "- `activation_bytes` (tiny preset, batch 4 x 64 tokens, fp32): `none` ~24.6 MiB; `full` "
+        "~5.8 MiB (each block keeps only its (B, T, d) input; most of the rest is the loss's "
+        "(B, T, vocab) log-probabilities); `every_n` and `selective` in between. The planner's "
+        "figure is beside each.\n"
+        "- `grad_max_abs_diff` = 0: bitwise equal gradients on a CPU.\n"
+        "- `flops`: `full` adds one forward of each block less its MLP down-projection (the "
+        "recomputation stops once the last tensor backward needs is rebuilt): +19% at tiny; "
+        "`selective` adds 0 counted FLOPs (it replays only elementwise ops). Compare `step_ms` "
+        "with `none`'s for the time it costs.\n"
+        "- `peak_mem_bytes` falls by less than the activations: the optimizer step (weights, "
+        "gradients, AdamW moments and their temporaries) sets a floor.\n"
+        "- `budget`: set `overrides = {\"memory_budget_gib\": 0.085}` at tiny: `none` runs out "
+        "of memory, `budget` checkpoints one block and fits; `num_checkpointed_blocks` says which "
+        "and why. Without a budget on a CPU it checkpoints nothing; on a GPU it uses the free "
+        "memory."),
+    "04_grad_accumulation.ipynb": ("grad_accumulation", "04 · Gradient accumulation",
+        "One optimizer step over k x b sequences: as one batch (`one_batch`), or as k micro-batches "
+        "of b whose losses are scaled by 1/k and whose gradients sum in `.grad` (`accumulate`). "
+        "`batch_size` is b, `micro_batches` is k. The gradients must match the large batch's "
+        "within fp32 rounding; then you see that memory follows the micro-batch while every step "
+        "still trains on k x b x T tokens.",
+        "- `grad_max_rel_diff` (normwise, per parameter) ~3e-7: not 0, because k partial sums "
+        "round differently from one sum, and far below the 1e-6 allowed.\n"
+        "- `activation_bytes`: `accumulate` holds one micro-batch's (~24.6 MiB at tiny, b = 4), "
+        "`one_batch` k times that.\n"
+        "- `peak_mem_bytes`: `one_batch` grows with k; `accumulate` stays flat. Against a plain "
+        "step of b (`micro_batches` = 1) it is higher by up to one gradient buffer (4 bytes per "
+        "parameter, ~19 MiB at tiny): from the second micro-batch on, a full set of gradients sits "
+        "beside one micro-batch's activations. The default sweep runs micro_batches 1 and 4.\n"
+        "- `tokens_per_s`: the same tokens per step; k small forwards use the device less well than "
+        "one large one (on a GPU more than on a CPU).", '{"micro_batches": [1, 4]}'),
+    "05_offload.ipynb": ("offload", "05 · CPU offload",
+        "Training with the tensors saved for backward (`save_on_cpu(pin_memory=True)`) and/or "
+        "AdamW's state moved to host memory. Each variant trains the same weights on the same batch "
+        "and must give the reference's losses and gradient norm; then you see the device memory it "
+        "saves and the time its copies cost, against the host link's bandwidth measured here. On a "
+        "CPU there is nothing to offload to: the variants are skipped with the reason and only the "
+        "reference runs.",
+        "- `peak_mem_bytes` (device memory): `activations` takes the activation term off the "
+        "planner's peak, `optimizer` AdamW's 8 bytes per parameter, `both` both; "
+        "`device_mem_saved_bytes` is the difference to the reference.\n"
+        "- `transfer_bytes` per step and the measured pinned bandwidths `h2d_gbps`, `d2h_gbps`: "
+        "`added_step_ms` is predicted as bytes each way / bandwidth (plus the host AdamW's memory "
+        "traffic for `optimizer`) and measured as the check's last step against the reference's.\n"
+        "- `loss_delta` and `grad_norm_delta` near 0: offloading moves bytes, it changes no number.\n"
+        "- `device_optimizer_bytes` drops to 0 while `optimizer_bytes` grows to 12 bytes per "
+        "parameter on the host (the moments plus the fp32 weights the host AdamW updates).\n"
+        "- On a CPU: the reference's peak beside the planner's, and why the variants are skipped."),
+    "06_memory_pool.ipynb": ("memory_pool", "06 · The CUDA caching allocator",
+        "Decoding requests of varying lengths one after another, with the caching allocator as it "
+        "comes (fixed-size segments), with `expandable_segments`, and with the KV cache in a buffer "
+        "pool allocated once. The tokens must be identical; you see the bytes in live tensors "
+        "(allocated) against what the allocator holds (reserved) against what the driver reports "
+        "(NVML), and their difference, fragmentation. On a CPU there is no caching allocator: the "
+        "variants are skipped with the reason and the reference runs.",
+        "- `fragmentation_bytes` = reserved peak - allocated peak: the default allocator's grows as "
+        "a concatenated KV cache and varying prompts free blocks the next, larger request cannot "
+        "use; `expandable` keeps reserved near allocated.\n"
+        "- `buffer_pool`: `kv_bytes` is the whole buffer from the start (2 x layers x kv_heads x "
+        "head_dim x bytes x batch x (prompt_len + new_tokens)), but nothing is allocated per token.\n"
+        "- `nvml_used_bytes` is above reserved by the CUDA context and by other processes.\n"
+        "- `token_agreement` = 1: where memory comes from changes no number.\n"
+        "- The setting is changed at run time (`torch._C._accelerator_setAllocatorSettings`, or "
+        "`torch.cuda.memory._set_allocator_settings` in torch 2.6) and applies to segments made "
+        "afterwards; for a whole process set `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` "
+        "before CUDA initialises."),
+    "07_batch_finder.ipynb": ("batch_finder", "07 · The OOM frontier",
+        "The largest micro-batch that fits, for each combination of precision and activation "
+        "checkpointing, found by probing: grow (doubling) until an OOM, then bisect. Each probe is "
+        "a fresh model and optimizer running two training steps; after an OOM nothing of it stays "
+        "alive. One search per sequence length draws the frontier, with the planner's answer "
+        "beside it. On a CPU the search runs against a virtual memory budget (its tracker raises "
+        "the same `torch.OutOfMemoryError` a GPU does); on a GPU against the real memory.",
+        "- Below a line fits, above it runs out of memory. Once activations dominate, doubling the "
+        "sequence length halves the batch; at short lengths the model states and the optimizer "
+        "step's temporaries dominate and the line flattens.\n"
+        "- Checkpointing (`_ckpt`) lifts the frontier: each block keeps only its input, for a "
+        "second forward in backward (`step_ms`).\n"
+        "- `max_batch_size` measured beside predicted (the planner's peak against the budget); "
+        "`num_probes` about 2 log2(size) with `grow`, a few with `mode: dynamic`, which starts "
+        "from the free memory.\n"
+        "- With `effective_batch`, `accumulation_steps` = ceil(effective_batch / max_batch_size) "
+        "keeps the sequences per optimizer step.\n"
+        "- `peak_mem_bytes` at the size found sits just under the budget."),
 }
 NOTEBOOKS.update({filename: experiment_notebook(*spec) for filename, spec in TRAINING_MEMORY.items()})
-# TODO(planner): NOTEBOOKS["08_memory_planner.ipynb"] = planner_notebook()
+NOTEBOOKS["07_batch_finder.ipynb"] = batch_finder_notebook(*TRAINING_MEMORY["07_batch_finder.ipynb"])
+
+
+def planner_notebook() -> nbformat.NotebookNode:
+    """The memory planner: the worked example, the terms of the recommended plan, a measured
+    check of the planner on this machine, the panel. Every number comes from labkit.planner."""
+    parameters = '''model = "llama-2-7b"  # the worked example's model: a preset (tiny, small, gpt2-124m, llama-2-7b, ...)
+gpus = 4  # GPUs the worked example trains on (data parallel)
+gpu_mem_gib = 24.0  # memory of each of those GPUs, GiB
+seq_len = 4096  # tokens per sequence in the worked example
+effective_batch = 32  # sequences per optimizer step in the worked example
+check_overrides = {"batch_size": 4, "seq_len": 64}  # sizes of the tiny run measured here to check the planner
+device = "auto"  # where that check runs: auto, cpu, cuda or cuda:N
+interactive = True  # show the planner panel to try other inputs
+runs_dir = None  # where the check's results are stored (None: $LABKIT_RUNS_DIR or ./runs)'''
+    look_for = (
+        "## What to look for\n\n"
+        "- **fp32 → mixed precision** halves the activations, not the model states: mixed keeps "
+        "2 + 2 + 12 = 16 bytes per parameter (16-bit weights and gradients; fp32 master weights, m "
+        "and v), fp32's 4 + 4 + 8 again. Pure bf16 (8 bytes) halves them, at some cost in accuracy.\n"
+        "- **Checkpointing** keeps each layer's input (full) or its matmul outputs (selective) "
+        "instead of every intermediate; the peak then moves from the backward's start to the "
+        "optimizer step, which holds every gradient and the optimizer's temporaries.\n"
+        "- **ZeRO stages** divide by the data-parallel degree the optimizer states (1), then the "
+        "gradients (2), then the parameters (3): (2 + 2 + K)Ψ → 4Ψ + KΨ/Nd → 2Ψ + (2 + K)Ψ/Nd → "
+        "(2 + 2 + K)Ψ/Nd.\n"
+        "- **Micro-batch and accumulation**: activations scale with the micro-batch; accumulating "
+        "keeps the effective batch and holds the gradients through every backward.\n"
+        "- **Measured vs predicted**: the planner's peak within a few percent of the measured one "
+        "(the tests hold it to 10%), the activations to the byte.")
+    return new_notebook(metadata=KERNEL, cells=[
+        new_markdown_cell(
+            "# 08 · The memory planner: what fits, and why\n\nBefore renting GPUs, predict what one "
+            "training step holds on each: parameters, gradients and optimizer states per ZeRO stage, "
+            "activations per layer with and without recomputation, the step's temporaries, and the "
+            "KV cache for serving, each derived from the model's shapes (`labkit plan` on the "
+            "command line gives the same answer)."),
+        new_code_cell(parameters, metadata={"tags": ["parameters"]}),
+        new_markdown_cell("## The machine"),
+        new_code_cell("from labkit import hardware\n\nprint(hardware.describe())"),
+        new_markdown_cell("## The worked example: a big model on a few small GPUs, one change per row "
+                          "(the last row is the planner's recommendation)"),
+        new_code_cell("from labkit import plan_view\n\n"
+                      "steps = plan_view.worked_example(model=model, gpus=gpus, gpu_mem_gib=gpu_mem_gib,\n"
+                      "                                 seq_len=seq_len, effective_batch=effective_batch)\n"
+                      "plan_view.worked_table(steps)"),
+        new_code_cell('plan_view.stacked_terms(steps, title=f"{model}: predicted peak per GPU").show()'),
+        new_markdown_cell("## The recommended plan, term by term, with the formula of each"),
+        new_code_cell('print(plan_view.format_plan(steps["recommended"]))'),
+        new_markdown_cell("## Is the planner right? One training step of the tiny model measured here "
+                          "(the mixed-precision experiment's fp32 AdamW reference)"),
+        new_code_cell("from labkit.experiment import run_experiment\n\n"
+                      'check = run_experiment("mixed_precision", preset="tiny", variants=["fp32"],\n'
+                      '                       overrides={**check_overrides, "device": device},\n'
+                      "                       runs_dir=runs_dir, progress=False)\n"
+                      "plan_view.measured_vs_predicted(check.frame())"),
+        new_markdown_cell("## Try other inputs"),
+        new_code_cell("if interactive:\n"
+                      "    display(plan_view.build_plan_panel(model=model, gpus=gpus, gpu_mem_gib=gpu_mem_gib,\n"
+                      "                                       seq_len=seq_len, effective_batch=effective_batch))"),
+        new_markdown_cell(look_for),
+    ])
+
+
+NOTEBOOKS["08_memory_planner.ipynb"] = planner_notebook()
 
 if __name__ == "__main__":
     ROOT.mkdir(exist_ok=True)
     for filename, nb in NOTEBOOKS.items():
+        for i, cell in enumerate(nb.cells):
+            cell.id = f"cell-{i:02d}"  # stable ids: a rebuild changes only what was edited
         nbformat.validate(nb)
         nbformat.write(nb, ROOT / filename)
         print("wrote", ROOT / filename)

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from labkit.techniques import EXPERIMENTS
 import torch
 
 from labkit.cli import main
@@ -77,7 +79,7 @@ def test_list_json():
     rc, out, err = call(["list", "--json"])
     assert rc == 0 and err == ""
     entries = {e["experiment"]: e for e in json_lines(out)}
-    assert set(entries) == {"mixed_precision", "kv_cache"}
+    assert set(entries) == set(EXPERIMENTS)
     assert entries["kv_cache"]["reference"] == "none"
     assert entries["kv_cache"]["variants"] == ["none", "dynamic"]
     assert entries["mixed_precision"]["reference"] == "fp32"

@@ -139,3 +139,12 @@ def test_lab_plan_says_what_will_be_skipped_here():
     plan = {(p["experiment"], p["variant"]): p for p in lab_plan("cpu")}
     assert not plan[("mixed_precision", "tf32")]["runs"]
     assert plan[("kv_cache", "dynamic")]["runs"] and plan[("kv_cache", "dynamic")]["preset"] == "tiny"
+
+
+def test_a_variant_whose_reference_did_not_run_says_it_is_unchecked():
+    # a budget between the peaks of no checkpointing (the reference) and full checkpointing
+    rows = run_experiment("checkpointing", preset="tiny", variants=["full"], progress=False,
+                          overrides={**FAST, "memory_budget_gib": 0.085}).rows
+    assert [r["status"] for r in rows if r["variant"] == "none"] == ["oom"]
+    step = by(rows, "full", "step_ms")
+    assert step["status"] == "ok" and "NOT CHECKED" in step["message"]

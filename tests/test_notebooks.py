@@ -13,6 +13,15 @@ PARAMETERS = {
     "00_environment.ipynb": {},
     "01_mixed_precision.ipynb": {"overrides": {**TINY_TRAIN, "batch_size": 2}, "variants": "bf16_weights"},
     "02_kv_cache.ipynb": {"overrides": TINY_DECODE},
+    "03_checkpointing.ipynb": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2}},
+    "04_grad_accumulation.ipynb": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2},
+                                   "sweep": {"micro_batches": [1, 2]}},
+    "05_offload.ipynb": {"overrides": TINY_TRAIN},
+    "06_memory_pool.ipynb": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 6,
+                                           "batch_size": 1}},
+    "07_batch_finder.ipynb": {"overrides": {**FAST, "num_layers": 2, "mode": "dynamic"}, "seq_lens": [16, 32],
+                              "cpu_budget_gib": 0.062, "variants": "fp32_ckpt"},
+    "08_memory_planner.ipynb": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu"},
 }
 
 
