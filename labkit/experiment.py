@@ -141,6 +141,9 @@ def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] |
 
 def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
              row: Callable[..., dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    reason = exp.skip_reason(cfg) if hasattr(exp, "skip_reason") else None
+    if reason:
+        raise SkipVariant(reason)
     budget = int(cfg.memory_budget_gib * 2**30) if cfg.memory_budget_gib else None
     with MemoryMeter(cfg.device, budget) as meter:
         wl = exp.build(cfg)

@@ -3,7 +3,9 @@
 An experiment module offers `Config` (a `RunConfig` subclass whose `variant` chooses the line),
 `VARIANTS`, `REFERENCE`, `build(cfg) -> Workload`, `compare(reference, outputs, cfg) ->
 Comparison`, and `expected(cfg) -> {metric: predicted value}` (the napkin math); optionally
-`validate(cfg)`, which raises `ConfigError` for settings the experiment cannot take.
+`validate(cfg)`, which raises `ConfigError` for settings the experiment cannot take, and
+`skip_reason(cfg)`, why a variant cannot run on this device (the harness records it as `skipped`
+before building anything; `build` may also raise `SkipVariant`).
 """
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -27,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
 from labkit.model import Decoder
-from labkit.techniques.training import Trainer
+from labkit.techniques.training import Trainer, gradient_difference, step_with_gradients
 from labkit.workload import Comparison, Workload
 
 aten = torch.ops.aten
@@ -120,35 +119,8 @@ def build(cfg: Config) -> Workload:
         notes=notes(cfg, budget_note), compute_dtype=cfg.dtype)
 
 
-def step_with_gradients(trainer: Trainer) -> dict:
-    """One training step; its loss and host copies of the gradients it applied. numpy copies:
-    they stay outside the harness's memory meter (and off the GPU) while kept for comparisons."""
-    loss = trainer.forward()
-    loss.backward()
-    grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in trainer.model.named_parameters()}
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.item(), "grads": grads}
-
-
-def gradient_difference(reference: dict, grads: dict) -> tuple[float, float]:
-    """The largest absolute difference over all parameters, and the largest normwise relative
-    one, ||g - g_ref|| / ||g_ref|| per tensor (elementwise ratios blow up where g_ref ~ 0)."""
-    max_abs = max_rel = 0.0
-    for name, ref in reference.items():
-        diff = grads[name].astype(np.float64) - ref
-        norm = float(np.linalg.norm(ref))
-        max_abs = max(max_abs, float(np.abs(diff).max()))
-        max_rel = max(max_rel, float(np.linalg.norm(diff)) / norm if norm else max_abs)
-    return max_abs, max_rel
-
-
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
-    """Every gradient after one step from the same weights and batch, against `none`'s. When
-    `none` did not run (an OOM under a budget) the harness passes the variant's own outputs:
-    there is nothing to compare with, so no gradient rows are claimed."""
-    if reference is outputs and cfg.variant != REFERENCE:
-        return Comparison({"loss": outputs["loss"]}, True)
+    """Every gradient after one step from the same weights and batch, against `none`'s."""
     max_abs, max_rel = gradient_difference(reference["grads"], outputs["grads"])
     tolerance = GRAD_TOLERANCE["cuda" if cfg.device.startswith("cuda") else "cpu"]
     ok = max_rel <= tolerance

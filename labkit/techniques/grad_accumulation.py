@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
-from labkit.techniques.checkpointing import gradient_difference
-from labkit.techniques.training import Trainer, make_batch, total_norm
+
+from labkit.techniques.training import Trainer, gradient_difference, make_batch, total_norm
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("one_batch", "accumulate")

@@ -19,7 +19,7 @@ import torch
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
 from labkit.techniques.training import Trainer, optimizer_state, total_norm
-from labkit.workload import Comparison, SkipVariant, Workload
+from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "bf16_weights")
 REFERENCE = "fp32"
@@ -135,9 +135,6 @@ def skip_reason(cfg: Config) -> str | None:
 
 
 def build(cfg: Config) -> Workload:
-    reason = skip_reason(cfg)
-    if reason:
-        raise SkipVariant(reason)
     trainer = PrecisionTrainer(cfg)
     model = trainer.model
     return Workload(

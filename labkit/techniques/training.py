@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -86,3 +87,26 @@ class Trainer:
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
         return optimizer_state(self.optimizer)
+
+
+def step_with_gradients(trainer: Trainer) -> dict:
+    """One training step; its loss and host copies of the gradients it applied. numpy copies:
+    they stay outside the harness's memory meter (and off the GPU) while kept for comparisons."""
+    loss = trainer.forward()
+    loss.backward()
+    grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in trainer.model.named_parameters()}
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss.item(), "grads": grads}
+
+
+def gradient_difference(reference: dict, grads: dict) -> tuple[float, float]:
+    """The largest absolute difference over all parameters, and the largest normwise relative
+    one, ||g - g_ref|| / ||g_ref|| per tensor (elementwise ratios blow up where g_ref ~ 0)."""
+    max_abs = max_rel = 0.0
+    for name, ref in reference.items():
+        diff = grads[name].astype(np.float64) - ref
+        norm = float(np.linalg.norm(ref))
+        max_abs = max(max_abs, float(np.abs(diff).max()))
+        max_rel = max(max_rel, float(np.linalg.norm(diff)) / norm if norm else max_abs)
+    return max_abs, max_rel
