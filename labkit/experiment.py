@@ -167,7 +167,8 @@ def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
     measured.update(comparison.metrics)
     measured.update(wl.report())
     notes = {**wl.notes, "step_ms": f"{comparison.message} {wl.notes.get('step_ms', '')}".strip()}
-    return outputs, _rows(measured, saved, exp.expected(cfg), notes, row)
+    predicted = {**exp.expected(cfg), **wl.predicted()}
+    return outputs, _rows(measured, saved, predicted, notes, row)
 
 
 def _compare(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,

@@ -28,7 +28,8 @@ class Workload:
     `*_bytes` metric to the tensors whose storage it is measured from; `per_token` turns such a
     metric into `*_bytes_per_token` given the number of tokens those tensors hold. `forward()`, when given, is
     one forward pass (with grad) in which the tensors saved for backward are measured, leaving out
-    `resident` (the parameters). `report()` gives values only the technique knows (a loss scale).
+    `resident` (the parameters). `report()` gives values only the technique knows (a loss scale);
+    `predicted()` adds predictions that depend on what `check()` found (a batch size).
     """
 
     step: Callable[[], Any]
@@ -39,6 +40,7 @@ class Workload:
     forward: Callable[[], Any] | None = None
     resident: Callable[[], Iterable[torch.Tensor]] = tuple
     report: Callable[[], dict[str, float]] = dict
+    predicted: Callable[[], dict[str, float]] = dict  # predictions known only after check()
     notes: dict[str, str] = field(default_factory=dict)
     compute_dtype: str = "float32"  # the dtype the matmuls run in: picks the roofline's peak
     count_flops: bool = True

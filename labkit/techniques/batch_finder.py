@@ -289,6 +289,7 @@ def build(cfg: Config) -> Workload:
                  "optimizer_bytes": lambda: state["trainer"].optimizer_tensors()},
         forward=lambda: state["trainer"].micro_forward(),
         resident=lambda: state["trainer"].model.parameters(), report=report,
+        predicted=lambda: {"peak_mem_bytes": planner_peak(cfg, state["search"].found)},
         notes=notes(cfg), compute_dtype="bfloat16" if cfg.variant.startswith("bf16") else "float32")
     return wl
 

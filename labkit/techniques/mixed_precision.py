@@ -24,6 +24,9 @@ from labkit.workload import Comparison, Workload
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "bf16_weights")
 REFERENCE = "fp32"
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# The planner's precision recipe for the variants it models (bf16_weights = its "mixed": 16-bit
+# weights and gradients, fp32 master weights and AdamW states).
+PLANNER_RECIPE = {"fp32": "fp32", "tf32": "fp32", "bf16_weights": "mixed"}
 # Relative loss difference against fp32 after `steps` steps that still counts as a match.
 TOLERANCE = {"fp32": 0.0, "tf32": 0.01, "fp16": 0.02, "bf16": 0.05, "bf16_weights": 0.05}
 
@@ -171,6 +174,10 @@ def expected(cfg: Config) -> dict[str, float]:
     if peak:
         step_s = flops / (peak * 1e12)
         out.update(tflops=peak, step_ms=step_s * 1e3, tokens_per_s=cfg.batch_size * cfg.seq_len / step_s)
+    if cfg.variant in PLANNER_RECIPE:  # the planner has no autocast recipe: no peak predicted there
+        plan = planner.training_memory(m, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                       precision=PLANNER_RECIPE[cfg.variant], device=cfg.device)
+        out.update(peak_mem_bytes=plan.total_bytes, activation_bytes=plan.activation_bytes)
     return out
 
 
