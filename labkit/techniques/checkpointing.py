@@ -318,7 +318,7 @@ def notes(cfg: Config, budget_note: str = "") -> dict[str, str]:
         out["flops"] = ("predicted: the plain step plus one more forward of each checkpointed "
                         "block, less its MLP down-projection (recomputation stops early).")
         out["loss"] = (f"gradients compared with {REFERENCE}'s after one step from the same weights "
-                       "and batch; no grad_* rows: it did not run (OOM), nothing to compare with.")
+                       "and batch: the grad_* rows.")
     if budget_note:
         out["num_checkpointed_blocks"] = f"{budget_note} Predicted: the fewest the planner says fit."
     return out
