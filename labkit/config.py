@@ -87,7 +87,9 @@ MODELS: dict[str, ModelConfig] = {
 # as GPU inference does; the uncached reference recomputes the prefix, so lengths stay modest.
 _GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "bfloat16"}
 PRESET_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1}},
+    # batch_finder on the CPU searches a virtual budget (there is nothing else to run out of)
+    "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1},
+             "batch_finder": {"memory_budget_gib": 0.25, "mode": "dynamic"}},
     "small": {"batch_size": 8, "seq_len": 512, "kv_cache": _GPU_DECODE},
     "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
     "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
