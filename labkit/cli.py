@@ -173,7 +173,8 @@ def cmd_results(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from labkit.report import run_report
 
-    out = run_report(args.out, preset=args.preset, overrides=_overrides(args), runs_dir=args.runs_dir)
+    out = run_report(args.out, preset=args.preset, overrides=_overrides(args), runs_dir=args.runs_dir,
+                     progress=sys.stderr.isatty())
     print(f"report written to {out}")
     return 0
 

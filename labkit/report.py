@@ -15,7 +15,8 @@ from labkit.techniques import EXPERIMENTS
 
 
 def run_report(out: str | Path, *, preset: str | None = None, overrides: dict[str, Any] | None = None,
-               runs_dir: str | Path | None = None, experiments: list[str] | None = None) -> Path:
+               runs_dir: str | Path | None = None, experiments: list[str] | None = None,
+               progress: bool = True) -> Path:
     """Run the experiments (all by default) and write the report folder; returns its path.
     Runs are stored under `out/runs` unless `runs_dir` says otherwise."""
     out = Path(out)
@@ -25,7 +26,7 @@ def run_report(out: str | Path, *, preset: str | None = None, overrides: dict[st
     for name in experiments or list(EXPERIMENTS):
         try:
             frames[name] = run_experiment(name, preset=preset, overrides=overrides,
-                                          runs_dir=str(runs_dir)).frame()
+                                          runs_dir=str(runs_dir), progress=progress).frame()
         except ConfigError as e:  # e.g. a setting this experiment does not take: say so, go on
             refused[name] = str(e)
     table = pd.concat(frames.values(), ignore_index=True)
