@@ -22,7 +22,7 @@ from labkit.measure.flops import count_flops
 from labkit.measure.memory import ActivationMeter, MemoryMeter, free_device_memory, storage_bytes
 from labkit.measure.roofline import roofline
 from labkit.measure.timer import time_step
-from labkit.results import RunRecord, unit_of
+from labkit.results import RunRecord, expand_row, unit_of
 from labkit.techniques import EXPERIMENTS, get_experiment
 from labkit.workload import Comparison, SkipVariant, Workload
 
@@ -93,7 +93,7 @@ def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str,
                 reference = outputs if variant == exp.REFERENCE else reference
                 record.add(rows)
                 if on_rows:
-                    on_rows(record.full_rows()[-len(rows):])
+                    on_rows([expand_row(r, record.record) for r in rows])
                 bar.update(1)
         status = "complete"
     finally:
@@ -157,7 +157,7 @@ def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
                     "nvml_used_bytes": meter.nvml_used_bytes}
         measured.update({m: storage_bytes(fn()) for m, fn in wl.tensors.items()})
         measured.update({f"{m}_per_token": measured[m] / fn() for m, fn in wl.per_token.items()})
-        saved = _saved_tensors(wl)
+        saved = _activations(wl)
     timing = time_step(wl.step, device=cfg.device, warmup=cfg.warmup,
                        min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
     measured.update(step_ms=timing.median_ms, step_iqr_ms=timing.iqr_s * 1e3)
@@ -183,7 +183,7 @@ def _compare(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
     return exp.compare(reference, outputs, cfg)
 
 
-def _saved_tensors(wl: Workload) -> ActivationMeter | None:
+def _activations(wl: Workload) -> ActivationMeter | None:
     return None if wl.forward is None else ActivationMeter(wl.resident()).measure(wl.forward)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -85,12 +86,10 @@ class FrontierTrainer(Trainer):
         gradient is the mean over all their sequences, as one batch of their total would give."""
         if len(self.sizes) == 1:
             return self.step()  # no accumulation: exactly the plain step
-        total, start, loss_sum = sum(self.sizes), 0, 0.0
-        for s in self.sizes:  # from the second micro-batch on, the gradients are resident
-            rows = slice(start, start + s)
-            loss = self.forward(self.inputs[rows], self.targets[rows]) * (s / total)
-            loss.backward()
-            loss_sum, start = loss_sum + loss.item(), start + s
+        total, ends = sum(self.sizes), list(itertools.accumulate(self.sizes))
+        # from the second micro-batch on, the gradients are resident
+        loss_sum = self.accumulate_grads([(self.inputs[end - s:end], self.targets[end - s:end], s / total)
+                                          for s, end in zip(self.sizes, ends)])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(loss_sum)

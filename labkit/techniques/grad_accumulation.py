@@ -49,12 +49,8 @@ class AccumulatingTrainer(Trainer):
 
     def accumulate(self) -> float:
         """Forward and backward of every piece, each loss scaled by 1/k; returns the batch's loss."""
-        total = 0.0
-        for inputs, targets in self.pieces:
-            loss = self.forward(inputs, targets) / len(self.pieces)
-            loss.backward()  # adds into .grad; this piece's activations are freed here
-            total += loss.item()
-        return total
+        weight = 1 / len(self.pieces)
+        return self.accumulate_grads([(inputs, targets, weight) for inputs, targets in self.pieces])
 
     def update(self) -> None:
         self.grad_norm = total_norm(self.model.parameters())

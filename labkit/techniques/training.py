@@ -79,6 +79,17 @@ class Trainer:
         self.losses.append(loss.item())
         return self.losses[-1]
 
+    def accumulate_grads(self, pieces) -> float:
+        """Forward and backward of each (inputs, targets, weight) piece; the gradients add up in
+        `.grad` (weights summing to 1 give the mean gradient of all the pieces' sequences, as one
+        batch would). Each piece's activations are freed by its backward. Returns the loss."""
+        total = 0.0
+        for inputs, targets, weight in pieces:
+            loss = self.forward(inputs, targets) * weight
+            loss.backward()
+            total += loss.item()
+        return total
+
     def train(self, steps: int) -> dict[str, object]:
         """`steps` steps; the losses and the last gradient norm (what `check()` compares)."""
         for _ in range(steps):
