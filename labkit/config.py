@@ -178,10 +178,17 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}")
 
 
+def check_choice(name: str, value: Any, choices: typing.Sequence[Any]) -> Any:
+    """`value` if it is one of `choices`, else a ConfigError naming them."""
+    if value not in choices:
+        raise ConfigError(f"unknown {name} {value!r}; valid: {', '.join(map(str, choices))}")
+    return value
+
+
 def _check_range(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
     choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
-    if choices and value not in choices:
-        raise ConfigError(f"unknown {name} {value!r}; valid: {', '.join(map(str, choices))}")
+    if choices:
+        check_choice(name, value, choices)
     if value is None or isinstance(value, (str, bool)):
         return
     if lo is not None and value < lo:

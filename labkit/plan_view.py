@@ -10,7 +10,6 @@ from typing import Any
 import pandas as pd
 
 from labkit import planner
-from labkit.config import ModelConfig
 
 GIB = 2**30
 TERMS = ("param", "grad", "optimizer", "activation", "overhead")
@@ -196,21 +195,15 @@ def worked_table(reports: dict[str, dict]) -> pd.DataFrame:
 def measured_vs_predicted(frame: pd.DataFrame) -> pd.DataFrame:
     """For the fp32 AdamW reference rows of a mixed_precision run: the measured peak of one
     training step and the activations its forward held, beside `training_memory`'s prediction
-    for the same config and device."""
-    rows = frame[(frame["status"] == "ok") & (frame["variant"] == "fp32")]
-    out = []
-    for params, group in rows.groupby(rows["params"].map(repr), sort=False):
-        cfg = group["params"].iloc[0]
-        plan = planner.training_memory(
-            ModelConfig(**cfg["model"]), batch_size=cfg["batch_size"], seq_len=cfg["seq_len"],
-            precision="fp32", optimizer="adamw", device=cfg["device"])
-        measured = group.set_index("metric")["value"]
-        for metric, predicted in (("peak_mem_bytes", plan.total_bytes),
-                                  ("activation_bytes", plan.activation_bytes)):
-            out.append({"device": cfg["device"], "batch_size": cfg["batch_size"],
-                        "seq_len": cfg["seq_len"], "metric": metric, "measured": measured[metric],
-                        "predicted": predicted, "ratio": predicted / measured[metric]})
-    return pd.DataFrame(out)
+    for the same config and device (which the run already carries in `predicted`)."""
+    rows = frame[(frame["status"] == "ok") & (frame["variant"] == "fp32")
+                 & frame["metric"].isin(["peak_mem_bytes", "activation_bytes"])]
+    params = rows["params"]
+    return pd.DataFrame({
+        "device": params.map(lambda p: p["device"]), "batch_size": params.map(lambda p: p["batch_size"]),
+        "seq_len": params.map(lambda p: p["seq_len"]), "metric": rows["metric"],
+        "measured": rows["value"], "predicted": rows["predicted"],
+        "ratio": rows["predicted"] / rows["value"]}).reset_index(drop=True)
 
 
 # --- The widget panel -----------------------------------------------------------------------------

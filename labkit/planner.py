@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from labkit import hardware
-from labkit.config import DTYPE_BYTES, MODELS, PRESETS, ConfigError, ModelConfig
+from labkit.config import DTYPE_BYTES, MODELS, PRESETS, ConfigError, ModelConfig, check_choice
 
 
 def block_linear_params(m: ModelConfig, *, biases: bool = True) -> int:
@@ -138,8 +138,8 @@ def optimizer_bytes_per_param(precision: str, optimizer: str) -> int:
     """K in ZeRO's notation: the optimizer's bytes per parameter. Adam/AdamW keep two moments
     (m, v); SGD with momentum keeps one buffer; a mixed-precision recipe adds the fp32 master copy.
     (K = 12 for mixed-precision Adam, as in the ZeRO paper.)"""
-    p = PRECISION_BYTES[_choice("precision", precision, PRECISIONS)]
-    moments = 1 if _choice("optimizer", optimizer, OPTIMIZERS) == "sgd" else 2
+    p = PRECISION_BYTES[check_choice("precision", precision, PRECISIONS)]
+    moments = 1 if check_choice("optimizer", optimizer, OPTIMIZERS) == "sgd" else 2
     return p.master + moments * p.moment
 
 
@@ -149,7 +149,7 @@ def zero_model_state_bytes(num_params: int, *, stage: int, dp: int, precision: s
     data-parallel ranks. With mixed-precision Adam (2 + 2 + K, K = 12), the paper's figure 1:
     stage 0 (2+2+K)Ψ; stage 1 (P_os) 2Ψ + 2Ψ + KΨ/Nd; stage 2 (P_os+g) 2Ψ + (2+K)Ψ/Nd;
     stage 3 (P_os+g+p) (2+2+K)Ψ/Nd. A shard is rounded up to whole elements."""
-    p = PRECISION_BYTES[_choice("precision", precision, PRECISIONS)]
+    p = PRECISION_BYTES[check_choice("precision", precision, PRECISIONS)]
     if stage not in ZERO_STAGES:
         raise ConfigError(f"zero_stage={stage} is not a ZeRO stage; valid: 0, 1, 2, 3")
     shard = -(-num_params // dp)
@@ -401,12 +401,6 @@ class _Run:
     shape: LocalShape | None
 
 
-def _choice(name: str, value, choices: tuple):
-    if value not in choices:
-        raise ConfigError(f"unknown {name} {value!r}; valid: {', '.join(map(str, choices))}")
-    return value
-
-
 def _positive(**values) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -422,8 +416,8 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
     """Check every input (ConfigError naming the valid choices) and derive the rest."""
     _positive(batch_size=batch_size, seq_len=seq_len, tp=tp, pp=pp, gpus=gpus,
               accumulation_steps=accumulation_steps)
-    _choice("precision", precision, PRECISIONS), _choice("optimizer", optimizer, OPTIMIZERS)
-    _choice("checkpointing", checkpointing, CHECKPOINTING)
+    check_choice("precision", precision, PRECISIONS), check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("checkpointing", checkpointing, CHECKPOINTING)
     if zero_stage not in ZERO_STAGES:
         raise ConfigError(f"zero_stage={zero_stage!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
     if gpus % (tp * pp):
@@ -432,7 +426,7 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
     _check_checkpointed(m, checkpointing, checkpointed_layers)
     device = device or hardware.default_device()
     impl = optimizer_impl or ("single" if device.startswith("cpu") else "foreach")
-    _choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
+    check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
     p = PRECISION_BYTES[precision]
     return _Run(m=m, num_params=psi, batch_size=batch_size, seq_len=seq_len, precision=precision,
                 prec=p, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
@@ -695,7 +689,7 @@ def inference_memory(m: ModelConfig, *, batch_size: int = 1, seq_len: int = 2048
     _positive(batch_size=batch_size, seq_len=seq_len, tp=tp, pp=pp)
     _check_model(m, None, seq_len=seq_len, tp=tp, pp=pp)
     sp = stage_params(m, tp=tp, pp=pp, first=True, last=pp == 1)
-    weights = sp.total * PRECISION_BYTES[_choice("precision", precision, PRECISIONS)].weight
+    weights = sp.total * PRECISION_BYTES[check_choice("precision", precision, PRECISIONS)].weight
     kv = kv_cache_bytes(m, batch_size=batch_size, seq_len=seq_len, precision=precision, tp=tp, pp=pp)
     return MemoryPlan(num_params=_count_params(m), param_bytes=weights, grad_bytes=0,
                       optimizer_bytes=0, activation_bytes=0, activation_bytes_per_layer=0,

@@ -37,6 +37,10 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
     seen: dict[int, int] = {}
@@ -81,7 +85,7 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         key, nbytes = st._cdata, st.nbytes()
         self.live[key] = nbytes
-        self.dtypes[key] = str(t.dtype).removeprefix("torch.")
+        self.dtypes[key] = _dtype_name(t)
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         weakref.finalize(st, self._free, key)
@@ -187,7 +191,6 @@ class SavedTensorMeter:
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
         self.excluded = {st._cdata for st in map(_storage, exclude) if st is not None}
         self.seen: set[int] = set()
-        self.weight_copy_bytes = 0
         self.weight_copy_by_dtype: collections.Counter[str] = collections.Counter()
         self.by_dtype: collections.Counter[str] = collections.Counter()
         self.by_producer: collections.Counter[str] = collections.Counter()
@@ -211,9 +214,8 @@ class SavedTensorMeter:
         if st is None or st._cdata in self.excluded or st._cdata in self.seen:
             return
         self.seen.add(st._cdata)
-        dtype = str(t.dtype).removeprefix("torch.")
+        dtype = _dtype_name(t)
         if self._is_weight_copy(t.grad_fn):
-            self.weight_copy_bytes += st.nbytes()
             self.weight_copy_by_dtype[dtype] += st.nbytes()
             return
         producer = t.grad_fn.name() if t.grad_fn is not None else "input"
@@ -230,6 +232,10 @@ class SavedTensorMeter:
                 st = _storage(node.variable)
                 return st is not None and st._cdata in self.excluded
         return False
+
+    @property
+    def weight_copy_bytes(self) -> int:
+        return sum(self.weight_copy_by_dtype.values())
 
     @property
     def total_bytes(self) -> int:
@@ -255,7 +261,7 @@ class ActivationMeter:
         held = tracker.live_by_dtype()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
-                held[str(t.dtype).removeprefix("torch.")] -= st.nbytes()
+                held[_dtype_name(t)] -= st.nbytes()
         held.subtract(saved.weight_copy_by_dtype)
         self.by_dtype = collections.Counter({d: b for d, b in held.items() if b > 0})
         self.weight_copy_bytes = saved.weight_copy_bytes
