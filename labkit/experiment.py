@@ -16,12 +16,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from labkit import hardware
+from labkit import distributed, hardware
 from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
 from labkit.measure.flops import count_flops
 from labkit.measure.memory import ActivationMeter, MemoryMeter, free_device_memory, storage_bytes
 from labkit.measure.roofline import roofline
-from labkit.measure.timer import time_step
+from labkit.measure.timer import Timing, time_step
 from labkit.results import RunRecord, expand_row, unit_of
 from labkit.techniques import EXPERIMENTS, get_experiment
 from labkit.workload import Comparison, SkipVariant, Workload
@@ -76,30 +76,47 @@ def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str,
                    sweep: dict[str, list[Any]] | None = None, variants: list[str] | None = None,
                    runs_dir: str | None = None, progress: bool = True,
                    on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> RunResult:
-    """Run one experiment over its sweep and variants; store and return every row."""
+    """Run one experiment over its sweep and variants; store and return every row. A
+    multi-process experiment starts its ranks (or, under torchrun, is one of them)."""
     exp = get_experiment(name)
     chosen = choose_variants(exp, variants)
     points = plan_points(name, preset, overrides, sweep)
+    if getattr(exp, "DISTRIBUTED", False):
+        return distributed.run(name, chosen, points, runs_dir=runs_dir, on_rows=on_rows)
     record = RunRecord(name, hardware.fingerprint(), points[0][1].params(), runs_dir)
     bar = _progress(len(points) * len(chosen), name, progress)
     status = "interrupted"
     try:
-        for point, cfg in points:
-            reference = None
-            for variant in chosen:
-                bar.set_postfix_str(f"{variant} {point}" if point else variant)
-                rows, outputs = measure_variant(exp, dataclasses.replace(cfg, variant=variant),
-                                                reference, point)
-                reference = outputs if variant == exp.REFERENCE else reference
-                record.add(rows)
-                if on_rows:
-                    on_rows([expand_row(r, record.record) for r in rows])
-                bar.update(1)
+        run_points(exp, chosen, points, record, on_rows=on_rows, bar=bar)
         status = "complete"
     finally:
         record.finish(status)
         bar.close()
     return RunResult(record.run_id, str(record.path), record.full_rows())
+
+
+def run_points(exp: ModuleType, chosen: list[str], points: list[tuple[dict[str, Any], RunConfig]],
+               record: RunRecord, *, on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
+               bar: Any = None, before_variant: Callable[[int, RunConfig], None] | None = None) -> None:
+    """Every variant at every point, the reference first at each; rows stored as they come."""
+    bar = bar or _NoBar()
+    for point, cfg in points:
+        reference = None
+        for index, variant in enumerate(chosen):
+            bar.set_postfix_str(f"{variant} {point}" if point else variant)
+            cfg_v = dataclasses.replace(cfg, variant=variant)
+            if before_variant:
+                before_variant(index, cfg_v)
+            try:
+                rows, outputs = measure_variant(exp, cfg_v, reference, point)
+            except distributed.RankAbort as e:
+                record.add(e.args[1])
+                raise
+            reference = outputs if variant == exp.REFERENCE else reference
+            record.add(rows)
+            if on_rows:
+                on_rows([expand_row(r, record.record) for r in rows])
+            bar.update(1)
 
 
 def lab_plan(device: str = "auto", preset: str | None = None) -> list[dict[str, Any]]:
@@ -134,6 +151,8 @@ def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] |
                 for m, v in e.comparison.metrics.items()]
     except Exception as e:  # any other failure is a result too; the sweep goes on
         rows = [row(None, None, status="error", message=f"{type(e).__name__}: {e}".splitlines()[0])]
+        if distributed.world_size() > 1:  # this rank's collectives may now be out of step
+            raise distributed.RankAbort(rows[0]["message"], rows) from e
     # Only here, with the exception and its traceback gone, can the variant's tensors be freed.
     free_device_memory(cfg.device)
     return rows, outputs
@@ -149,6 +168,9 @@ def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
         wl = exp.build(cfg)
         outputs = wl.check()
         comparison = _compare(exp, cfg, reference, outputs)
+        if distributed.world_size() > 1:
+            ok, message = distributed.agree(comparison.ok, comparison.message)
+            comparison = dataclasses.replace(comparison, ok=ok, message=message)
         if not comparison.ok:
             raise Mismatch(comparison)
         meter.reset_peak()
@@ -158,17 +180,26 @@ def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
         measured.update({m: storage_bytes(fn()) for m, fn in wl.tensors.items()})
         measured.update({f"{m}_per_token": measured[m] / fn() for m, fn in wl.per_token.items()})
         saved = _activations(wl)
-    timing = time_step(wl.step, device=cfg.device, warmup=cfg.warmup,
-                       min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
+    timing = _time(wl, cfg)
     measured.update(step_ms=timing.median_ms, step_iqr_ms=timing.iqr_s * 1e3)
     if wl.tokens_per_step:
         measured["tokens_per_s"] = wl.tokens_per_step / timing.median_s
+    measured.update({m: amount / timing.median_s for m, amount in wl.per_second.items()})
     measured.update(_flop_rows(wl, cfg, timing.median_s))
     measured.update(comparison.metrics)
     measured.update(wl.report())
     notes = {**wl.notes, "step_ms": f"{comparison.message} {wl.notes.get('step_ms', '')}".strip()}
     predicted = {**exp.expected(cfg), **wl.predicted()}
     return outputs, _rows(measured, saved, predicted, notes, row)
+
+
+def _time(wl: Workload, cfg: RunConfig) -> Timing:
+    if distributed.world_size() > 1:
+        times = distributed.fixed_repeats_timer(wl.step, warmup=cfg.warmup,
+                                                repeats=cfg.timed_steps, device=cfg.device)
+        return Timing(times, cfg.warmup)
+    return time_step(wl.step, device=cfg.device, warmup=cfg.warmup,
+                     min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
 
 
 def _compare(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
@@ -222,7 +253,7 @@ def _row_maker(cfg: RunConfig, point: dict[str, Any]) -> Callable[..., dict[str,
             value, message = None, f"measured {value}. {message}".strip()
         return {"variant": cfg.variant, "params": params, "metric": metric, "value": value,
                 "unit": unit_of(metric) if metric else "", "predicted": predicted,
-                "status": status, "message": message, "rank": 0}
+                "status": status, "message": message, "rank": distributed.rank()}
 
     return row
 

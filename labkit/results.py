@@ -63,11 +63,25 @@ class RunRecord:
     """One run of one experiment; `add()` appends rows and saves the whole record at once."""
 
     def __init__(self, experiment: str, env: dict[str, Any], config: dict[str, Any],
-                 directory: str | os.PathLike | None = None, run_id: str | None = None):
+                 directory: str | os.PathLike | None = None, run_id: str | None = None,
+                 part: int | None = None):
+        """`part`: one rank's share of a multi-process run, in its own file until merged."""
         self.run_id = run_id or new_run_id(experiment)
-        self.path = runs_dir(directory) / f"{self.run_id}.json"
+        name = self.run_id if part is None else f"{self.run_id}.rank{part}"
+        self.path = runs_dir(directory) / f"{name}.json"
         self.record = {"run_id": self.run_id, "experiment": experiment, "timestamp": now(),
                        "status": "running", "env": env, "config": config, "rows": []}
+        if part is not None:
+            self.record["part"] = part
+
+    @classmethod
+    def load(cls, path: Path) -> "RunRecord":
+        with open(path) as f:
+            data = json.load(f)
+        record = cls(data["experiment"], data["env"], data["config"], path.parent,
+                     run_id=data["run_id"], part=data.get("part"))
+        record.record = data
+        return record
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -92,22 +106,52 @@ def expand_row(row: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
     return {k: {**base, **row}.get(k) for k in ROW_FIELDS}
 
 
-def load_runs(directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:
-    """Every stored run record, oldest first (temporary files are skipped)."""
-    folder = runs_dir(directory)
+def _read_records(folder: Path, pattern: str) -> list[dict[str, Any]]:
     records = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
         try:
             with open(path) as f:
                 record = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            warnings.warn(f"skipping {path}: not a labkit run ({e})", stacklevel=2)
+            warnings.warn(f"skipping {path}: not a labkit run ({e})", stacklevel=3)
             continue
         if not isinstance(record, dict) or not {"run_id", "timestamp", "experiment", "rows"} <= set(record):
-            warnings.warn(f"skipping {path}: not a labkit run record", stacklevel=2)
+            warnings.warn(f"skipping {path}: not a labkit run record", stacklevel=3)
             continue
-        records.append(record)
-    return sorted(records, key=lambda r: (r["timestamp"], r["run_id"]))
+        records.append({**record, "path": path})
+    return records
+
+
+def load_parts(run_id: str, directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """The per-rank part files of a multi-process run still in progress (or cut short)."""
+    parts = _read_records(runs_dir(directory), f"{run_id}.rank*.json")
+    return sorted((p for p in parts if "part" in p), key=lambda p: p["part"])
+
+
+def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from the part files of a run whose ranks never merged them (a torchrun job that
+    was stopped): every rank's rows; the first error, else the least finished status."""
+    statuses = [p["status"] for p in parts]
+    status = next((s for s in statuses if str(s).startswith("error")),
+                  "complete" if all(s == "complete" for s in statuses) else "incomplete")
+    first = {k: v for k, v in parts[0].items() if k not in ("part", "path")}
+    return {**first, "status": status, "rows": [r for p in parts for r in p["rows"]]}
+
+
+def load_runs(directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """Every stored run record, oldest first (temporary files are skipped; the part files of a
+    multi-process run that was never merged are read as one run)."""
+    records, parts = {}, {}
+    for record in _read_records(runs_dir(directory), "*.json"):
+        record.pop("path")
+        if "part" in record:
+            parts.setdefault(record["run_id"], []).append(record)
+        else:
+            records[record["run_id"]] = record
+    for run_id, group in parts.items():
+        if run_id not in records:
+            records[run_id] = merge_parts(sorted(group, key=lambda p: p["part"]))
+    return sorted(records.values(), key=lambda r: (r["timestamp"], r["run_id"]))
 
 
 def load_results(directory: str | os.PathLike | None = None, *, experiment: str | None = None,

@@ -26,7 +26,8 @@ class Workload:
     `check()` runs first (it doubles as warm-up) and returns the outputs compared with the
     reference's. `step()` is what is timed and whose peak memory is measured. `tensors` maps a
     `*_bytes` metric to the tensors whose storage it is measured from; `per_token` turns such a
-    metric into `*_bytes_per_token` given the number of tokens those tensors hold. `forward()`, when given, is
+    metric into `*_bytes_per_token` given the number of tokens those tensors hold; `per_second`
+    turns an amount per step into a rate by the timed step (`busbw_gbps`: GB moved per step). `forward()`, when given, is
     one forward pass (with grad) in which the tensors saved for backward are measured, leaving out
     `resident` (the parameters). `report()` gives values only the technique knows (a loss scale);
     `predicted()` adds predictions that depend on what `check()` found (a batch size).
@@ -37,6 +38,7 @@ class Workload:
     tokens_per_step: int = 0
     tensors: dict[str, Callable[[], Iterable[torch.Tensor]]] = field(default_factory=dict)
     per_token: dict[str, Callable[[], int]] = field(default_factory=dict)  # `x_bytes` -> tokens held
+    per_second: dict[str, float] = field(default_factory=dict)  # `x_gbps` -> amount per step
     forward: Callable[[], Any] | None = None
     resident: Callable[[], Iterable[torch.Tensor]] = tuple
     report: Callable[[], dict[str, float]] = dict

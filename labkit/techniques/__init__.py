@@ -14,6 +14,7 @@ EXPERIMENTS = {
     "offload": "labkit.techniques.offload",
     "memory_pool": "labkit.techniques.memory_pool",
     "batch_finder": "labkit.techniques.batch_finder",
+    "collectives": "labkit.techniques.collectives",
 }
 
 
