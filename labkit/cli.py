@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     run.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...")
     run.add_argument("--json", action="store_true", help="result rows as JSON lines on stdout")
+    run.add_argument("--nproc", type=int, metavar="N",
+                     help="ranks of a multi-process experiment (default: one per visible GPU, "
+                          "else 2 CPU ranks; under torchrun: its world size)")
     res = sub.add_parser("results", help="stored results")
     res.add_argument("--experiment")
     res.add_argument("--run-id")
@@ -137,19 +141,45 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """Rows on stdout (rank 0 only under torchrun); a multi-process run that a rank cut short
+    prints what was measured, then one line naming the rank and the cause, and exits 1."""
+    from labkit.distributed import RunFailed
     from labkit.experiment import run_experiment
+
+    overrides = _overrides(args)
+    if args.nproc is not None:
+        _check_multiprocess(args.name)
+        overrides["nproc"] = args.nproc
+    try:
+        result = run_experiment(args.name, preset=args.preset, overrides=overrides,
+                                sweep=parse_sweep(args.sweep), variants=split_variants(args.variant),
+                                runs_dir=args.runs_dir, progress=not args.json and sys.stderr.isatty())
+    except RunFailed as e:
+        _print_result(e.result, args.json)
+        print(f"labkit: error: {e}", file=sys.stderr)
+        return 1
+    if os.environ.get("RANK", "0") == "0":
+        _print_result(result, args.json)
+    return 0
+
+
+def _check_multiprocess(name: str) -> None:
+    from labkit.techniques import EXPERIMENTS, get_experiment
+
+    if not getattr(get_experiment(name), "DISTRIBUTED", False):
+        multi = [n for n in EXPERIMENTS if getattr(get_experiment(n), "DISTRIBUTED", False)]
+        raise ConfigError(f"{name} runs in one process; --nproc applies to: {', '.join(multi)}")
+
+
+def _print_result(result, as_json: bool) -> None:
     from labkit.results import format_rows
 
-    result = run_experiment(args.name, preset=args.preset, overrides=_overrides(args),
-                            sweep=parse_sweep(args.sweep), variants=split_variants(args.variant),
-                            runs_dir=args.runs_dir, progress=not args.json and sys.stderr.isatty())
-    if args.json:
+    if as_json:
         for row in result.rows:
             print(json.dumps(row, default=str, allow_nan=False))
-    else:
-        print(format_rows(result.rows))
-        print(f"\nstored as {result.path}")
-    return 0
+        return
+    print(format_rows(result.rows))
+    print(f"\nstored as {result.path}")
 
 
 def cmd_results(args: argparse.Namespace) -> int:

@@ -55,7 +55,12 @@ class RunFailed(RuntimeError):
 
 
 class RankAbort(RuntimeError):
-    """A rank stops the run: its collectives may be out of step with the other ranks'."""
+    """A rank stops the run: its collectives may be out of step with the other ranks'. `rows`:
+    the failing variant's error rows, stored before the rank exits."""
+
+    def __init__(self, message: str, rows: list[dict[str, Any]]):
+        super().__init__(message)
+        self.rows = rows
 
 
 # --- inside a rank ----------------------------------------------------------------------------
@@ -324,10 +329,10 @@ def run_rank(name: str, chosen: list[str], points: list, run_id: str | None, run
         first_point = [True]
 
         def before_variant(index: int, cfg: DistConfig) -> None:
-            check_point(cfg.timeout_s, monitor)
             if index == 1 and first_point[0]:  # after the reference, so its rows are kept
                 first_point[0] = False
                 maybe_inject_fault(cfg)
+            check_point(cfg.timeout_s, monitor)
 
         try:
             run_points(get_experiment(name), chosen, points, record, before_variant=before_variant)

@@ -110,7 +110,7 @@ def run_points(exp: ModuleType, chosen: list[str], points: list[tuple[dict[str, 
             try:
                 rows, outputs = measure_variant(exp, cfg_v, reference, point)
             except distributed.RankAbort as e:
-                record.add(e.args[1])
+                record.add(e.rows)
                 raise
             reference = outputs if variant == exp.REFERENCE else reference
             record.add(rows)

@@ -183,13 +183,17 @@ def format_value(metric: str | None, value: Any) -> str:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """A plain text table: variant, metric, measured, predicted, status, note."""
-    lines = [f"{'variant':<14} {'metric':<26} {'measured':>16} {'predicted':>16}  {'status':<8} note"]
+    """A plain text table: variant, (rank, in multi-process runs), metric, measured, predicted,
+    status, note."""
+    ranks = any(r.get("rank") not in (None, 0) for r in rows)
+    rank_head = f"{'rank':>4} " if ranks else ""
+    lines = [f"{'variant':<14} {rank_head}{'metric':<26} {'measured':>16} {'predicted':>16}  {'status':<8} note"]
     for r in rows:
         metric = r["metric"] if isinstance(r["metric"], str) else None  # NaN from a DataFrame
         unit = "" if (metric or "").endswith(("_bytes", "flops", "_per_token")) else r["unit"]
         measured = format_value(metric, r["value"])
-        lines.append(f"{r['variant']:<14} {metric or '-':<26} {measured + ' ' + unit:>16} "
+        rank = f"{r.get('rank', 0):>4} " if ranks else ""
+        lines.append(f"{r['variant']:<14} {rank}{metric or '-':<26} {measured + ' ' + unit:>16} "
                      f"{format_value(metric, r['predicted']):>16}  {r['status']:<8} "
                      f"{r['message'] if isinstance(r['message'], str) else ''}")
     return "\n".join(lines)

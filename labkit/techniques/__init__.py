@@ -15,6 +15,7 @@ EXPERIMENTS = {
     "memory_pool": "labkit.techniques.memory_pool",
     "batch_finder": "labkit.techniques.batch_finder",
     "collectives": "labkit.techniques.collectives",
+    "zero": "labkit.techniques.zero",
 }
 
 

@@ -85,13 +85,18 @@ def buffers(cfg: Config, n: int, fill: float) -> tuple[torch.Tensor, torch.Tenso
             torch.empty(elems // n, dtype=dtype, device=cfg.device))
 
 
+# torch 2.13 renamed the tensor forms (`*_single`) and deprecates the old names, which 2.6 needs.
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def call(variant: str, inp: torch.Tensor, out: torch.Tensor, group) -> None:
     if variant == "all_reduce":
         dist.all_reduce(inp, group=group)
     elif variant == "all_gather":
-        dist.all_gather_into_tensor(out, inp, group=group)
+        ALL_GATHER(out, inp, group=group)
     else:
-        dist.reduce_scatter_tensor(out, inp, group=group)
+        REDUCE_SCATTER(out, inp, group=group)
 
 
 def expected_result(variant: str, n: int, r: int, numel: int) -> torch.Tensor:

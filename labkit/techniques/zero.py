@@ -1,0 +1,228 @@
+"""ZeRO: data parallelism that stops keeping every model state on every rank.
+
+Every rank trains the same decoder on its own slice of one global batch (batch_size sequences per
+rank, nproc x batch_size in all); the gradients are averaged over the ranks, so after a step every
+variant holds the same weights. What differs is which bytes each rank keeps (Rajbhandari et al.,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020, section 5):
+
+- `zero0` (the reference): plain DDP. Every rank keeps all parameters, gradients (DDP's
+  all-reduce buckets, which the gradients live in: `gradient_as_bucket_view`) and AdamW states.
+- `zero1`: DDP with `ZeroRedundancyOptimizer`: each rank keeps AdamW's moments for its share of the
+  parameter tensors (whole tensors, balanced by size), updates those, then broadcasts them.
+- `zero2`: FSDP2 `fully_shard(reshard_after_forward=False)`: gradients reduce-scattered into
+  shards, moments sharded. FSDP2 reshards the parameters after the backward, so at rest they are
+  sharded too; only between the forward and the backward are they kept whole (the paper's stage 2
+  keeps them whole always): at rest this is stage 3's figure, in the step it saves stage 3's
+  second all-gather.
+- `zero3`: FSDP2 with `reshard_after_forward=True`: parameters gathered one block at a time in the
+  forward and again in the backward.
+- `zero3_offload`: `zero3` with FSDP2's `CPUOffloadPolicy`: the shards of the parameters, their
+  gradients and the optimizer states stay in host memory, the optimizer steps on the CPU and each
+  block is copied to the GPU for its forward and backward. GPUs only.
+
+Order of transforms: build the plain model (seeded, the same on every rank) -> `fully_shard` each
+block, then the root (the root's own parameters, embedding, final norm and head, form the last
+unit; each block's unit is gathered and freed on its own, which is what bounds the peak) or wrap
+in DDP -> build the optimizer over the wrapped (sharded) parameters, since its states take their
+shape, and so their shard, from them.
+
+The timed step calls `zero_grad(set_to_none=True)` first, so the gradients of a step are kept until
+the next one and `grad_bytes` is measured at rest, after the step, with everything else.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit import planner
+from labkit.config import ConfigError, knob
+from labkit.distributed import DistConfig, world_size
+from labkit.model import build_model
+from labkit.techniques.training import gradient_difference, lm_loss, make_batch, optimizer_state
+from labkit.workload import Comparison, Workload
+
+DISTRIBUTED = True
+VARIANTS = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
+REFERENCE = "zero0"
+STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
+LR = 1e-3
+CHECK_STEPS = 2  # the second step also checks the sharded optimizer states the first one made
+# Normwise relative difference of the weights after CHECK_STEPS steps, ||w - w_ref|| / ||w_ref||
+# per tensor, and relative difference of the losses. The ranks' gradients are summed in the same
+# order and halved exactly by every variant, and AdamW is elementwise, so sharding changes
+# nothing but the kernels' rounding (a few fp32 ulps, 1.2e-7 each).
+TOLERANCE = 1e-6
+
+
+@dataclass(kw_only=True)
+class Config(DistConfig):
+    variant: str = knob(REFERENCE, choices=VARIANTS, help="the ZeRO stage, and how it is built")
+
+
+def validate(cfg: Config) -> None:
+    if cfg.dtype != "float32":
+        raise ConfigError(f"zero trains in float32 (got {cfg.dtype}); valid: float32")
+
+
+def skip_reason(cfg: Config) -> str | None:
+    if cfg.variant == "zero3_offload" and not cfg.device.startswith("cuda"):
+        return ("needs a GPU: CPUOffloadPolicy keeps the shards in host memory and copies each "
+                "block to the GPU for its forward and backward; on CPU ranks they already are there")
+    return None
+
+
+def local_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (batch_size, T) slice of one global batch of nproc x batch_size sequences."""
+    inputs, targets = make_batch(cfg, cfg.batch_size * world_size())
+    r = dist.get_rank()
+    return inputs.chunk(world_size())[r], targets.chunk(world_size())[r]
+
+
+def apply_fsdp(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    """FSDP2 in place: one unit per block, then the root (embedding, final norm, head)."""
+    mesh = init_device_mesh("cuda" if cfg.device.startswith("cuda") else "cpu", (world_size(),))
+    kw = {"mesh": mesh, "reshard_after_forward": cfg.variant != "zero2"}
+    if cfg.variant == "zero3_offload":
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    for block in model.layers:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def apply_ddp(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    # The gradients are views of DDP's all-reduce buckets: one gradient-sized buffer, not two.
+    device_ids = [torch.device(cfg.device).index] if cfg.device.startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def make_optimizer(variant: str, params) -> torch.optim.Optimizer:
+    if variant == "zero1":
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR)
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's states (ZeroRedundancyOptimizer's is `.optim`)."""
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+
+def full_tensor(p: torch.Tensor, device: str) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for DTensors). An offloaded shard is on the
+    host while the mesh's collectives (NCCL) are on the GPU: gather a device copy."""
+    if not isinstance(p, DTensor):
+        return p.detach()
+    local = DTensor.from_local(p.to_local().detach().to(device), p.device_mesh, p.placements,
+                               shape=p.shape, stride=p.stride(), run_check=False)
+    return local.full_tensor()
+
+
+class ZeroTrainer:
+    """The plain training step on a data-parallel, possibly sharded, model."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.module = build_model(cfg.model, device=cfg.device, seed=cfg.seed, attention=cfg.attention)
+        sharded = cfg.variant not in ("zero0", "zero1")
+        self.model = apply_fsdp(self.module, cfg) if sharded else apply_ddp(self.module, cfg)
+        self.optimizer = make_optimizer(cfg.variant, self.model.parameters())
+        self.inputs, self.targets = local_batch(cfg)
+
+    def step(self) -> torch.Tensor:
+        """One step, the previous step's gradients dropped first (so this one's stay at rest)."""
+        self.model.zero_grad(set_to_none=True)
+        loss = lm_loss(self.model(self.inputs), self.targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def check(self) -> dict:
+        """CHECK_STEPS steps; the losses, and host copies of the whole weights after them."""
+        losses = [self.step().item() for _ in range(CHECK_STEPS)]
+        weights = {n: full_tensor(p, self.cfg.device).cpu().numpy().copy()
+                   for n, p in self.module.named_parameters()}
+        return {"losses": losses, "weights": weights}
+
+    def params(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())  # DTensors: storage_bytes counts the local shard
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        return optimizer_state(local_optimizer(self.optimizer))
+
+
+def build(cfg: Config) -> Workload:
+    trainer = ZeroTrainer(cfg)
+    # FlopCounterMode under FSDP sees DTensor ops with global shapes: FLOPs are not counted.
+    return Workload(step=trainer.step, check=trainer.check,
+                    tokens_per_step=cfg.batch_size * cfg.seq_len,  # this rank's
+                    tensors={"param_bytes": trainer.params, "grad_bytes": trainer.grads,
+                             "optimizer_bytes": trainer.optimizer_tensors},
+                    notes=notes(cfg), count_flops=False, compute_dtype=cfg.dtype)
+
+
+def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
+    """This rank's losses and the whole weights after CHECK_STEPS steps, against plain DDP's."""
+    _, max_rel = gradient_difference(reference["weights"], outputs["weights"])
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(outputs["losses"], reference["losses"]))
+    ok = max_rel <= TOLERANCE and loss_rel <= TOLERANCE
+    message = "" if ok else (f"after {CHECK_STEPS} steps: weights max relative {max_rel:.2e}, "
+                             f"losses {loss_rel:.2e} (> {TOLERANCE:g})")
+    return Comparison({"loss": outputs["losses"][-1], "weight_max_rel_diff": max_rel,
+                       "loss_rel_diff": loss_rel}, ok, message)
+
+
+def at_rest_stages(variant: str) -> tuple[int, int, int]:
+    """The ZeRO stage whose (param, grad, optimizer) bytes this variant keeps after its step:
+    FSDP2 reshards the parameters after the backward whatever reshard_after_forward says."""
+    stage = STAGE[variant]
+    return (3 if stage >= 2 else stage, stage, stage)
+
+
+def expected(cfg: Config) -> dict[str, float]:
+    """Per rank: the planner's model states for what this variant keeps at rest, and its peak."""
+    n = cfg.nproc or 2
+    psi = planner.num_params(cfg.model)
+    stages = at_rest_stages(cfg.variant)
+    states = [planner.zero_model_state_bytes(psi, stage=s, dp=n, precision="fp32",
+                                             optimizer="adamw")[i] for i, s in enumerate(stages)]
+    out = dict(zip(("param_bytes", "grad_bytes", "optimizer_bytes"), map(float, states)))
+    if cfg.variant != "zero3_offload":  # the planner has no offload: its peak is on the device
+        plan = planner.training_memory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                       precision="fp32", optimizer="adamw",
+                                       zero_stage=STAGE[cfg.variant], gpus=n, device=cfg.device)
+        out["peak_mem_bytes"] = float(plan.total_bytes)
+    return out
+
+
+def notes(cfg: Config) -> dict[str, str]:
+    n = cfg.nproc or 2
+    out = {"optimizer_bytes": "AdamW's moments (planner: K = 8 bytes per parameter) plus one 4-byte "
+                              "step counter per parameter tensor, which the planner leaves out."}
+    if cfg.variant == "zero1":
+        out["optimizer_bytes"] += (f" ZeroRedundancyOptimizer gives each rank whole tensors, "
+                                   f"balanced by size: near, not exactly, 1/{n} of zero0's.")
+    if cfg.variant == "zero2":
+        out["param_bytes"] = ("FSDP2 reshards parameters after the backward even with "
+                              "reshard_after_forward=False, so at rest they are sharded (predicted: "
+                              "stage 3's 4Ψ/Nd); the paper's stage 2 keeps them whole (4Ψ).")
+        out["peak_mem_bytes"] = ("predicted: the paper's stage 2 (whole parameters always); FSDP2 "
+                                 "holds whole parameters only from the forward to each block's "
+                                 "backward, beside their shards.")
+    if cfg.variant == "zero3_offload":
+        out["param_bytes"] = "in host memory, as are the gradients and optimizer states."
+        out["peak_mem_bytes"] = ("on the GPU: the blocks gathered at a time and the activations; "
+                                 "the planner does not model offload (no prediction).")
+    if cfg.variant == "zero0":
+        out["grad_bytes"] = "DDP's all-reduce buckets, which the gradients are views of."
+    return out

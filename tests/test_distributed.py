@@ -1,0 +1,146 @@
+"""The multi-process harness: per-rank rows gathered into one run, torchrun, and runs whose rank
+crashed or hung ending within the timeout with the rank named and nothing lost or left behind.
+Each launch costs 6-12 s here, so every launch is shared by the tests that read it."""
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import FAST
+from labkit import distributed
+from labkit.cli import main
+from labkit.config import ConfigError
+from labkit.distributed import RankExit, RunFailed, root_cause
+from labkit.experiment import run_experiment
+from labkit.results import RunRecord, load_results, load_runs
+
+SIZES = [4096, 65536]
+COLLECTIVES = {**FAST, "timed_steps": 2}
+
+
+def by(rows, variant, metric, rank, size=None):
+    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric
+            and r["rank"] == rank and (size is None or r["params"]["sweep"]["message_bytes"] == size)]
+    assert len(hits) == 1, (variant, metric, rank, hits)
+    return hits[0]
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    result = run_experiment("collectives", overrides=COLLECTIVES, sweep={"message_bytes": SIZES},
+                            runs_dir=str(runs), progress=False)
+    return result, runs
+
+
+def test_every_rank_reports_rows_into_one_stored_run(collectives):
+    result, runs = collectives
+    assert {r["rank"] for r in result.rows} == {0, 1}
+    assert all(r["status"] == "ok" for r in result.rows)
+    assert sorted(p.name for p in runs.iterdir()) == [f"{result.run_id}.json"]  # parts merged
+    (record,) = load_runs(runs)
+    assert record["status"] == "complete" and len(record["rows"]) == len(result.rows)
+    assert result.rows[0]["params"]["nproc"] == 2
+
+
+def test_collectives_results_match_the_formula_and_bandwidths_follow_nccl_tests(collectives):
+    rows = collectives[0].rows
+    for variant in ("all_reduce", "all_gather", "reduce_scatter"):
+        for rank in (0, 1):
+            for size in SIZES:
+                assert by(rows, variant, "max_abs_error", rank, size)["value"] == 0
+                assert by(rows, variant, "message_bytes", rank, size)["value"] == size
+                algbw = by(rows, variant, "algbw_gbps", rank, size)["value"]
+                busbw = by(rows, variant, "busbw_gbps", rank, size)["value"]
+                factor = 1.0 if variant == "all_reduce" else 0.5  # 2(n-1)/n and (n-1)/n, n = 2
+                assert busbw == pytest.approx(algbw * factor)
+                step_s = by(rows, variant, "step_ms", rank, size)["value"] / 1e3
+                assert algbw == pytest.approx(size / 1e9 / step_s)
+
+
+def test_a_killed_rank_ends_the_run_with_its_name_and_keeps_the_rows(tmp_path, capsys):
+    start = time.monotonic()
+    code = main(["run", "collectives", "--set", "fault=crash", "--set", "timeout_s=30",
+                 "--set", "min_run_time_s=0", "--set", "timed_steps=1", "--runs-dir", str(tmp_path)])
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("labkit: error: the run ended early: rank 1 was killed by SIGKILL")
+    assert elapsed < 30 + 15  # the run's timeout, plus process start-up
+    assert not multiprocessing.active_children()
+    (record,) = load_runs(tmp_path)
+    assert record["status"].startswith("error: rank 1 was killed")
+    reference = [r for r in record["rows"] if r["variant"] == "all_reduce"]
+    assert {r["rank"] for r in reference} == {0, 1}  # measured before the crash, not lost
+    assert [p.name for p in tmp_path.iterdir()] == [f"{record['run_id']}.json"]
+
+
+def test_a_hung_rank_ends_the_run_within_the_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RunFailed) as failed:
+        run_experiment("collectives", overrides={**COLLECTIVES, "fault": "hang", "timeout_s": 5,
+                                                 "fault_rank": 1},
+                       runs_dir=str(tmp_path), progress=False)
+    elapsed = time.monotonic() - start
+    assert "rank 1 hung: it did not reach the barrier within 5 s (reported by rank 0)" in str(failed.value)
+    assert elapsed < 5 + distributed.GRACE_S + 20  # timeout, grace, start-up and stopping
+    assert not multiprocessing.active_children()
+    rows = failed.value.result.rows
+    assert {r["rank"] for r in rows if r["variant"] == "all_reduce"} == {0, 1}
+    assert len(load_results(tmp_path)) == len(rows)
+
+
+def test_torchrun_starts_the_same_experiment_and_rank_0_prints_every_rank(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "labkit", "run",
+           "collectives", "--variant", "all_gather", "--set", "min_run_time_s=0",
+           "--set", "timed_steps=1", "--runs-dir", str(tmp_path), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {r["rank"] for r in rows} == {0, 1}
+    assert {r["variant"] for r in rows} == {"all_reduce", "all_gather"}
+    assert len({r["run_id"] for r in rows}) == 1
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_root_cause_names_the_rank_behind_the_others_errors():
+    exits = [RankExit(0, 1, False), RankExit(1, -9, False)]
+    assert root_cause(exits, {0: "RuntimeError: Connection closed by peer"}, 60) == \
+        "rank 1 was killed by SIGKILL"
+    exits = [RankExit(0, 1, False), RankExit(1, 1, False)]
+    errors = {0: "RuntimeError: Connection closed by peer", 1: "ValueError: bad shape"}
+    assert root_cause(exits, errors, 60) == "rank 1 failed: ValueError: bad shape"
+    exits = [RankExit(0, 1, False), RankExit(1, -15, True)]
+    errors = {0: "RuntimeError: Timed out waiting 5000ms for recv operation to complete"}
+    assert root_cause(exits, errors, 5).startswith("rank 1 hung: rank 0 timed out waiting for it")
+
+
+def test_more_gpu_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setattr(distributed.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="nproc=2 asks for 2 GPU ranks but 1 GPU"):
+        distributed.check_nproc("cuda", 2)
+    distributed.check_nproc("cuda", 1)
+    distributed.check_nproc("cpu", 8)  # CPU ranks share the cores
+
+
+def test_nproc_is_refused_for_single_process_experiments_and_cannot_be_swept(capsys):
+    assert main(["run", "mixed_precision", "--nproc", "2"]) == 2
+    assert "runs in one process; --nproc applies to: collectives" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="nproc cannot be swept"):
+        run_experiment("collectives", sweep={"nproc": ["1", "2"]}, progress=False)
+
+
+def test_part_files_of_an_unmerged_run_load_as_one_run(tmp_path):
+    for rank, status in ((0, "complete"), (1, "error: RuntimeError: boom")):
+        part = RunRecord("collectives", {}, {}, tmp_path, run_id="r1", part=rank)
+        part.add([{"variant": "all_reduce", "metric": "step_ms", "value": 1.0, "rank": rank}])
+        part.finish(status)
+    (record,) = load_runs(tmp_path)
+    assert record["status"] == "error: RuntimeError: boom"
+    assert [r["rank"] for r in record["rows"]] == [0, 1]
