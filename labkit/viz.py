@@ -19,6 +19,15 @@ def ok_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[(frame["status"] == "ok") & frame["metric"].notna()]
 
 
+def multi_rank(frame: pd.DataFrame) -> bool:
+    return "rank" in frame and frame["rank"].nunique() > 1
+
+
+def rank0(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rank 0's rows of a multi-process run (every row of a single-process one)."""
+    return frame[frame["rank"] == 0] if multi_rank(frame) else frame
+
+
 def not_run(frame: pd.DataFrame) -> pd.DataFrame:
     """One line per variant that did not run: variant, status, message."""
     bad = frame[frame["status"] != "ok"]
@@ -35,8 +44,8 @@ def point_labels(frame: pd.DataFrame) -> pd.Series:
 
 def variant_comparison(frame: pd.DataFrame, *, title: str = "") -> go.Figure:
     """Memory (MiB, by kind) and throughput of each variant (and sweep point); predictions as
-    open diamonds."""
-    rows = ok_rows(frame)
+    open diamonds. Multi-process runs show rank 0 here; `rank_comparison` shows every rank."""
+    rows = ok_rows(rank0(frame))
     rows = rows.assign(variant=point_labels(rows))
     variants = list(dict.fromkeys(rows["variant"]))
     throughput = next((m for m in THROUGHPUT_METRICS if (rows["metric"] == m).any()), None)
@@ -69,6 +78,40 @@ def _add_predicted(fig: go.Figure, variants: list[str], predicted: pd.Series, me
                                 "line": {"width": 2}})
 
 
+RANK_COLORS = ("#264653", "#e76f51", "#2a9d8f", "#f4a261", "#8e7dbe", "#457b9d", "#e9c46a", "#6d597a")
+
+
+def rank_comparison(frame: pd.DataFrame, *, title: str = "",
+                    metrics: tuple[str, ...] = ("peak_mem_bytes", "step_ms")) -> go.Figure:
+    """One panel per metric (bytes in MiB): a bar per rank for each variant (and sweep point),
+    the prediction for that rank as an open diamond."""
+    rows = ok_rows(frame)
+    rows = rows.assign(variant=point_labels(rows))
+    metrics = tuple(m for m in metrics if (rows["metric"] == m).any())
+    variants = list(dict.fromkeys(rows["variant"]))
+    fig = make_subplots(rows=1, cols=max(1, len(metrics)), subplot_titles=[
+        f"{m} (MiB)" if m.endswith("_bytes") else m for m in metrics])
+    for col, metric in enumerate(metrics, start=1):
+        scale = MIB if metric.endswith("_bytes") else 1
+        for rank, sel in rows[rows["metric"] == metric].groupby("rank"):
+            sel = sel.drop_duplicates("variant").set_index("variant").reindex(variants)
+            color = RANK_COLORS[int(rank) % len(RANK_COLORS)]
+            fig.add_bar(x=variants, y=sel["value"] / scale, name=f"rank {rank}", marker_color=color,
+                        offsetgroup=str(rank), legendgroup=str(rank), showlegend=col == 1,
+                        row=1, col=col)
+            if sel["predicted"].notna().any():
+                fig.add_scatter(x=variants, y=sel["predicted"] / scale, mode="markers",
+                                name=f"rank {rank} predicted", offsetgroup=str(rank),
+                                legendgroup=str(rank), showlegend=col == 1, row=1, col=col,
+                                marker={"symbol": "diamond-open", "size": 12, "color": "black"})
+    skipped = not_run(frame)
+    note = "; ".join(f"{r.variant}: {r.status}" for r in skipped.itertuples())
+    fig.update_layout(barmode="group", scattermode="group", height=420,
+                      title=(title or "per rank") + (f"  (not run: {note})" if note else ""),
+                      legend={"orientation": "h", "y": -0.2})
+    return fig
+
+
 def sweep_lines(frame: pd.DataFrame, x: str, metric: str) -> go.Figure:
     """`metric` against a swept config field `x`, one line per variant (needs expanded params)."""
     rows = ok_rows(frame)
@@ -85,15 +128,18 @@ def predicted_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Measured beside predicted, for every metric that has a prediction."""
     rows = ok_rows(frame)
     rows = rows[rows["predicted"].notna()]
-    table = rows[["variant", "metric", "value", "predicted", "unit"]].rename(columns={"value": "measured"})
+    columns = ["variant"] + (["rank"] if multi_rank(rows) else []) + ["metric", "value", "predicted", "unit"]
+    table = rows[columns].rename(columns={"value": "measured"})
     ratio = table["measured"] / table["predicted"].where(table["predicted"] != 0)
     return table.assign(measured_over_predicted=ratio.round(3)).reset_index(drop=True)
 
 
 def metric_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Variants as columns, metrics as rows: the numbers behind the figure."""
+    """Variants as columns, metrics as rows (by rank in multi-process runs): the numbers behind
+    the figure."""
     rows = ok_rows(frame)
-    return rows.pivot_table(index="metric", columns="variant", values="value", sort=False)
+    index = ["metric", "rank"] if multi_rank(rows) else "metric"
+    return rows.pivot_table(index=index, columns="variant", values="value", sort=False)
 
 
 PALETTE = ("#264653", "#e76f51", "#2a9d8f", "#8e7dbe", "#f4a261", "#457b9d")  # one per variant

@@ -99,6 +99,10 @@ class Panel:
                                         variants=list(self.variants.value), runs_dir=self.runs_dir)
                 self.frame = result.frame()
                 show_result(self.frame, self.name)
+            except RunFailed as e:  # a rank crashed or hung: show what was measured before
+                self.frame, self.error = e.result.frame(), str(e)
+                show_result(self.frame, self.name)
+                print(f"error: {self.error}")
             except Exception as e:  # shown in the panel, not lost in the log console
                 self.error = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
                 print(f"error: {self.error}")
@@ -109,6 +113,8 @@ class Panel:
 def show_result(frame, title: str) -> None:
     """The comparison figure (a static plotly figure) and predicted-beside-measured table."""
     go.Figure(viz.variant_comparison(frame, title=title)).show()
+    if viz.multi_rank(frame):
+        go.Figure(viz.rank_comparison(frame, title=f"{title}: every rank")).show()
     display(viz.predicted_table(frame))
     skipped = viz.not_run(frame)
     if not skipped.empty:

@@ -18,10 +18,19 @@ interactive = True  # show the widget panel to re-run with other settings
 runs_dir = None  # where results are stored (None: $LABKIT_RUNS_DIR or ./runs)'''
 
 
+NPROC_PARAMETER = "\nnproc = None  # ranks: None is one per visible GPU, else {CPU_RANKS} CPU ranks"
+
+
 def experiment_notebook(name: str, title: str, intro: str, look_for: str,
-                        sweep: str = "{}") -> nbformat.NotebookNode:
-    parameters = new_code_cell(EXPERIMENT_PARAMETERS.replace("{SWEEP}", sweep),
-                               metadata={"tags": ["parameters"]})
+                        sweep: str = "{}", cpu_ranks: int | None = None) -> nbformat.NotebookNode:
+    """`cpu_ranks` (a multi-process experiment): adds the `nproc` parameter, and the run shows
+    every rank's memory and step time."""
+    source = EXPERIMENT_PARAMETERS.replace("{SWEEP}", sweep)
+    settings = '{**overrides, "device": device}'
+    if cpu_ranks:
+        source += NPROC_PARAMETER.replace("{CPU_RANKS}", str(cpu_ranks))
+        settings = '{**overrides, "device": device, "nproc": nproc}'
+    parameters = new_code_cell(source, metadata={"tags": ["parameters"]})
     return new_notebook(metadata=KERNEL, cells=[
         new_markdown_cell(f"# {title}\n\n{intro}"),
         parameters,
@@ -31,7 +40,7 @@ def experiment_notebook(name: str, title: str, intro: str, look_for: str,
         new_code_cell(
             "from labkit.experiment import run_experiment\n"
             "from labkit.widgets import build_panel, show_result\n\n"
-            f'result = run_experiment("{name}", preset=preset, overrides={{**overrides, "device": device}},\n'
+            f'result = run_experiment("{name}", preset=preset, overrides={settings},\n'
             '                        variants=None if variants == "all" else variants.split(","),\n'
             "                        sweep=sweep, runs_dir=runs_dir, progress=False)\n"
             "frame = result.frame()\n"

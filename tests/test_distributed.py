@@ -109,6 +109,28 @@ def test_torchrun_starts_the_same_experiment_and_rank_0_prints_every_rank(tmp_pa
     assert len(list(tmp_path.iterdir())) == 1
 
 
+def test_the_slurm_script_runs_torchrun_with_a_rendezvous(tmp_path):
+    """The example batch script on one node: fake `srun` (runs the command) and `scontrol`
+    (names this host); everything else is the real torchrun and c10d rendezvous."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242",
+           "LABKIT_NPROC_PER_NODE": "2", "LABKIT_RUNS_DIR": str(tmp_path / "runs"),
+           "LABKIT_RDZV_PORT": str(distributed.free_port())}
+    script = os.path.join(os.path.dirname(__file__), "..", "data", "slurm", "labkit.sbatch")
+    out = subprocess.run(["bash", script, "collectives", "--variant", "reduce_scatter", "--set",
+                          "min_run_time_s=0", "--set", "timed_steps=1", "--json"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {r["rank"] for r in rows} == {0, 1} and rows[0]["params"]["nproc"] == 2
+
+
 def test_root_cause_names_the_rank_behind_the_others_errors():
     exits = [RankExit(0, 1, False), RankExit(1, -9, False)]
     assert root_cause(exits, {0: "RuntimeError: Connection closed by peer"}, 60) == \
