@@ -202,7 +202,8 @@ def test_tensor_core_dtypes_rule(cc, expected):
 
 
 REQUIRED = ("name", "match", "architecture", "compute_capability", "memory_gib", "bandwidth_gbps",
-            "peak_tflops", "sms", "l2_cache_mib", "tdp_w", "source", "notes")
+            "peak_tflops", "sms", "l2_cache_mib", "tdp_w", "interconnect", "interconnect_gbps",
+            "source", "notes")
 PEAK_KEYS = {"float32", "tf32", "float16", "bfloat16", "float8", "int8", "float4"}
 
 
@@ -213,7 +214,7 @@ def test_gpus_json_rows_are_complete_and_consistent():
     assert len({r["name"] for r in rows}) == len(rows) >= 17
     for row in rows:
         assert all(k in row for k in REQUIRED), row["name"]
-        for key in ("memory_gib", "bandwidth_gbps", "sms", "l2_cache_mib", "tdp_w"):
+        for key in ("memory_gib", "bandwidth_gbps", "sms", "l2_cache_mib", "tdp_w", "interconnect_gbps"):
             assert row[key] > 0, (row["name"], key)
         assert row["source"].startswith("https://") and row["notes"]
         assert row["match"] and all(p == p.lower() for p in row["match"])
