@@ -324,6 +324,33 @@ runs_dir = None  # where the check's results are stored (None: $LABKIT_RUNS_DIR 
 
 NOTEBOOKS["08_memory_planner.ipynb"] = planner_notebook()
 
+# Issue 4: multi-process experiments. Each entry: filename -> (experiment, title, intro, what to
+# look for, default sweep, CPU ranks by default).
+DISTRIBUTED = {
+    "09_collectives.ipynb": ("collectives", "09 · Collectives: all-reduce, all-gather, reduce-scatter",
+        "The three collectives every parallel training step is made of, run by every rank through "
+        "torch.distributed (NCCL between GPUs, gloo between CPU ranks). Each is checked first: rank "
+        "r contributes r + 1 everywhere and the result must equal the formula. Then each is timed "
+        "across message sizes, the same number of times on every rank. Bandwidth is reported as "
+        "nccl-tests does: `algbw_gbps` = S / t, and `busbw_gbps` = algbw x 2(n-1)/n for "
+        "all-reduce, x (n-1)/n for the other two: the bytes each rank moves on its busiest link, "
+        "comparable across collectives, world sizes and the link's own bandwidth.",
+        "- `busbw_gbps` grows with the message: small messages pay latency per call, large ones "
+        "approach the link. The prediction is the ceiling: the GPU's interconnect (NVLink 4 on "
+        "H100/H200: 450 GB/s one way; PCIe Gen4 x16: 32) or, on CPU ranks, this CPU's copy "
+        "bandwidth.\n"
+        "- On this 2-core CPU gloo reaches 0.1-2 GB/s (loopback TCP, every byte copied several "
+        "times) against a copy ceiling of ~13-30 GB/s: the gap is the transport, not the math.\n"
+        "- An all-reduce is a reduce-scatter followed by an all-gather: at the same S its "
+        "`step_ms` is about the sum of theirs; its bus factor 2(n-1)/n says the same.\n"
+        "- `max_abs_error` = 0: integer-valued sums are exact in fp32.\n"
+        "- On GPUs, `nccl_algo` (Ring, Tree), `nccl_proto` (LL, LL128, Simple) and `nccl_channels` "
+        "can be swept: each point starts a new communicator with those settings, and the row notes "
+        "record what was in force.",
+        '{"message_bytes": [4096, 65536, 1048576, 16777216]}', 2),
+}
+NOTEBOOKS.update({filename: experiment_notebook(*spec) for filename, spec in DISTRIBUTED.items()})
+
 if __name__ == "__main__":
     ROOT.mkdir(exist_ok=True)
     for filename, nb in NOTEBOOKS.items():

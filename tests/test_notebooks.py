@@ -22,6 +22,8 @@ PARAMETERS = {
     "07_batch_finder.ipynb": {"overrides": {**FAST, "num_layers": 2, "mode": "dynamic"}, "seq_lens": [16, 32],
                               "cpu_budget_gib": 0.062, "variants": "fp32_ckpt"},
     "08_memory_planner.ipynb": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu"},
+    "09_collectives.ipynb": {"overrides": {**FAST, "timed_steps": 1}, "sweep": {"message_bytes": [4096]},
+                             "variants": "all_gather", "nproc": 2},
 }
 
 
@@ -54,5 +56,7 @@ def test_notebook_runs_under_papermill(name, tmp_path):
         assert "predicted" in text and "measured" in text  # predicted beside measured
         assert "application/vnd.jupyter.widget-view+json" in text  # the panel
         assert out.stat().st_size < 1_000_000  # static figures, no embedded widget JavaScript
+    if "nproc" in PARAMETERS[name]:  # a multi-process experiment: every rank's bars
+        assert "rank 1" in text and "every rank" in text
     else:
         assert "peak TFLOP/s" in text and "reason" in text

@@ -150,7 +150,7 @@ def expected(cfg: Config) -> dict[str, float]:
     moved = size * bus_factor(cfg.variant, n)  # bytes through each rank's busiest link
     out = {"message_bytes": float(size)}
     ceiling, _ = link_gbps(cfg)
-    if ceiling:
+    if ceiling and moved:  # one rank moves nothing over a link: no bandwidth to predict
         out.update(busbw_gbps=ceiling, algbw_gbps=ceiling / bus_factor(cfg.variant, n),
                    step_ms=moved / (ceiling * 1e9) * 1e3)
     return out
