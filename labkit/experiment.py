@@ -126,12 +126,25 @@ def lab_plan(device: str = "auto", preset: str | None = None) -> list[dict[str, 
     for name in EXPERIMENTS:
         exp = get_experiment(name)
         cfg = resolve(exp.Config, preset, {"device": device}, experiment=name)
+        refused = _refusal(exp, cfg)
         for variant in exp.VARIANTS:
-            reason = exp.skip_reason(dataclasses.replace(cfg, variant=variant)) \
-                if hasattr(exp, "skip_reason") else None
+            reason = refused or (exp.skip_reason(dataclasses.replace(cfg, variant=variant))
+                                 if hasattr(exp, "skip_reason") else None)
             plan.append({"experiment": name, "variant": variant, "preset": cfg.preset,
                          "device": cfg.device, "runs": reason is None, "reason": reason or ""})
     return plan
+
+
+def _refusal(exp: ModuleType, cfg: RunConfig) -> str | None:
+    """Why the whole experiment cannot run here with its defaults (too few GPUs for its ranks)."""
+    try:
+        if getattr(exp, "DISTRIBUTED", False):
+            cfg = distributed.resolve_world(cfg)
+        if hasattr(exp, "validate"):
+            exp.validate(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,

@@ -9,6 +9,7 @@ import pandas as pd
 
 from labkit import hardware
 from labkit.config import ConfigError
+from labkit.distributed import RunFailed
 from labkit.experiment import run_experiment
 from labkit.results import format_rows
 from labkit.techniques import EXPERIMENTS
@@ -29,6 +30,8 @@ def run_report(out: str | Path, *, preset: str | None = None, overrides: dict[st
                                           runs_dir=str(runs_dir), progress=progress).frame()
         except ConfigError as e:  # e.g. a setting this experiment does not take: say so, go on
             refused[name] = str(e)
+        except RunFailed as e:  # a rank crashed or hung: keep what was measured, say why
+            frames[name], refused[name] = e.result.frame(), str(e)
     table = pd.concat(frames.values(), ignore_index=True)
     table.drop(columns=["params", "env"]).to_csv(out / "results.csv", index=False)
     (out / "summary.md").write_text(summary_markdown(frames, refused))
@@ -40,8 +43,9 @@ def summary_markdown(frames: dict[str, pd.DataFrame], refused: dict[str, str]) -
     parts = ["# labkit report", "", "```", hardware.describe(), "```"]
     for name, frame in frames.items():
         parts += ["", f"## {name}", "", "```", format_rows(frame.to_dict(orient="records")), "```"]
+        parts += ["", f"ended early: {refused[name]}"] if name in refused else []
     for name, reason in refused.items():
-        parts += ["", f"## {name}", "", f"not run: {reason}"]
+        parts += [] if name in frames else ["", f"## {name}", "", f"not run: {reason}"]
     return "\n".join(parts) + "\n"
 
 
