@@ -504,7 +504,9 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     param, grad, opt = zero_model_state_bytes(sp.total, stage=r.zero_stage, dp=r.dp,
                                               precision=r.precision, optimizer=r.optimizer)
     act, per_layer = _stage_activations(r, sp, first, last) if r.m is not None else (0, 0)
-    resident = r.accumulation_steps > 1 or r.pp > 1  # earlier micro-batches' gradients
+    # Gradients allocated through the whole backward: earlier micro-batches' (accumulation,
+    # pipelining), or DDP's all-reduce buckets (stages 0 and 1), which live as long as the model.
+    resident = r.accumulation_steps > 1 or r.pp > 1 or (r.dp > 1 and r.zero_stage < 2)
     backward = _backward_temporaries(r, sp, last, resident) if r.m is not None else 0
     step = _step_temporaries(r, sp)
     phases = {"backward": param + opt + act + backward + (grad if resident else 0),

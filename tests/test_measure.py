@@ -168,3 +168,16 @@ def test_activation_meter_sees_what_checkpointing_keeps():
     logits = 2 * 16 * m.vocab_size * 4
     # full: each block keeps only its input; after the blocks, the final norm and the head keep theirs
     assert held["full"] < 2 * d + 4 * d + logits
+
+
+def test_tracker_follows_storage_resizes_as_fsdp_frees_and_regathers():
+    """FSDP2 frees a gathered parameter with storage.resize_(0), then gathers into it again."""
+    original = torch.UntypedStorage.resize_
+    with LiveTensorTracker() as tracker:
+        x = torch.empty(1024)  # 4 KiB
+        assert tracker.current_bytes == 4096
+        x.untyped_storage().resize_(0)
+        assert tracker.current_bytes == 0 and tracker.peak_bytes == 4096
+        x.untyped_storage().resize_(8192)
+        assert tracker.current_bytes == tracker.peak_bytes == 8192
+    assert torch.UntypedStorage.resize_ is original  # restored on exit

@@ -67,6 +67,35 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
 
+    def __enter__(self):
+        # FSDP2 frees a gathered parameter with `storage.resize_(0)` and later gathers into the
+        # same storage again; resizing a storage is not a dispatched op, so follow it here.
+        self._resize = original = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = original(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        key = st._cdata
+        if key in self.live:
+            self.current_bytes += st.nbytes() - self.live[key]
+            self.live[key] = st.nbytes()
+            self._account()
+
+    def _account(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
+            raise torch.OutOfMemoryError(budget_message(self.current_bytes, self.budget_bytes))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -87,10 +116,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.live[key] = nbytes
         self.dtypes[key] = _dtype_name(t)
         self.current_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         weakref.finalize(st, self._free, key)
-        if self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
-            raise torch.OutOfMemoryError(budget_message(self.current_bytes, self.budget_bytes))
+        self._account()
 
     def _free(self, key: int) -> None:
         self.current_bytes -= self.live.pop(key, 0)

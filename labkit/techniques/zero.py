@@ -31,7 +31,6 @@ the next one and `grad_bytes` is measured at rest, after the step, with everythi
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +55,10 @@ STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 LR = 1e-3
 CHECK_STEPS = 2  # the second step also checks the sharded optimizer states the first one made
 # Normwise relative difference of the weights after CHECK_STEPS steps, ||w - w_ref|| / ||w_ref||
-# per tensor, and relative difference of the losses. The ranks' gradients are summed in the same
-# order and halved exactly by every variant, and AdamW is elementwise, so sharding changes
-# nothing but the kernels' rounding (a few fp32 ulps, 1.2e-7 each).
+# per tensor, and relative difference of the losses. AdamW is elementwise, and on two ranks every
+# variant averages the gradients as (a + b) / 2, exactly: bitwise equal to DDP (gloo, here). More
+# ranks may sum in another order (NCCL's rings and trees), and GPU kernels differ between the
+# sharded and whole tensors: a few fp32 ulps (1.2e-7 each).
 TOLERANCE = 1e-6
 
 
@@ -205,24 +205,29 @@ def expected(cfg: Config) -> dict[str, float]:
     return out
 
 
+COUNTERS = ("AdamW's moments (K = 8 bytes per parameter) plus one 4-byte step counter per "
+            "parameter tensor, which the planner leaves out.")
+DDP_PEAK = ("DDP's gradient buckets (4Ψ; the gradients are views of them) live through the whole "
+            "step, so its backward runs with every gradient allocated (the planner counts them).")
+NOTES = {
+    "zero0": {"grad_bytes": "DDP's all-reduce buckets, which the gradients are views of.",
+              "peak_mem_bytes": DDP_PEAK},
+    "zero1": {"optimizer_bytes": COUNTERS + " The paper's P_os; ZeroRedundancyOptimizer gives each "
+                                            "rank whole tensors, balanced by size: near 1/Nd.",
+              "peak_mem_bytes": DDP_PEAK + " Its AdamW steps whole tensors: temporaries of the "
+                                           "largest whole tensors, where the planner shards them."},
+    "zero2": {"param_bytes": "FSDP2 reshards parameters after the backward even with "
+                             "reshard_after_forward=False, so at rest they are sharded (predicted: "
+                             "stage 3's 4Ψ/Nd); the paper's stage 2 (P_os+g) keeps them whole, 4Ψ.",
+              "peak_mem_bytes": "predicted: the paper's stage 2 (whole parameters throughout); "
+                                "FSDP2 holds each block whole from its forward to its backward, "
+                                "beside its shards."},
+    "zero3": {"param_bytes": "The paper's P_os+g+p: 4Ψ/Nd."},
+    "zero3_offload": {"param_bytes": "in host memory, as are the gradients and optimizer states.",
+                      "peak_mem_bytes": "on the GPU: the blocks gathered at a time and the "
+                                        "activations; the planner does not model offload."},
+}
+
+
 def notes(cfg: Config) -> dict[str, str]:
-    n = cfg.nproc or 2
-    out = {"optimizer_bytes": "AdamW's moments (planner: K = 8 bytes per parameter) plus one 4-byte "
-                              "step counter per parameter tensor, which the planner leaves out."}
-    if cfg.variant == "zero1":
-        out["optimizer_bytes"] += (f" ZeroRedundancyOptimizer gives each rank whole tensors, "
-                                   f"balanced by size: near, not exactly, 1/{n} of zero0's.")
-    if cfg.variant == "zero2":
-        out["param_bytes"] = ("FSDP2 reshards parameters after the backward even with "
-                              "reshard_after_forward=False, so at rest they are sharded (predicted: "
-                              "stage 3's 4Ψ/Nd); the paper's stage 2 keeps them whole (4Ψ).")
-        out["peak_mem_bytes"] = ("predicted: the paper's stage 2 (whole parameters always); FSDP2 "
-                                 "holds whole parameters only from the forward to each block's "
-                                 "backward, beside their shards.")
-    if cfg.variant == "zero3_offload":
-        out["param_bytes"] = "in host memory, as are the gradients and optimizer states."
-        out["peak_mem_bytes"] = ("on the GPU: the blocks gathered at a time and the activations; "
-                                 "the planner does not model offload (no prediction).")
-    if cfg.variant == "zero0":
-        out["grad_bytes"] = "DDP's all-reduce buckets, which the gradients are views of."
-    return out
+    return {"optimizer_bytes": COUNTERS, **NOTES[cfg.variant]}

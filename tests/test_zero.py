@@ -1,0 +1,132 @@
+"""ZeRO stages on two gloo ranks: what each rank keeps, against plain DDP and the planner.
+
+One launch of the experiment (about 15 s here) serves every test that reads rows."""
+import dataclasses
+
+import pytest
+
+from conftest import TINY_DIST
+from labkit import planner
+from labkit.config import ConfigError, resolve
+from labkit.experiment import run_experiment
+from labkit.model import build_model
+from labkit.techniques import zero
+
+RAN = ("zero0", "zero1", "zero2", "zero3")  # zero3_offload needs a GPU
+RANKS = (0, 1)
+
+
+def config(variant="zero0", **overrides):
+    return resolve(zero.Config, "tiny", {**TINY_DIST, "variant": variant, "nproc": 2, **overrides},
+                   experiment="zero")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    return run_experiment("zero", preset="tiny", overrides={**TINY_DIST},
+                          runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
+
+
+def get(rows, variant, metric, rank):
+    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)]
+    assert len(hits) == 1, (variant, metric, rank, hits)
+    return hits[0]
+
+
+def value(rows, variant, metric, rank):
+    return get(rows, variant, metric, rank)["value"]
+
+
+def num_tensors():
+    """Parameter tensors of the tiny model: AdamW keeps one 4-byte step counter for each."""
+    return len(list(build_model(config().model, device="meta").parameters()))
+
+
+def test_every_rank_reports_every_variant(rows):
+    assert {r["rank"] for r in rows} == set(RANKS)
+    for rank in RANKS:
+        skipped = get(rows, "zero3_offload", None, rank)
+        assert skipped["status"] == "skipped" and skipped["message"].startswith("needs a GPU: ")
+        for v in RAN:
+            assert {r["status"] for r in rows if r["variant"] == v and r["rank"] == rank} == {"ok"}
+            assert value(rows, v, "step_ms", rank) > 0
+            assert value(rows, v, "peak_mem_bytes", rank) > 0
+
+
+def test_every_stage_trains_exactly_as_ddp(rows):
+    # Same weights and losses after two steps: gradients are halved sums in the same order and
+    # AdamW is elementwise, so sharding the states changes nothing (here: bitwise).
+    for rank in RANKS:
+        for v in RAN:
+            assert value(rows, v, "weight_max_rel_diff", rank) <= zero.TOLERANCE
+            assert value(rows, v, "loss_rel_diff", rank) <= zero.TOLERANCE
+            assert value(rows, v, "loss", rank) == pytest.approx(value(rows, "zero0", "loss", rank),
+                                                                 rel=zero.TOLERANCE)
+    # each rank trains on its own half of the batch
+    assert value(rows, "zero0", "loss", 0) != value(rows, "zero0", "loss", 1)
+
+
+def test_sharding_halves_what_each_rank_keeps(rows):
+    for rank in RANKS:
+        def ratio(v, metric):
+            return value(rows, v, metric, rank) / value(rows, "zero0", metric, rank)
+
+        assert ratio("zero3", "param_bytes") == pytest.approx(0.5, rel=0.01)
+        assert ratio("zero1", "optimizer_bytes") == pytest.approx(0.5, rel=0.10)  # whole tensors
+        assert ratio("zero1", "param_bytes") == ratio("zero1", "grad_bytes") == 1.0
+        assert ratio("zero2", "grad_bytes") == pytest.approx(0.5, rel=0.01)
+        # FSDP2 reshards parameters after the backward even without resharding after forward
+        assert ratio("zero2", "param_bytes") == pytest.approx(0.5, rel=0.01)
+
+
+def test_model_states_equal_the_planner(rows):
+    # Every dimension of the tiny model is even: the shards are exactly 1/2, no padding.
+    counters = 4 * num_tensors()
+    for rank in RANKS:
+        for v in RAN:
+            for metric in ("param_bytes", "grad_bytes"):
+                row = get(rows, v, metric, rank)
+                assert row["value"] == row["predicted"], (v, metric, rank)
+        for v in ("zero0", "zero2", "zero3"):  # + one step counter per (sharded) tensor
+            row = get(rows, v, "optimizer_bytes", rank)
+            assert row["value"] == row["predicted"] + counters, (v, rank)
+        row = get(rows, "zero1", "optimizer_bytes", rank)  # whole tensors: near an even split
+        assert row["value"] == pytest.approx(row["predicted"], rel=0.10)
+
+
+def test_ddp_peak_is_the_planners_stage_0_where_the_optimizer_step_sets_it(rows):
+    # At these sizes the optimizer step sets the peak (the planner holds DDP's buckets through
+    # the backward too: zero.DDP_PEAK). zero1's peak is not held to it: its for-loop AdamW makes
+    # temporaries of whole tensors, which the planner shards; nor FSDP2's: its gather buffers go
+    # beyond the planner's one gathered unit.
+    cfg = config()
+    plan = planner.training_memory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                   precision="fp32", optimizer="adamw", gpus=2, device="cpu")
+    assert plan.peak_phase == "step"
+    for rank in RANKS:
+        row = get(rows, "zero0", "peak_mem_bytes", rank)
+        assert row["value"] == pytest.approx(row["predicted"], rel=0.01)
+        for v in ("zero1", "zero2", "zero3"):
+            assert value(rows, v, "peak_mem_bytes", rank) < row["value"]
+
+
+def test_offload_is_skipped_on_cpu_and_planned_on_gpus():
+    assert zero.skip_reason(config("zero3_offload")).startswith("needs a GPU: ")
+    assert zero.skip_reason(dataclasses.replace(config("zero3_offload"), device="cuda:0")) is None
+    assert all(zero.skip_reason(config(v)) is None for v in RAN)
+
+
+def test_expected_follows_what_each_variant_keeps_at_rest():
+    psi = planner.num_params(config().model)
+    for v, (param, grad, opt) in {"zero0": (1, 1, 1), "zero1": (1, 1, 2), "zero2": (2, 2, 2),
+                                  "zero3": (2, 2, 2), "zero3_offload": (2, 2, 2)}.items():
+        want = config(v)
+        got = zero.expected(want)
+        assert (got["param_bytes"], got["grad_bytes"], got["optimizer_bytes"]) == \
+            (4 * psi / param, 4 * psi / grad, 8 * psi / opt), v
+        assert ("peak_mem_bytes" in got) == (v != "zero3_offload")  # the planner has no offload
+
+
+def test_training_is_fp32_only():
+    with pytest.raises(ConfigError, match="float32"):
+        zero.validate(config(dtype="bfloat16"))
