@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, TINY_DECODE, TINY_TRAIN
+from conftest import FAST, TINY_DECODE, TINY_DIST, TINY_TRAIN
 
 papermill = pytest.importorskip("papermill")
 
@@ -24,6 +24,7 @@ PARAMETERS = {
     "08_memory_planner.ipynb": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu"},
     "09_collectives.ipynb": {"overrides": {**FAST, "timed_steps": 1}, "sweep": {"message_bytes": [4096]},
                              "variants": "all_gather", "nproc": 2},
+    "11_zero.ipynb": {"overrides": TINY_DIST, "variants": "zero3", "nproc": 2},
 }
 
 
