@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from labkit.config import PRESETS, ConfigError, parse_assignments
 

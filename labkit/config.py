@@ -82,14 +82,16 @@ MODELS: dict[str, ModelConfig] = {
                          ffn_size=14336, vocab_size=32000, max_seq_len=32768),
 }
 
-# Default run sizes per preset, then per experiment where one differs.
-# Default run sizes per preset, then per experiment where one differs. GPU presets decode in bf16,
+# Default run sizes (and, where an experiment needs one, model-shape fields) per preset, then per
+# experiment where one differs. GPU presets decode in bf16,
 # as GPU inference does; the uncached reference recomputes the prefix, so lengths stay modest.
 _GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "bfloat16"}
 PRESET_SIZES: dict[str, dict[str, Any]] = {
     # batch_finder on the CPU searches a virtual budget (there is nothing else to run out of)
     "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1},
-             "batch_finder": {"memory_budget_gib": 0.25, "mode": "dynamic"}},
+             "batch_finder": {"memory_budget_gib": 0.25, "mode": "dynamic"},
+             # 4-way tensor parallel splits the kv heads four ways
+             "hybrid": {"num_kv_heads": 4}},
     "small": {"batch_size": 8, "seq_len": 512, "kv_cache": _GPU_DECODE},
     "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
     "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
@@ -263,7 +265,7 @@ def resolve(config_cls: type[RunConfig], preset: str | None = None,
     sizes = {k: v for k, v in PRESET_SIZES[preset].items() if not isinstance(v, dict)}
     sizes.update(PRESET_SIZES[preset].get(experiment, {}))
     run_values = {k: v for k, v in {**sizes, **overrides}.items() if k in run_names}
-    model = _apply(MODELS[preset], {k: v for k, v in overrides.items() if k in model_names})
+    model = _apply(MODELS[preset], {k: v for k, v in {**sizes, **overrides}.items() if k in model_names})
     _check_model(model)
     cfg = _apply(config_cls(), run_values)
     cfg = dataclasses.replace(cfg, preset=preset, device=device, model=model,

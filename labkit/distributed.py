@@ -38,7 +38,8 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 class DistConfig(RunConfig):
     """Settings every multi-process experiment shares."""
 
-    nproc: int | None = knob(None, min=1, help="ranks (default: one per visible GPU, else 2 CPU ranks)")
+    nproc: int | None = knob(None, min=1, help="ranks (default: one per visible GPU, else 2 CPU "
+                                                   "ranks, 4 for hybrid)")
     timeout_s: float = knob(60.0, min=1.0, help="a collective or barrier waiting longer ends the run")
     timed_steps: int = knob(5, min=1, help="timed steps, the same count on every rank")
     fault: str = knob("none", choices=FAULTS,
@@ -113,6 +114,19 @@ def maybe_inject_fault(cfg: DistConfig) -> None:
         time.sleep(3600)
 
 
+def clock(device: str) -> float:
+    """Seconds, after the device has finished what was queued (CUDA runs asynchronously)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def lined_up(device: str) -> float:
+    """The ranks meet at a barrier; the clock right after it."""
+    dist.barrier()
+    return clock(device)
+
+
 def fixed_repeats_timer(step: Callable[[], object], *, warmup: int, repeats: int,
                         device: str) -> tuple[float, ...]:
     """Seconds per step, the same number of steps on every rank (an adaptive count would let the
@@ -121,14 +135,9 @@ def fixed_repeats_timer(step: Callable[[], object], *, warmup: int, repeats: int
         step()
     times = []
     for _ in range(repeats):
-        dist.barrier()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = lined_up(device)
         step()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock(device) - start)
     return tuple(times)
 
 
@@ -145,8 +154,8 @@ def agree(ok: bool, message: str) -> tuple[bool, str]:
 
 # --- the launcher -----------------------------------------------------------------------------
 
-def default_nproc(device: str) -> int:
-    return torch.cuda.device_count() if device.startswith("cuda") else 2
+def default_nproc(device: str, cpu_ranks: int = 2) -> int:
+    return torch.cuda.device_count() if device.startswith("cuda") else cpu_ranks
 
 
 def check_nproc(device: str, nproc: int) -> None:
@@ -258,15 +267,16 @@ def root_cause(exits: list[RankExit], errors: dict[int, str], timeout_s: float) 
     return f"rank {bad[0].rank} exited with code {bad[0].exitcode}" if bad else "unknown failure"
 
 
-def resolve_world(cfg: DistConfig) -> DistConfig:
-    """The config with `nproc` filled in: torchrun's world size, the user's, or the default."""
+def resolve_world(cfg: DistConfig, cpu_ranks: int = 2) -> DistConfig:
+    """The config with `nproc` filled in: torchrun's world size, the user's, or the default (one
+    rank per visible GPU, else the experiment's `cpu_ranks`)."""
     if under_torchrun() or is_distributed():
         world = int(os.environ["WORLD_SIZE"]) if not is_distributed() else world_size()
         if cfg.nproc not in (None, world):
             raise ConfigError(f"nproc={cfg.nproc} but torchrun started {world} ranks; "
                               "leave nproc unset under torchrun")
         return dataclasses.replace(cfg, nproc=world)
-    nproc = cfg.nproc or default_nproc(cfg.device)
+    nproc = cfg.nproc or default_nproc(cfg.device, cpu_ranks)
     check_nproc(cfg.device, nproc)
     return dataclasses.replace(cfg, nproc=nproc)
 
@@ -280,8 +290,7 @@ def run(name: str, chosen: list[str], points: list, *, runs_dir: str | None = No
     measured) when a rank crashed or hung."""
     from labkit.results import new_run_id
 
-    points = [(point, resolve_world(cfg)) for point, cfg in points]
-    nproc = points[0][1].nproc
+    nproc = points[0][1].nproc  # filled in by resolve_world when the points were planned
     if any(cfg.nproc != nproc for _, cfg in points):
         raise ConfigError("nproc cannot be swept: the ranks start once per run; run once per world size")
     if under_torchrun():

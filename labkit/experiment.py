@@ -65,6 +65,8 @@ def plan_points(name: str, preset: str | None, overrides: dict[str, Any] | None,
     points = []
     for point in expand_sweep(sweep or {}):
         cfg = resolve(exp.Config, preset, {**(overrides or {}), **point}, experiment=name)
+        if getattr(exp, "DISTRIBUTED", False):
+            cfg = distributed.resolve_world(cfg, getattr(exp, "CPU_RANKS", 2))  # before validate()
         if hasattr(exp, "validate"):
             exp.validate(cfg)
         typed = {k: getattr(cfg, k) if hasattr(cfg, k) else getattr(cfg.model, k) for k in point}
@@ -139,7 +141,7 @@ def _refusal(exp: ModuleType, cfg: RunConfig) -> str | None:
     """Why the whole experiment cannot run here with its defaults (too few GPUs for its ranks)."""
     try:
         if getattr(exp, "DISTRIBUTED", False):
-            cfg = distributed.resolve_world(cfg)
+            cfg = distributed.resolve_world(cfg, getattr(exp, "CPU_RANKS", 2))
         if hasattr(exp, "validate"):
             exp.validate(cfg)
     except ConfigError as e:

@@ -13,6 +13,7 @@ from IPython.display import display
 
 from labkit import hardware, viz
 from labkit.config import PRESETS, ConfigError, default_preset, resolve, resolve_device
+from labkit.distributed import RunFailed
 from labkit.experiment import run_experiment
 from labkit.techniques import get_experiment
 

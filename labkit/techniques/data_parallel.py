@@ -1,0 +1,345 @@
+"""Data parallelism with DistributedDataParallel: n ranks, each a slice of one global batch, their
+gradients averaged by all-reduce, against one process training on the whole batch.
+
+The global batch is n x k x b sequences (n ranks, k = `micro_batches`, b = `batch_size`).
+- `single` (the reference): every rank computes the one-process step on all n*k*b sequences,
+  locally, with no collective.
+- `ddp`: rank r takes its k*b sequences in one forward; DDP all-reduces the gradients bucket by
+  bucket (`bucket_cap_mb`) while the backward is still running. The mean of the ranks' mean
+  gradients is the global batch's mean gradient: the same loss and gradients up to fp32 rounding.
+- `accumulate`: k micro-batches of b per rank, every backward all-reduced (k x the bytes).
+- `accumulate_no_sync`: the same, inside `DDP.no_sync()` but for the last micro-batch: the local
+  sum is all-reduced once. Same gradients, 1/k of the bytes.
+- `fp16_compress`, `bf16_compress`: torch's comm hooks cast each bucket to 16 bits before the
+  all-reduce: half the bytes, gradients rounded to 11 (fp16) or 8 (bf16) significant bits.
+- `powersgd`: rank-r PowerSGD (Vogels et al., 2019, https://arxiv.org/abs/1905.13727) sends each
+  (n, m) gradient as P (n, r) and Q (m, r) with error feedback; lossy, so its gradient and loss
+  deltas are reported, not checked.
+
+Every DDP variant runs a comm hook from `torch.distributed.algorithms.ddp_comm_hooks` (`ddp` and
+the accumulations torch's `allreduce_hook`, the Python twin of DDP's built-in all-reduce) wrapped
+to count the bytes each bucket hands to the all-reduce: `comm_bytes` per step per rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit import hardware, planner
+from labkit.config import ConfigError, knob
+from labkit.distributed import DistConfig, clock, lined_up, rank, world_size
+from labkit.model import build_model
+from labkit.techniques.training import Trainer, gradient_difference, lm_loss, make_batch
+from labkit.workload import Comparison, Workload
+
+DISTRIBUTED = True
+VARIANTS = ("single", "ddp", "accumulate", "accumulate_no_sync", "fp16_compress", "bf16_compress",
+            "powersgd")
+REFERENCE = "single"
+HOOKS = {"ddp": default_hooks.allreduce_hook, "accumulate": default_hooks.allreduce_hook,
+         "accumulate_no_sync": default_hooks.allreduce_hook,
+         "fp16_compress": default_hooks.fp16_compress_hook,
+         "bf16_compress": default_hooks.bf16_compress_hook, "powersgd": powerSGD_hook.powerSGD_hook}
+WIRE_BYTES = {"fp16_compress": 2, "bf16_compress": 2}  # bytes per gradient element sent; else fp32
+# Normwise relative gradient difference allowed (||g - g_ref|| / ||g_ref|| per parameter): fp32
+# sums in another order for the lossless variants. The 16-bit ones round each element to 2^-11
+# (fp16) or 2^-8 (bf16) relative, and fp16 flushes gradients under ~6e-8 to zero (measured on the
+# tiny model: 1.6e-3 and 2.8e-3); 5e-2 lets that pass and still fails a broken hook (a missing
+# average is 1.0). PowerSGD is not checked (None): its deltas are the result.
+TOLERANCE = {"fp16_compress": 5e-2, "bf16_compress": 5e-2, "powersgd": None}
+FP32_TOLERANCE = 1e-5
+# PowerSGD with error feedback needs >= 2 plain iterations (DDP rebuilds its buckets after the
+# first); check() runs them as untimed backward passes so its first step is already compressed.
+POWERSGD_START_ITER = 2
+# PowerSGD issues its P and Q all-reduces from completion callbacks; with several buckets in flight
+# gloo's threads can issue them in a different order on each rank, a collective mismatch ("Received
+# data size doesn't match expected size"; torch does not test the hook on gloo:
+# https://github.com/pytorch/pytorch/issues/58467). On CPU ranks it gets one bucket of everything.
+ONE_BUCKET_MB = 2.0**20
+
+
+@dataclass(kw_only=True)
+class Config(DistConfig):
+    variant: str = knob(REFERENCE, choices=VARIANTS, help="single process, DDP, accumulation, comm hook")
+    bucket_cap_mb: float = knob(25.0, min=0.01, help="DDP gradient bucket size, MiB")
+    micro_batches: int = knob(2, min=1, help="k: micro-batches of batch_size per rank and step")
+    powersgd_rank: int = knob(1, min=1, help="PowerSGD matrix approximation rank r")
+    steps: int = knob(3, min=1, help="training steps in the check (loss after them vs the reference)")
+
+
+def validate(cfg: Config) -> None:
+    if cfg.dtype != "float32":
+        raise ConfigError(f"data_parallel trains in float32 (got {cfg.dtype}); gradient "
+                          "compression is its own variant (fp16_compress, bf16_compress, powersgd)")
+
+
+def is_ddp(variant: str) -> bool:
+    return variant != REFERENCE
+
+
+def bucket_cap_mb(cfg: Config) -> float:
+    """The bucket size DDP gets: the knob's, but one bucket for PowerSGD on gloo (see above)."""
+    gloo_powersgd = cfg.variant == "powersgd" and not cfg.device.startswith("cuda")
+    return ONE_BUCKET_MB if gloo_powersgd else cfg.bucket_cap_mb
+
+
+def pieces_per_rank(cfg: Config) -> int:
+    return cfg.micro_batches if cfg.variant.startswith("accumulate") else 1
+
+
+class CommLog:
+    """Wraps a comm hook: the bytes each bucket hands to the all-reduce, and which buckets."""
+
+    def __init__(self, inner, wire_bytes: int):
+        self.inner, self.wire_bytes = inner, wire_bytes
+        self.bytes, self.buckets = 0, set()
+
+    def reset(self) -> None:
+        self.bytes, self.buckets = 0, set()
+
+    # No annotations: DDP compares them with dist.GradBucket and Future[Tensor] as objects, which
+    # the strings of `from __future__ import annotations` are not.
+    def hook(self, state, bucket):
+        # PowerSGD counts the elements it sends (P, Q and the tensors it leaves uncompressed) in
+        # its state once compressing; before that, and for the other hooks, the whole bucket goes.
+        compressing = isinstance(state, powerSGD_hook.PowerSGDState) and \
+            state.iter >= state.start_powerSGD_iter
+        before = state.total_numel_after_compression if compressing else 0
+        future = self.inner(state, bucket)
+        numel = state.total_numel_after_compression - before if compressing else bucket.buffer().numel()
+        self.bytes += numel * self.wire_bytes
+        self.buckets.add(bucket.index())
+        return future
+
+
+class DataParallelTrainer(Trainer):
+    """The plain step on this rank's part of the global batch, through DDP unless `single`."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        n, k, b = world_size(), cfg.micro_batches, cfg.batch_size
+        inputs, targets = make_batch(cfg, n * k * b)  # (n*k*b, T): the same on every rank
+        if is_ddp(cfg.variant):  # this rank's k*b sequences
+            mine = slice(rank() * k * b, (rank() + 1) * k * b)
+            inputs, targets = inputs[mine], targets[mine]
+        pieces = pieces_per_rank(cfg)  # k micro-batches of b, or one piece
+        self.pieces = list(zip(inputs.chunk(pieces), targets.chunk(pieces)))
+        self.net, self.log = self.model, None
+        if is_ddp(cfg.variant):
+            self.net, self.log = self.wrap(cfg)
+
+    def wrap(self, cfg: Config) -> tuple[DistributedDataParallel, CommLog]:
+        ids = [torch.device(cfg.device).index] if cfg.device.startswith("cuda") else None
+        net = DistributedDataParallel(self.model, device_ids=ids, bucket_cap_mb=bucket_cap_mb(cfg))
+        log = CommLog(HOOKS[cfg.variant], WIRE_BYTES.get(cfg.variant, 4))
+        state = None  # the default process group
+        if cfg.variant == "powersgd":
+            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=cfg.powersgd_rank,
+                                                start_powerSGD_iter=POWERSGD_START_ITER)
+        net.register_comm_hook(state, log.hook)
+        return net, log
+
+    def backward_pass(self, sync: bool = True) -> float:
+        """Forward and backward of every piece (loss / pieces each); this rank's mean loss. The
+        all-reduce runs in the backward of the pieces that sync."""
+        total, last, variant = 0.0, len(self.pieces) - 1, self.cfg.variant
+        for i, (inputs, targets) in enumerate(self.pieces):
+            local = not sync or (variant == "accumulate_no_sync" and i < last)
+            with self.net.no_sync() if local and is_ddp(variant) else contextlib.nullcontext():
+                loss = lm_loss(self.net(inputs), targets) / len(self.pieces)
+                loss.backward()
+            total += loss.item()
+        return total
+
+    def update(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        if self.log:
+            self.log.reset()
+        loss = self.backward_pass()
+        self.update()
+        return loss
+
+    def check(self) -> dict:
+        """`steps` steps; every step's global loss, and the first step's averaged gradients."""
+        for _ in range(POWERSGD_START_ITER if self.cfg.variant == "powersgd" else 0):
+            self.backward_pass()
+            self.optimizer.zero_grad(set_to_none=True)
+        losses, grads = [], None
+        for _ in range(self.cfg.steps):
+            losses.append(global_mean(self.backward_pass(), self.cfg))
+            if grads is None:  # host copies, outside the memory meter (see training.py)
+                grads = {n: p.grad.detach().cpu().numpy().copy()
+                         for n, p in self.model.named_parameters()}
+            self.update()
+        return {"losses": losses, "grads": grads}
+
+    def side_by_side(self, repeats: int) -> dict[str, float]:
+        """The same step with the gradients synchronised and under no_sync, alternately, ranks
+        lined up by a barrier before each: the difference is the communication the backward did
+        not hide (the all-reduce, the bucket copies, waiting for the slowest rank)."""
+        full, synced, local = [], [], []
+        for _ in range(repeats):
+            t0 = lined_up(self.cfg.device)
+            self.backward_pass(sync=True)
+            t1 = clock(self.cfg.device)
+            self.update()
+            full.append(clock(self.cfg.device) - t0)
+            synced.append(t1 - t0)
+            t2 = lined_up(self.cfg.device)
+            self.backward_pass(sync=False)
+            local.append(clock(self.cfg.device) - t2)
+            self.optimizer.zero_grad(set_to_none=True)  # no update: the ranks' weights stay equal
+        comm = statistics.median(synced) - statistics.median(local)
+        return {"comm_ms": comm * 1e3, "comm_fraction": comm / statistics.median(full)}
+
+    def report(self) -> dict[str, float]:
+        if self.log is None:  # `single`: no collective at all
+            return {"comm_bytes": 0.0, "comm_ms": 0.0, "comm_fraction": 0.0}
+        out = {"comm_bytes": float(self.log.bytes), "num_buckets": float(len(self.log.buckets))}
+        return {**out, **self.side_by_side(self.cfg.timed_steps)}
+
+
+def global_mean(local_loss: float, cfg: Config) -> float:
+    """The global batch's mean loss: the mean of the ranks' means (equal slices)."""
+    if not is_ddp(cfg.variant):
+        return local_loss
+    t = torch.tensor([local_loss], dtype=torch.float64, device=cfg.device)
+    dist.all_reduce(t)
+    return t.item() / world_size()
+
+
+def build(cfg: Config) -> Workload:
+    trainer = DataParallelTrainer(cfg)
+    sequences = cfg.batch_size * cfg.micro_batches * (1 if is_ddp(cfg.variant) else world_size())
+    return Workload(
+        step=trainer.step, check=trainer.check, tokens_per_step=sequences * cfg.seq_len,
+        tensors={"param_bytes": trainer.model.parameters,
+                 "optimizer_bytes": trainer.optimizer_tensors},
+        report=trainer.report, notes=notes(cfg), count_flops=False, compute_dtype=cfg.dtype)
+
+
+def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
+    """The first step's gradients and loss (same weights, same global batch) against one
+    process's; the loss after `steps` steps is reported beside the reference's."""
+    max_abs, max_rel = gradient_difference(reference["grads"], outputs["grads"])
+    losses, ref_losses = outputs["losses"], reference["losses"]
+    loss_rel = abs(losses[0] - ref_losses[0]) / abs(ref_losses[0])  # the first step's
+    metrics = {"loss": losses[-1], "loss_delta": losses[-1] - ref_losses[-1],
+               "grad_max_abs_diff": max_abs, "grad_max_rel_diff": max_rel}
+    tol = TOLERANCE.get(cfg.variant, FP32_TOLERANCE)
+    if tol is None:
+        return Comparison(metrics, True, f"{cfg.variant} is lossy: its gradient and loss deltas "
+                                         "are reported, not checked.")
+    ok = max_rel <= tol and loss_rel <= tol
+    message = "" if ok else (f"gradients or loss differ from one process's: max relative "
+                             f"{max_rel:.2e}, loss {loss_rel:.2e} > {tol:g}")
+    return Comparison(metrics, ok, message)
+
+
+def grad_shapes(cfg: Config) -> list[torch.Size]:
+    """Every parameter's shape, in registration order (a model on `meta`: nothing allocated)."""
+    return [p.shape for p in build_model(cfg.model, device="meta").parameters()]
+
+
+def predicted_comm_numel(cfg: Config, shapes: list[torch.Size]) -> int:
+    """Gradient elements each rank hands to all-reduce per step. PowerSGD sends an (n, m) gradient
+    as (n + m) r elements when that is under half of n m (torch's min_compression_rate 2), else
+    as it is; before compressing, and for every other hook, the whole gradient goes."""
+    total = sum(s.numel() for s in shapes)
+    if cfg.variant == REFERENCE:
+        return 0
+    if cfg.variant == "accumulate":
+        return cfg.micro_batches * total  # every micro-batch's backward syncs
+    if cfg.variant != "powersgd":
+        return total
+    out = 0
+    for s in shapes:
+        n, m = s[0], s.numel() // s[0]
+        r = min(n, m, cfg.powersgd_rank)
+        out += (n + m) * r if 2 * (n + m) * r < n * m else n * m
+    return out
+
+
+def predicted_buckets(cfg: Config, shapes: list[torch.Size]) -> int:
+    """DDP's buckets after its first iteration rebuilds them: gradients in the order they become
+    ready (about the reverse of registration), a bucket closed once it reaches bucket_cap_mb."""
+    cap, buckets, size = bucket_cap_mb(cfg) * 2**20, 0, 0
+    for s in reversed(shapes):
+        size += s.numel() * 4
+        if size >= cap:
+            buckets, size = buckets + 1, 0
+    return buckets + (size > 0)
+
+
+def piece_size(cfg: Config) -> int:
+    """Sequences in one forward: all n*k*b for `single`, k*b per rank, b when accumulating."""
+    n, k, b = cfg.nproc or 2, cfg.micro_batches, cfg.batch_size
+    return n * k * b if cfg.variant == REFERENCE else k * b // pieces_per_rank(cfg)
+
+
+def expected(cfg: Config) -> dict[str, float]:
+    shapes, n = grad_shapes(cfg), cfg.nproc or 2
+    pieces = 1 if cfg.variant == REFERENCE else pieces_per_rank(cfg)
+    plan = planner.training_memory(cfg.model, batch_size=piece_size(cfg), seq_len=cfg.seq_len,
+                                   precision="fp32", optimizer="adamw", device=cfg.device,
+                                   accumulation_steps=pieces)
+    comm_bytes = predicted_comm_numel(cfg, shapes) * WIRE_BYTES.get(cfg.variant, 4)
+    buckets = sum(s.numel() for s in shapes) * 4 if is_ddp(cfg.variant) else 0  # fp32, flat
+    out = {"peak_mem_bytes": plan.total_bytes + buckets, "param_bytes": plan.param_bytes,
+           "optimizer_bytes": plan.optimizer_bytes, "comm_bytes": float(comm_bytes)}
+    if is_ddp(cfg.variant):
+        out["num_buckets"] = float(predicted_buckets(cfg, shapes))
+    out.update(predicted_times(cfg, pieces, comm_bytes * 2 * (n - 1) / n))
+    return out
+
+
+def predicted_times(cfg: Config, pieces: int, ring_bytes: float) -> dict[str, float]:
+    """The step at the device's peak FLOP/s plus the ring all-reduce at the link's bandwidth,
+    not overlapped (so comm_fraction is an upper bound; DDP hides part of it in the backward)."""
+    from labkit.techniques.collectives import link_gbps
+
+    flops = pieces * planner.train_step_flops(cfg.model, batch=piece_size(cfg), seq_len=cfg.seq_len,
+                                              attention=cfg.attention)
+    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(cfg.dtype)
+    gbps, _ = link_gbps(cfg)
+    if not peak or not gbps:
+        return {}
+    compute_ms, comm_ms = flops / (peak * 1e12) * 1e3, ring_bytes / (gbps * 1e9) * 1e3
+    return {"step_ms": compute_ms + comm_ms, "comm_ms": comm_ms,
+            "comm_fraction": comm_ms / (compute_ms + comm_ms)}
+
+
+def notes(cfg: Config) -> dict[str, str]:
+    n, k, b = cfg.nproc or 2, cfg.micro_batches, cfg.batch_size
+    out = {
+        "comm_bytes": (f"measured: the bytes each bucket hands to the all-reduce in one step on "
+                       f"this rank (the hook's input, {WIRE_BYTES.get(cfg.variant, 4)} bytes an "
+                       "element; PowerSGD's own count of P, Q and uncompressed elements). A ring "
+                       f"all-reduce moves 2(n-1)/n = {2 * (n - 1) / n:.2f} x that through each "
+                       "rank's link."),
+        "comm_fraction": ("measured: (backward synced - backward under no_sync) / full step, "
+                          "medians of the two run alternately after timing: the communication "
+                          "the backward did not hide, waiting for the slowest rank included. "
+                          "Predicted: no overlap at the peak FLOP/s and link bandwidth."),
+        "peak_mem_bytes": (f"predicted: the planner's step at {piece_size(cfg)} sequences per "
+                           "forward, plus for DDP its buckets (one more fp32 gradient copy per "
+                           "rank), added here; PowerSGD's error feedback keeps one more, not added."),
+        "tokens_per_s": (f"this rank's tokens: {n * k * b} sequences for single (each rank does "
+                         f"all), {k * b} for the DDP variants (n x that together)."),
+    }
+    if bucket_cap_mb(cfg) != cfg.bucket_cap_mb:
+        out["num_buckets"] = ("one bucket: PowerSGD's callback-issued all-reduces can fall out of "
+                              "order across ranks on gloo with several buckets in flight.")
+    if cfg.variant == "powersgd":
+        out["grad_max_rel_diff"] = (f"the first compressed step (rank {cfg.powersgd_rank}, random "
+                                    "warm-start Q) against the exact averaged gradient.")
+    return out

@@ -1,0 +1,184 @@
+"""2-D parallelism: a (data x tensor) device mesh on 4 ranks, against the 1-D layouts.
+
+One training step (AdamW, fp32) on one global batch of `batch_size` sequences, laid out four ways:
+
+- `single` (the reference): the plain model on the whole batch, computed alike on every rank.
+- `fsdp`: 1-D FSDP2 (ZeRO-3) over all n ranks: every rank holds 1/n of every parameter, gradient
+  and optimizer state, and trains on 1/n of the batch; the parameters are all-gathered block by
+  block for the forward and again for the backward, the gradients reduce-scattered.
+- `tp`: 1-D tensor parallel over all n ranks (Megatron's split, `tensor_parallel.apply_tp`): every
+  rank holds 1/n of the heads, MLP width and vocabulary and sees the whole batch. n must divide the
+  kv heads: the tiny preset has 2, so run it with `num_kv_heads=4` (else it is skipped).
+- `fsdp_tp`: a (dp, tp) = (n / tp, tp) mesh: tensor parallel inside each group of `tp` ranks (the
+  fast links on a real machine), FSDP across the groups; each dp group trains on 1/dp of the batch.
+  Per rank: 1/n of the model states, like `fsdp`, but the all-gathers move 1/tp as much (each
+  gathers a TP shard) and the activations of the split matmuls are 1/tp.
+
+The transforms, in torchtitan's order: `apply_tp` on the "tp" sub-mesh, then `fully_shard` on the
+"dp" sub-mesh, then the optimizer. FSDP goes last because it shards whatever parameters it finds,
+TP's DTensors included (they become 2-D DTensors on the (dp, tp) mesh), while parallelize_module
+cannot split a parameter FSDP has already sharded; and FSDP must see the final parameters to
+group them for its all-gathers. The loss (the mean over the dp groups) and every gradient
+(gathered with `full_tensor()`) must equal the reference's at fp32 precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from labkit import planner
+from labkit.config import ConfigError, knob
+from labkit.distributed import DistConfig
+from labkit.techniques.tensor_parallel import (ShardedTrainer, apply_tp, check_tp_shape, full_grads,
+                                               TOLERANCE)
+from labkit.techniques.training import gradient_difference, lm_loss, optimizer_state
+from labkit.workload import Comparison, Workload
+
+DISTRIBUTED = True
+CPU_RANKS = 4  # ranks without GPUs (with them: one per GPU): a 2 x 2 mesh
+VARIANTS = ("single", "fsdp", "tp", "fsdp_tp")
+REFERENCE = "single"
+
+
+@dataclass(kw_only=True)
+class Config(DistConfig):
+    variant: str = knob(REFERENCE, choices=VARIANTS, help="the layout of the ranks")
+    tp: int = knob(2, min=1, help="fsdp_tp's tensor-parallel degree; dp = nproc / tp")
+
+
+def world(cfg: Config) -> int:
+    return cfg.nproc or CPU_RANKS  # nproc is filled in before the ranks start
+
+
+def layout(cfg: Config) -> tuple[int, int]:
+    """(dp, tp) of the variant: how many ways the batch and the matrices are split."""
+    n = world(cfg)
+    return {"single": (1, 1), "fsdp": (n, 1), "tp": (1, n), "fsdp_tp": (n // cfg.tp, cfg.tp)}[cfg.variant]
+
+
+def validate(cfg: Config) -> None:
+    n = world(cfg)
+    if n % cfg.tp:
+        valid = [t for t in range(1, n + 1) if n % t == 0]
+        raise ConfigError(f"nproc={n} ranks must be dp x tp: tp={cfg.tp} does not divide it; "
+                          f"valid tp: {valid}")
+    check_tp_shape(cfg, cfg.tp)
+
+
+def skip_reason(cfg: Config) -> str | None:
+    dp, tp = layout(cfg)
+    m = cfg.model
+    if m.num_kv_heads % tp or m.num_heads % tp:
+        return (f"{tp}-way tensor parallel needs num_heads ({m.num_heads}) and num_kv_heads "
+                f"({m.num_kv_heads}) divisible by {tp}: set num_kv_heads={tp}")
+    if cfg.batch_size % dp:
+        return f"{dp} data-parallel groups split batch_size={cfg.batch_size}: use a multiple of {dp}"
+    return None
+
+
+# --- the transforms ---------------------------------------------------------------------------
+
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2 over the 1-D `mesh`: one unit per block (gathered, used and freed in turn), then the
+    root for what is left (embedding, final norm, head)."""
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def make_layout(cfg: Config):
+    """(transform, the dp sub-mesh or None) for the variant; every rank makes the same meshes."""
+    dp, tp = layout(cfg)
+    dev = cfg.device.split(":")[0]
+    if cfg.variant == "single":
+        return None, None
+    if cfg.variant == "fsdp":
+        mesh = init_device_mesh(dev, (dp,), mesh_dim_names=("dp",))
+        return (lambda model: apply_fsdp(model, mesh)), mesh
+    if cfg.variant == "tp":
+        mesh = init_device_mesh(dev, (tp,), mesh_dim_names=("tp",))
+        return (lambda model: apply_tp(model, mesh)), None
+    mesh = init_device_mesh(dev, (dp, tp), mesh_dim_names=("dp", "tp"))
+    # TP first, FSDP second (torchtitan's order): fully_shard re-shards TP's DTensors along dp (2-D
+    # DTensors on the (dp, tp) mesh, each all-gather fetching a TP shard), while parallelize_module
+    # cannot split parameters FSDP has already sharded. The optimizer is made after both.
+    return (lambda model: apply_fsdp(apply_tp(model, mesh["tp"]), mesh["dp"])), mesh["dp"]
+
+
+def batch_rows(cfg: Config, dp_mesh: DeviceMesh | None) -> slice:
+    """This rank's rows of the global batch: its dp group's 1/dp (all of it without dp)."""
+    if dp_mesh is None:
+        return slice(None)
+    per = cfg.batch_size // dp_mesh.size()
+    start = dp_mesh.get_local_rank() * per
+    return slice(start, start + per)
+
+
+def mean_over(loss: torch.Tensor, dp_mesh: DeviceMesh | None) -> float:
+    """The global batch's loss: the mean of the dp groups' (equal-sized) means."""
+    if dp_mesh is None:
+        return loss.item()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=dp_mesh.get_group())
+    return total.item() / dp_mesh.size()
+
+
+# --- the experiment ---------------------------------------------------------------------------
+
+def build(cfg: Config) -> Workload:
+    apply, dp_mesh = make_layout(cfg)
+    trainer = ShardedTrainer(cfg, apply, rows=batch_rows(cfg, dp_mesh))
+
+    def check() -> dict:
+        """One training step: the global loss and every gradient, gathered whole."""
+        loss = lm_loss(trainer.model(trainer.inputs), trainer.targets)
+        trainer.backward(loss)
+        out = {"loss": mean_over(loss, dp_mesh), "grads": full_grads(trainer.model)}
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    return Workload(step=trainer.step, check=check,
+                    tokens_per_step=cfg.batch_size * cfg.seq_len,  # the global batch: all ranks together
+                    tensors={"param_bytes": trainer.model.parameters, "grad_bytes": trainer.grads,
+                             "optimizer_bytes": lambda: optimizer_state(trainer.optimizer)}, notes=notes(cfg), count_flops=False,
+                    compute_dtype=cfg.dtype)
+
+
+def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
+    """The global batch's loss and every gradient of one step against the plain model's."""
+    loss_diff = abs(outputs["loss"] - reference["loss"])
+    grad_abs, grad_rel = gradient_difference(reference["grads"], outputs["grads"])
+    ok = loss_diff <= TOLERANCE and grad_rel <= TOLERANCE
+    message = "" if ok else (f"loss off by {loss_diff:.2e}, gradients (normwise) by "
+                             f"{grad_rel:.2e} > {TOLERANCE:g}")
+    return Comparison({"loss": outputs["loss"], "loss_abs_diff": loss_diff,
+                       "grad_max_abs_diff": grad_abs, "grad_max_rel_diff": grad_rel}, ok, message)
+
+
+def expected(cfg: Config) -> dict[str, float]:
+    """The planner's per-rank model states and peak: ZeRO-3 over dp, Megatron's split over tp."""
+    dp, tp = layout(cfg)
+    plan = planner.training_memory(cfg.model, batch_size=max(1, cfg.batch_size // dp),
+                                   seq_len=cfg.seq_len, precision="fp32", optimizer="adamw",
+                                   zero_stage=3 if dp > 1 else 0, tp=tp, gpus=dp * tp,
+                                   device=cfg.device)
+    return {"param_bytes": float(plan.param_bytes), "grad_bytes": float(plan.grad_bytes),
+            "optimizer_bytes": float(plan.optimizer_bytes), "peak_mem_bytes": float(plan.total_bytes),
+            "loss_abs_diff": 0.0, "grad_max_rel_diff": 0.0}
+
+
+def notes(cfg: Config) -> dict[str, str]:
+    dp, tp = layout(cfg)
+    where = f"dp={dp} x tp={tp}"
+    return {"param_bytes": f"local shards ({where}); predicted: planner ZeRO-3 over dp of stage_params(tp).",
+            "grad_bytes": "local gradient shards at rest after the step.",
+            "optimizer_bytes": "AdamW's two fp32 moments of the local shards (+4 bytes of step "
+                               "counter per tensor, not predicted).",
+            "peak_mem_bytes": "predicted: planner.training_memory (it does not model FSDP's "
+                              "gathered blocks or the collectives' buffers)."}

@@ -1,0 +1,214 @@
+"""Load balance in data parallelism: unequal devices sharing one global batch.
+
+Data parallelism waits for its slowest rank at every gradient all-reduce, so with unequal devices
+an even split runs at the slow device's pace. On the CPU one rank (`slow_rank`) is made slower on
+purpose: after its forward and backward it sleeps (slowdown - 1) x the time they took, every
+step, before it joins the all-reduce, as a device `slowdown` times slower would arrive late. On
+GPUs of different models, slowdown 1 lets the devices' own speeds show.
+
+- `even` (the reference): the global batch of G = n x b sequences in n equal shares.
+- `proportional`: each rank times a few forward+backward passes of b sequences (the calibration),
+  the speeds are all-gathered, and the G sequences are split in proportion (whole sequences, at
+  least one each). The predicted step is max_i(share_i / speed_i) for either split.
+
+Every rank weights its mean loss by share_i / G, and the gradients are summed by one all-reduce
+of all of them after the backward (DDP with one bucket and no overlap, by hand, so the delay sits
+between the compute and the collective): sum_i share_i/G x mean_i = the global batch's mean, so
+both splits give the one-process gradient of all G sequences, up to fp32 rounding (checked).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from labkit import planner
+from labkit.config import ConfigError, knob
+from labkit.distributed import DistConfig, clock, rank, world_size
+from labkit.techniques.training import Trainer, gradient_difference, lm_loss, make_batch
+from labkit.workload import Comparison, Workload
+
+DISTRIBUTED = True
+VARIANTS = ("even", "proportional")
+REFERENCE = "even"
+TOLERANCE = 1e-5  # normwise relative gradient difference: fp32 sums in another order
+
+
+@dataclass(kw_only=True)
+class Config(DistConfig):
+    variant: str = knob(REFERENCE, choices=VARIANTS, help="even shares, or shares proportional to speed")
+    slow_rank: int = knob(1, min=0, help="the rank made slower")
+    slowdown: float = knob(2.0, min=1.0, help="how many times slower slow_rank computes; 1: the "
+                                              "devices' own speeds")
+    calibration_steps: int = knob(3, min=1, help="timed forward+backward passes that measure "
+                                                 "each rank's speed")
+
+
+def validate(cfg: Config) -> None:
+    if cfg.dtype != "float32":
+        raise ConfigError(f"load_balance trains in float32 (got {cfg.dtype})")
+    if cfg.nproc is not None and cfg.slow_rank >= cfg.nproc:
+        raise ConfigError(f"slow_rank={cfg.slow_rank} but there are {cfg.nproc} ranks; valid: "
+                          f"0..{cfg.nproc - 1}")
+
+
+def split(total: int, speeds: list[float]) -> list[int]:
+    """Whole sequences in proportion to `speeds`, summing to `total`, at least one each
+    (largest remainder: the floors first, then one more to the largest fractional parts)."""
+    exact = [total * s / sum(speeds) for s in speeds]
+    shares = [max(1, math.floor(x)) for x in exact]
+    while sum(shares) > total:  # only when the floor of 1 pushed it over: take from a share > 1
+        shares[max((i for i in range(len(shares)) if shares[i] > 1),
+                   key=lambda i: shares[i] - exact[i])] -= 1
+    for i in sorted(range(len(shares)), key=lambda i: shares[i] - exact[i])[:total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def predicted_step_s(shares: list[int], speeds: list[float]) -> float:
+    """The all-reduce waits for the last rank: max_i(share_i / speed_i), compute only."""
+    return max(share / speed for share, speed in zip(shares, speeds))
+
+
+class BalancedTrainer(Trainer):
+    """The plain step on this rank's share of the global batch; gradients summed by hand."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        n, r = world_size(), rank()
+        if cfg.slow_rank >= n:  # the same on every rank: all raise together
+            raise ConfigError(f"slow_rank={cfg.slow_rank} but there are {n} ranks; valid: 0..{n - 1}")
+        self.total = n * cfg.batch_size  # G
+        self.inputs, self.targets = make_batch(cfg, self.total)  # (G, T), the same on every rank
+        self.delay = cfg.slowdown - 1 if r == cfg.slow_rank else 0.0
+        self.speeds = self.calibrate()
+        self.shares = split(self.total, self.speeds) if cfg.variant == "proportional" \
+            else [cfg.batch_size] * n
+        start = sum(self.shares[:r])
+        mine = slice(start, start + self.shares[r])
+        self.mine = (self.inputs[mine], self.targets[mine])  # (share_r, T) each
+        self.compute_s, self.wait_s = [], []
+
+    def busy(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
+        """Forward and backward, then the artificial delay: the slow rank's device time."""
+        t0 = clock(self.cfg.device)
+        loss = lm_loss(self.model(inputs), targets) * weight
+        loss.backward()
+        time.sleep(self.delay * (clock(self.cfg.device) - t0))
+        return loss.detach()
+
+    def calibrate(self) -> list[float]:
+        """Every rank's sequences per second on b sequences, all-gathered (the same list on
+        every rank, so every rank computes the same split)."""
+        b = self.cfg.batch_size
+        times = []
+        for _ in range(self.cfg.calibration_steps):
+            t0 = clock(self.cfg.device)
+            self.busy(self.inputs[:b], self.targets[:b], 1.0)
+            times.append(clock(self.cfg.device) - t0)
+            self.optimizer.zero_grad(set_to_none=True)
+        speeds: list = [None] * world_size()
+        dist.all_gather_object(speeds, b / statistics.median(times))
+        return speeds
+
+    def sum_gradients(self) -> None:
+        """One all-reduce (sum) of every gradient, flattened into one fp32 buffer."""
+        params = list(self.model.parameters())
+        flat = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(flat)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+
+    def backward_and_sum(self) -> torch.Tensor:
+        """This rank's share of the step; returns its weighted loss (share/G x its mean)."""
+        t0 = clock(self.cfg.device)
+        loss = self.busy(*self.mine, self.shares[rank()] / self.total)
+        t1 = clock(self.cfg.device)
+        self.sum_gradients()
+        self.compute_s.append(t1 - t0)
+        self.wait_s.append(clock(self.cfg.device) - t1)
+        return loss
+
+    def step(self) -> float:
+        loss = self.backward_and_sum()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def check(self) -> dict:
+        """One step: the global batch's mean loss and the summed gradients it applied."""
+        loss = self.backward_and_sum()
+        dist.all_reduce(loss)  # sum_i share_i/G x mean_i: the global mean
+        grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in self.model.named_parameters()}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss.item(), "grads": grads}
+
+    def report(self) -> dict[str, float]:
+        timed = self.cfg.timed_steps  # the last steps are the harness's timed ones
+        return {"num_sequences": float(self.shares[rank()]),
+                "sequences_per_s": self.speeds[rank()],
+                "compute_ms": statistics.median(self.compute_s[-timed:]) * 1e3,
+                "wait_ms": statistics.median(self.wait_s[-timed:]) * 1e3}
+
+    def predicted(self) -> dict[str, float]:
+        """From the calibrated speeds: this split's step, and this rank's compute and wait."""
+        r, cfg = rank(), self.cfg
+        step_s = predicted_step_s(self.shares, self.speeds)
+        compute_s = self.shares[r] / self.speeds[r]
+        plan = planner.training_memory(cfg.model, batch_size=self.shares[r], seq_len=cfg.seq_len,
+                                       precision="fp32", optimizer="adamw", device=cfg.device)
+        return {"step_ms": step_s * 1e3, "compute_ms": compute_s * 1e3,
+                "wait_ms": (step_s - compute_s) * 1e3, "sequences_per_s": self.speeds[r],
+                "num_sequences": self.total * self.speeds[r] / sum(self.speeds)
+                if cfg.variant == "proportional" else float(cfg.batch_size),
+                "peak_mem_bytes": plan.total_bytes}
+
+
+def build(cfg: Config) -> Workload:
+    trainer = BalancedTrainer(cfg)
+    return Workload(
+        step=trainer.step, check=trainer.check,
+        tokens_per_step=trainer.shares[rank()] * cfg.seq_len,
+        tensors={"param_bytes": trainer.model.parameters,
+                 "optimizer_bytes": trainer.optimizer_tensors},
+        report=trainer.report, predicted=trainer.predicted, notes=notes(cfg, trainer),
+        count_flops=False, compute_dtype=cfg.dtype)
+
+
+def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
+    """One step from the same weights on the same global batch: loss and every gradient."""
+    max_abs, max_rel = gradient_difference(reference["grads"], outputs["grads"])
+    loss_rel = abs(outputs["loss"] - reference["loss"]) / abs(reference["loss"])
+    ok = max_rel <= TOLERANCE and loss_rel <= TOLERANCE
+    message = "" if ok else (f"gradients or loss differ from the even split's: max relative "
+                             f"{max_rel:.2e}, loss {loss_rel:.2e} > {TOLERANCE:g}")
+    return Comparison({"loss": outputs["loss"], "grad_max_abs_diff": max_abs,
+                       "grad_max_rel_diff": max_rel}, ok, message)
+
+
+def expected(cfg: Config) -> dict[str, float]:
+    plan = planner.training_memory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                   precision="fp32", optimizer="adamw", device=cfg.device)
+    return {"param_bytes": plan.param_bytes, "optimizer_bytes": plan.optimizer_bytes}
+
+
+def notes(cfg: Config, trainer: BalancedTrainer) -> dict[str, str]:
+    even = [cfg.batch_size] * len(trainer.speeds)
+    proportional = split(trainer.total, trainer.speeds)
+    speeds = ", ".join(f"{s:.1f}" for s in trainer.speeds)
+    return {
+        "step_ms": (f"predicted: max over ranks of share / speed, compute only. Calibrated speeds "
+                    f"(sequences/s by rank): {speeds}; from them even {even} would take "
+                    f"{predicted_step_s(even, trainer.speeds) * 1e3:.1f} ms, proportional "
+                    f"{proportional} {predicted_step_s(proportional, trainer.speeds) * 1e3:.1f} ms."),
+        "compute_ms": (f"this rank's forward + backward on its share, the slow rank's sleep "
+                       f"included (slowdown {cfg.slowdown:g} on rank {cfg.slow_rank})."),
+        "wait_ms": "in the all-reduce: waiting for slower ranks, then the transfer.",
+        "num_sequences": ("this rank's share of the global batch; predicted for proportional: "
+                          "the exact share G x speed / sum of speeds, before rounding."),
+    }

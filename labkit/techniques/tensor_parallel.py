@@ -1,0 +1,302 @@
+"""Tensor parallelism: Megatron's column/row split of attention and MLP, with DTensor.
+
+Every rank holds 1/n of each block's big matrices: wq, wk, wv, w1, w3 split by output columns
+(`ColwiseParallel`: each rank computes its own heads and its slice of the MLP's inner width, no
+communication), wo and w2 split by input rows (`RowwiseParallel`: each rank's partial product is
+summed across ranks). The embedding is split by vocabulary rows and the head by vocabulary columns
+(Megatron's vocab-parallel layers), so a rank's parameters are `planner.stage_params(m, tp=n)`.
+
+- `single` (the reference): the plain model on every rank, no collectives.
+- `tp`: the residual stream is replicated; per layer the forward all-reduces the outputs of wo and
+  w2 (Megatron's "g") and the backward all-reduces the gradients of the attention and MLP inputs
+  ("f"): 4 all-reduces of b*s*h elements per layer and step.
+- `tp_sp`: sequence parallel (Korthikanti et al. 2022): between the blocks the residual stream is
+  split along the sequence, the norms run on 1/n of the tokens (`SequenceParallel`), and each
+  all-reduce becomes an all-gather before the split matmuls and a reduce-scatter after them. The
+  same bytes cross the links (an all-reduce is a reduce-scatter plus an all-gather); activations
+  outside the matmuls shrink by n. The norm weights stay replicated; their gradients, each rank's
+  over its own tokens, are summed once after backward (Megatron does the same).
+
+The transform comes from outside, gpt-fast style: `apply_tp(model, mesh)` rewrites the plain
+decoder's parameters into DTensor shards; `Attention` views its projections as (B, T, -1, hd), so
+it runs unchanged on its local heads. The order: build the model, `apply_tp`, then make the
+optimizer (it must see the sharded parameters). Outputs are the logits (gathered on every rank)
+and gradients gathered with `full_tensor()`; both must equal the reference's at fp32 precision.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from labkit import planner
+from labkit.config import ConfigError, knob
+from labkit.distributed import DistConfig, default_nproc, world_size
+from labkit.techniques.training import Trainer, gradient_difference, lm_loss, optimizer_state
+from labkit.workload import Comparison, Workload
+
+DISTRIBUTED = True
+VARIANTS = ("single", "tp", "tp_sp")
+REFERENCE = "single"
+# Row-parallel matmuls sum n partial products in another order than one matmul does: a few fp32
+# ulps (1.2e-7 each) on the logits, normwise on the gradients.
+TOLERANCE = 1e-5
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(kw_only=True)
+class Config(DistConfig):
+    variant: str = knob(REFERENCE, choices=VARIANTS, help="plain model, tensor parallel, + sequence parallel")
+
+
+def tp_degree(cfg: DistConfig) -> int:
+    """n: every rank is one tensor-parallel shard (the world size, before or after the launch)."""
+    return cfg.nproc or int(os.environ.get("WORLD_SIZE") or default_nproc(cfg.device))
+
+
+def check_tp_shape(cfg: DistConfig, n: int) -> None:
+    """DTensor splits heads evenly; unlike Megatron it cannot replicate kv heads across ranks."""
+    m = cfg.model
+    if m.num_heads % n or m.num_kv_heads % n:
+        valid = [d for d in range(1, m.num_kv_heads + 1) if m.num_kv_heads % d == 0]
+        raise ConfigError(f"tensor parallel degree {n} must divide num_heads={m.num_heads} and "
+                          f"num_kv_heads={m.num_kv_heads}; valid degrees: {valid} (set nproc, or "
+                          "num_kv_heads)")
+    if m.tie_embeddings:
+        raise ConfigError("tensor parallel splits the embedding by rows and the head by columns: "
+                          "they cannot share a tied weight; use tie_embeddings=False")
+    if cfg.dtype != "float32":
+        raise ConfigError(f"tensor parallel is checked in float32 (got {cfg.dtype})")
+
+
+def validate(cfg: Config) -> None:
+    check_tp_shape(cfg, tp_degree(cfg))
+
+
+def skip_reason(cfg: Config) -> str | None:
+    n = tp_degree(cfg)
+    if cfg.variant == "tp_sp" and cfg.seq_len % n:
+        return f"sequence parallel splits seq_len={cfg.seq_len} into {n} equal pieces: use a multiple of {n}"
+    return None
+
+
+# --- the transform ----------------------------------------------------------------------------
+
+def block_plan(block: torch.nn.Module, seq, sequence_parallel: bool) -> dict:
+    """One block's plan; `seq` is the residual stream's layout between blocks. PrepareModuleInput
+    makes the attention (and MLP) input one Replicate DTensor, so wq, wk and wv share it and its
+    gradient is reduced once per module (Megatron's "f"), not once per projection."""
+    rest = (None,) * 4  # Attention.forward(x, start_pos, cache, impl, rope): only x is sharded
+    plan = {
+        "attn": PrepareModuleInput(input_layouts=(seq, *rest), desired_input_layouts=(Replicate(), *rest)),
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=seq),
+        "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if hasattr(block.mlp, "w3"):  # SwiGLU's gate: split like w1
+        plan["mlp.w3"] = ColwiseParallel()
+    if sequence_parallel:  # the norms run on this rank's tokens; their weights stay replicated
+        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+    return plan
+
+
+def apply_tp(model: torch.nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> torch.nn.Module:
+    """Shard the plain decoder in place over the 1-D `mesh` (Megatron's split, see the module
+    docstring); with `sequence_parallel` the norms and the residual stream are split by tokens."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # (B, T, d): Shard(1) splits T
+    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+           # the logits gathered on every rank (b*s*V): the loss stays the plain cross-entropy
+           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in model.layers:
+        parallelize_module(block, mesh, block_plan(block, seq, sequence_parallel))
+    return model
+
+
+# --- counting the communication ---------------------------------------------------------------
+
+class CommCounter(CommDebugMode):
+    """CommDebugMode's collective counts, plus the bytes of each: S as nccl-tests defines it (the
+    all-reduce's buffer, the all-gather's output, the reduce-scatter's input), and the bytes each
+    rank moves on its busiest link with a ring (x 2(n-1)/n for all-reduce, (n-1)/n otherwise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.bus_bytes = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        packet = getattr(func, "_overloadpacket", None)
+        if out is not NotImplemented and packet in self.comm_registry:
+            name, n = packet.__name__.removesuffix("_into_tensor").removesuffix("_tensor"), world_size()
+            sizes = [t.numel() * t.element_size() for t in (args[0], out) if isinstance(t, torch.Tensor)]
+            self.bytes[name] += max(sizes)
+            self.bus_bytes += max(sizes) * (2 if name == "all_reduce" else 1) * (n - 1) / n
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        counts = collections.Counter({k.__name__.removesuffix("_into_tensor").removesuffix("_tensor"): v
+                                      for k, v in self.get_comm_counts().items()})
+        out = {f"{c}_count": float(counts[c]) for c in COLLECTIVES}
+        return {**out, "comm_bytes": float(sum(self.bytes.values())), "comm_bus_bytes": self.bus_bytes}
+
+
+def comm_formula(cfg: DistConfig, variant: str, n: int) -> dict[str, float]:
+    """The collectives of one step (forward + backward), Megatron's count. tp: per layer 2
+    all-reduces of b*s*h forward and 2 backward, the embedding's 1 forward and the head's 1
+    backward (4L + 2), and 1 all-gather of the b*s*V logits. tp_sp: each of those all-reduces an
+    all-gather + reduce-scatter pair, and the norm weights' gradients (2L + 1 of h) all-reduced.
+    fp32: 4 bytes an element; `comm_bus_bytes` with a ring's factors."""
+    m, L = cfg.model, cfg.model.num_layers
+    if variant == REFERENCE or n == 1:
+        return _comm_rows(dict.fromkeys(COLLECTIVES, 0), 0, 0)
+    tokens = cfg.batch_size * cfg.seq_len
+    bsh, bsv, norms = 4 * tokens * m.hidden_size, 4 * tokens * m.vocab_size, 4 * (2 * L + 1) * m.hidden_size
+    pairs, ring = 4 * L + 2, (n - 1) / n
+    if variant == "tp":
+        counts = {"all_reduce": pairs, "all_gather": 1, "reduce_scatter": 0}
+        return _comm_rows(counts, pairs * bsh + bsv, (2 * pairs * bsh + bsv) * ring)
+    counts = {"all_reduce": 2 * L + 1, "all_gather": pairs + 1, "reduce_scatter": pairs}
+    return _comm_rows(counts, 2 * pairs * bsh + bsv + norms, (2 * pairs * bsh + bsv + 2 * norms) * ring)
+
+
+def _comm_rows(counts: dict[str, int], total: float, bus: float) -> dict[str, float]:
+    return {**{f"{c}_count": float(k) for c, k in counts.items()}, "comm_bytes": float(total),
+            "comm_bus_bytes": float(bus)}
+
+
+# --- the experiment ---------------------------------------------------------------------------
+
+class ShardedTrainer(Trainer):
+    """The plain training step on a model transformed by `apply` before its optimizer is made."""
+
+    def __init__(self, cfg: DistConfig, apply=None, rows: slice = slice(None)):
+        super().__init__(cfg)
+        if apply is not None:
+            apply(self.model)
+            self.optimizer = self.make_optimizer(self.optimizer.defaults["lr"])  # the shards
+        self.inputs, self.targets = self.inputs[rows], self.targets[rows]  # (b, T) of this rank
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        match_grad_placements(self.model)
+
+    def backward_and_update(self, loss: torch.Tensor) -> None:
+        self.backward(loss)  # no grad norm: on DTensors it would add collectives to the step
+        self.optimizer.step()
+
+    def step(self) -> float:
+        """One step, the previous step's gradients dropped first: this step's stay at rest after
+        it, where `grad_bytes` is measured (local shards)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward()
+        self.backward_and_update(loss)
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+
+def match_grad_placements(model: torch.nn.Module) -> None:
+    """Lay every gradient out as its parameter, once, after backward. Two come out otherwise:
+    - with sequence parallelism a norm weight's gradient covers only this rank's tokens (Partial):
+      one all-reduce here (as Megatron does), where AdamW would all-reduce it in each op reading it;
+    - the vocab-parallel embedding's gradient comes out whole (Replicate, V x d on every rank: its
+      inputs, the token ids and the output gradient, are replicated): keeping this rank's rows is
+      a local slice, and frees (n-1)/n of it."""
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Host copies of every gradient, gathered whole (same order on every rank: collectives)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        out[name] = g.detach().cpu().numpy().copy()
+    return out
+
+
+def check_step(trainer: ShardedTrainer, measured: dict[str, float]) -> dict:
+    """One training step: logits, loss and whole gradients; the collectives of its forward and
+    backward counted into `measured` (AdamW on local shards communicates nothing)."""
+    with CommCounter() as counter, warnings.catch_warnings():
+        # CommDebugMode's module tracker hooks the embedding, whose token ids need no grad
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        logits = trainer.model(trainer.inputs)  # (B, T, V), replicated on every rank
+        loss = lm_loss(logits, trainer.targets)
+        trainer.backward(loss)
+    measured.update(counter.metrics())
+    out = {"loss": loss.item(), "logits": logits.detach().cpu().numpy().copy(),
+           "grads": full_grads(trainer.model)}
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def build(cfg: Config) -> Workload:
+    n = world_size()
+    check_tp_shape(cfg, n)
+    apply = None
+    if cfg.variant != REFERENCE:
+        mesh = init_device_mesh(cfg.device.split(":")[0], (n,), mesh_dim_names=("tp",))
+        apply = functools.partial(apply_tp, mesh=mesh, sequence_parallel=cfg.variant == "tp_sp")
+    trainer = ShardedTrainer(cfg, apply)
+    measured: dict[str, float] = {}  # counted in check(): collectives, gradient bytes
+    return Workload(step=trainer.step, check=functools.partial(check_step, trainer, measured),
+                    tokens_per_step=cfg.batch_size * cfg.seq_len,
+                    tensors={"param_bytes": trainer.model.parameters, "grad_bytes": trainer.grads,
+                             "optimizer_bytes": lambda: optimizer_state(trainer.optimizer)},
+                    report=lambda: dict(measured), notes=notes(cfg), count_flops=False,
+                    compute_dtype=cfg.dtype)
+
+
+def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
+    """Logits and every gradient of one step against the plain model's."""
+    logits = float(np.abs(outputs["logits"].astype(np.float64) - reference["logits"]).max())
+    grad_abs, grad_rel = gradient_difference(reference["grads"], outputs["grads"])
+    ok = logits <= TOLERANCE and grad_rel <= TOLERANCE
+    message = "" if ok else (f"logits off by {logits:.2e}, gradients (normwise) by "
+                             f"{grad_rel:.2e} > {TOLERANCE:g}")
+    loss_diff = abs(outputs["loss"] - reference["loss"])
+    return Comparison({"loss": outputs["loss"], "loss_abs_diff": loss_diff,
+                       "logits_max_abs_diff": logits, "grad_max_abs_diff": grad_abs,
+                       "grad_max_rel_diff": grad_rel}, ok, message)
+
+
+def expected(cfg: Config) -> dict[str, float]:
+    n = 1 if cfg.variant == REFERENCE else tp_degree(cfg)
+    params = planner.stage_params(cfg.model, tp=n).total  # this rank's shard of every tensor
+    return {"param_bytes": 4.0 * params, "grad_bytes": 4.0 * params,
+            "optimizer_bytes": 8.0 * params,  # AdamW: m and v, fp32
+            "loss_abs_diff": 0.0, "logits_max_abs_diff": 0.0, "grad_max_rel_diff": 0.0,
+            **comm_formula(cfg, cfg.variant, n)}
+
+
+def notes(cfg: Config) -> dict[str, str]:
+    return {"param_bytes": "predicted: planner.stage_params(tp=n) x 4 bytes (heads, MLP width and "
+                           "vocabulary split; norms replicated).",
+            "grad_bytes": "at rest after the step, each laid out as its parameter (match_grad_placements).",
+            "optimizer_bytes": "predicted: AdamW's two fp32 moments of the local shard (the "
+                               "per-tensor step counters, 4 bytes each, are left out).",
+            "comm_bytes": "forward + backward of one step; S per collective as nccl-tests "
+                          "defines it. predicted: Megatron's count (see comm_formula).",
+            "comm_bus_bytes": "bytes through each rank's busiest link with a ring: the same for tp "
+                              "and tp_sp (an all-reduce is a reduce-scatter plus an all-gather) but "
+                              "for tp_sp's 2L + 1 norm-weight gradients."}

@@ -1,0 +1,86 @@
+"""2-D (dp x tp) parallelism against the 1-D layouts on 4 CPU ranks (gloo): one launch."""
+import pytest
+
+from conftest import TINY_DIST
+from labkit import planner
+from labkit.config import ConfigError, resolve
+from labkit.experiment import run_experiment
+from labkit.model import build_model
+from labkit.techniques import hybrid
+
+N = 4
+# 4-way 1-D tensor parallel needs 4 kv heads (the tiny preset has 2); one layer keeps 4 ranks on
+# 2 cores fast.
+OVERRIDES = {**TINY_DIST, "num_layers": 1, "batch_size": 4, "num_kv_heads": 4, "timed_steps": 1}
+VARIANTS = ("single", "fsdp", "tp", "fsdp_tp")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    result = run_experiment("hybrid", preset="tiny", overrides=OVERRIDES,
+                            runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False)
+    return result.rows
+
+
+def cfg(**overrides):
+    return resolve(hybrid.Config, "tiny", {**OVERRIDES, **overrides}, experiment="hybrid")
+
+
+def value(rows, variant, metric, rank):
+    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)]
+    assert len(hits) == 1, (variant, metric, rank, hits)
+    return hits[0]
+
+
+def test_every_layout_ran_on_every_rank(rows):
+    assert all(r["status"] == "ok" for r in rows), [r["message"] for r in rows if r["status"] != "ok"]
+    assert {(r["variant"], r["rank"]) for r in rows} == {(v, k) for v in VARIANTS for k in range(N)}
+    for variant in VARIANTS:
+        assert all(value(rows, variant, "step_ms", k)["value"] > 0 for k in range(N))
+
+
+def test_loss_and_gradients_equal_the_single_process_model(rows):
+    for variant in VARIANTS[1:]:
+        for rank in range(N):
+            assert value(rows, variant, "loss_abs_diff", rank)["value"] <= 1e-5
+            assert value(rows, variant, "grad_max_rel_diff", rank)["value"] <= 1e-5
+
+
+def test_per_rank_model_states_are_the_planners(rows):
+    m = cfg().model
+    psi = planner.stage_params(m).total
+    want = {"single": psi, "fsdp": psi // N, "tp": planner.stage_params(m, tp=N).total,
+            "fsdp_tp": planner.stage_params(m, tp=2).total // 2}  # ZeRO-3 over dp of the TP shard
+    tensors = len(list(build_model(m, device="meta").parameters()))
+    for variant, params in want.items():
+        for rank in range(N):
+            for metric in ("param_bytes", "grad_bytes"):
+                row = value(rows, variant, metric, rank)
+                assert row["value"] == row["predicted"] == 4 * params, (variant, metric)
+            row = value(rows, variant, "optimizer_bytes", rank)
+            assert row["predicted"] == 8 * params  # m and v; AdamW's step counters: 4 bytes a tensor
+            assert row["value"] == row["predicted"] + 4 * tensors
+    # 1/4 of the model states in every 4-rank layout; they differ only in the replicated norms
+    fsdp, tp, both = (value(rows, v, "param_bytes", 0)["value"] for v in ("fsdp", "tp", "fsdp_tp"))
+    assert fsdp < both < tp < psi * 4 / N * 1.01
+
+
+def test_peak_memory_falls_with_every_split(rows):
+    single = value(rows, "single", "peak_mem_bytes", 0)
+    assert single["value"] == pytest.approx(single["predicted"], rel=0.01)
+    for variant in VARIANTS[1:]:
+        assert value(rows, variant, "peak_mem_bytes", 0)["value"] < single["value"]
+
+
+def test_the_mesh_must_be_dp_times_tp():
+    with pytest.raises(ConfigError, match="valid tp: \\[1, 2, 4\\]"):
+        run_experiment("hybrid", preset="tiny", overrides={**OVERRIDES, "tp": 3}, progress=False)
+    with pytest.raises(ConfigError, match="must divide num_heads"):
+        hybrid.validate(cfg(num_heads=2, num_kv_heads=2, hidden_size=128, nproc=4, tp=4))
+
+
+def test_layouts_that_cannot_run_are_skipped_with_the_reason():
+    assert "set num_kv_heads=4" in hybrid.skip_reason(cfg(variant="tp", num_kv_heads=2))
+    assert hybrid.skip_reason(cfg(variant="fsdp_tp", num_kv_heads=2)) is None
+    assert "batch_size=2" in hybrid.skip_reason(cfg(variant="fsdp", batch_size=2))
+    assert hybrid.layout(cfg(variant="fsdp_tp")) == (2, 2)
