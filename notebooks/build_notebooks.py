@@ -348,6 +348,31 @@ DISTRIBUTED = {
         "can be swept: each point starts a new communicator with those settings, and the row notes "
         "record what was in force.",
         '{"message_bytes": [4096, 65536, 1048576, 16777216]}', 2),
+    "10_data_parallel.ipynb": ("data_parallel", "10 · Data parallel: DDP, accumulation, compression",
+        "n ranks each train on a slice of one global batch and DDP averages their gradients with "
+        "all-reduces, bucket by bucket, while the backward is still running. The reference "
+        "(`single`) is one process on the whole global batch: DDP must give its loss and "
+        "gradients. Then: accumulation with an all-reduce after every micro-batch against "
+        "`no_sync` (one all-reduce per step), and the gradient-synchronisation strategies of DDP's "
+        "communication hooks: fp16 and bf16 compression and PowerSGD, with the bytes each hands "
+        "to the all-reduce and what they cost in accuracy.",
+        "- `grad_max_rel_diff` ~3e-7 for `ddp` and both accumulations: the mean of the ranks' mean "
+        "gradients is the global batch's mean gradient, up to fp32 rounding.\n"
+        "- `comm_bytes` per step and rank: the fp32 gradients (19.07 MiB at tiny) for `ddp`; k "
+        "times that for `accumulate`; once for `accumulate_no_sync`; half with fp16/bf16 "
+        "compression; ~0.1 MiB with rank-1 PowerSGD (P and Q instead of each matrix). A ring "
+        "all-reduce moves 2(n-1)/n times that through each link.\n"
+        "- The price of compression: `grad_max_rel_diff` ~1.6e-3 (fp16), ~2.8e-3 (bf16), ~1 for "
+        "rank-1 PowerSGD's first step (error feedback repays it over later steps); `loss_delta` "
+        "after a few steps says what it did to training.\n"
+        "- `comm_fraction`: the share of the step the backward did not hide, measured as the "
+        "synced backward against the same backward under `no_sync`, side by side. On gloo over "
+        "loopback it is large; on NVLink, DDP's overlap hides most of it.\n"
+        "- `num_buckets` follows `bucket_cap_mb`: sweep it (`sweep = {\"bucket_cap_mb\": [1, 4, 25]}`) "
+        "to see more, smaller all-reduces start earlier in the backward.\n"
+        "- `peak_mem_bytes`: DDP keeps its buckets, one more fp32 copy of the gradients, beside "
+        "the planner's step.",
+        "{}", 2),
     "11_zero.ipynb": ("zero", "11 · ZeRO and FSDP: sharding the model states",
         "Data parallelism in which each rank stops keeping every model state: plain DDP (`zero0`, "
         "the reference), the optimizer states sharded by `ZeroRedundancyOptimizer` (`zero1`), and "
@@ -369,6 +394,58 @@ DISTRIBUTED = {
         "elementwise, so sharding its states changes no number.\n"
         "- `step_ms`: on CPU ranks gloo's all-gathers and reduce-scatters cost more than they save; "
         "on GPUs with NVLink the sharded stages run close to DDP's speed.",
+        "{}", 2),
+    "12_tensor_parallel.ipynb": ("tensor_parallel", "12 · Tensor parallel: Megatron's split with DTensor",
+        "Every matrix split across the ranks, Megatron-style, with DTensor's `parallelize_module`: "
+        "the query, key, value and MLP input projections by columns, the attention output and MLP "
+        "down projections by rows (one all-reduce per block half), the embedding and the head by "
+        "vocabulary. `tp_sp` adds sequence parallelism: the norms and the residual stream split "
+        "along the sequence, each all-reduce becoming a reduce-scatter and an all-gather. The "
+        "logits and every gradient (gathered whole) must equal the plain model's; then each "
+        "rank's parameter bytes and the collectives of one step, counted by `CommDebugMode`, "
+        "beside Megatron's formulas.",
+        "- `param_bytes` per rank: 1/n of every split matrix, the norms whole: at tiny on 2 ranks "
+        "10.00 MB against 20.00 MB, equal to `planner.stage_params(tp=2)`.\n"
+        "- `logits_max_abs_diff` and `grad_max_rel_diff` ~1e-6: the split matmuls sum in another "
+        "order.\n"
+        "- Collectives per step (forward + backward): `tp` 4L + 2 all-reduces of b x s x h plus one "
+        "all-gather of the logits (18 + 1 at 4 layers); `tp_sp` turns them into all-gather + "
+        "reduce-scatter pairs and adds the norm weights' gradients. `comm_bytes` counts S per "
+        "collective; `comm_bus_bytes` what a ring moves per rank: the same for both but for the "
+        "norm gradients, while `tp_sp` stores 1/n of the norm and residual activations.\n"
+        "- `step_ms`: on CPU ranks over loopback TCP the collectives cost more than the halved "
+        "matmuls save, `tp_sp` (46 collectives a step) most; on NVLink inside one node, TP is how "
+        "layers too large for one GPU run at all.",
+        "{}", 2),
+    "14_hybrid.ipynb": ("hybrid", "14 · Hybrid parallel: a 2-D device mesh",
+        "Four ranks laid out four ways: the plain model on each (`single`, the reference), 1-D "
+        "FSDP over all four, 1-D tensor parallel over all four, and a 2 x 2 mesh (`fsdp_tp`): "
+        "tensor parallel inside each pair of ranks, FSDP across the pairs, applied in torchtitan's "
+        "order (TP, then FSDP, then the optimizer). Every layout must give the plain model's loss "
+        "and gradients; then each rank's bytes and step time show what the second dimension "
+        "buys.",
+        "- `param_bytes` per rank: 1/4 of the model in every parallel layout (at tiny 5.00 MB "
+        "against 20.00 MB), each equal to the planner's figure.\n"
+        "- `peak_mem_bytes`: `fsdp_tp` below `fsdp` (33.5 against 43.0 MB at tiny): its "
+        "all-gathers fetch TP shards, and the split matmuls keep 1/2 of the activations.\n"
+        "- `step_ms`: on 4 CPU ranks sharing 2 cores every collective is expensive; `fsdp_tp` "
+        "issues smaller all-gathers than `fsdp`. On a real cluster TP stays inside a node (NVLink) "
+        "and FSDP spans the nodes.\n"
+        "- The tiny preset runs this experiment with 4 kv heads, so 4-way TP can split them.",
+        "{}", 4),
+    "15_load_balance.ipynb": ("load_balance", "15 · Load balance across unequal devices",
+        "Data parallelism waits for its slowest rank at every all-reduce. One rank is made slower "
+        "(on the CPU it sleeps (slowdown - 1) x its compute time every step; on mixed GPUs, "
+        "slowdown 1 lets the devices' own speeds show). The reference splits the global batch "
+        "evenly; `proportional` splits it by each rank's measured speed, weighting each rank's "
+        "loss by its share so the gradients stay the global batch's (checked).",
+        "- `num_sequences` per rank: even 4 / 4; proportional gives the slow rank fewer (5 / 3 "
+        "with slowdown 2 at tiny).\n"
+        "- `wait_ms`: with the even split the fast rank waits at the all-reduce for most of the "
+        "slow rank's extra time; proportional shrinks the wait.\n"
+        "- `step_ms` per rank against the prediction max_i(share_i / speed_i) from the measured "
+        "speeds: proportional below even (about 560 against 830-890 ms in one run here).\n"
+        "- `grad_max_rel_diff` ~3e-7: weighting the losses by share keeps the global gradient.",
         "{}", 2),
 }
 NOTEBOOKS.update({filename: experiment_notebook(*spec) for filename, spec in DISTRIBUTED.items()})

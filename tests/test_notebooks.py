@@ -24,7 +24,12 @@ PARAMETERS = {
     "08_memory_planner.ipynb": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu"},
     "09_collectives.ipynb": {"overrides": {**FAST, "timed_steps": 1}, "sweep": {"message_bytes": [4096]},
                              "variants": "all_gather", "nproc": 2},
+    "10_data_parallel.ipynb": {"overrides": TINY_DIST, "variants": "ddp", "nproc": 2},
     "11_zero.ipynb": {"overrides": TINY_DIST, "variants": "zero3", "nproc": 2},
+    "12_tensor_parallel.ipynb": {"overrides": TINY_DIST, "variants": "tp", "nproc": 2},
+    "14_hybrid.ipynb": {"overrides": {**TINY_DIST, "batch_size": 4, "num_layers": 1, "timed_steps": 1},
+                        "variants": "fsdp_tp", "nproc": 4},
+    "15_load_balance.ipynb": {"overrides": {**TINY_DIST, "calibration_steps": 1}, "nproc": 2},
 }
 
 
