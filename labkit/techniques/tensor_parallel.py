@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -60,8 +59,8 @@ class Config(DistConfig):
 
 
 def tp_degree(cfg: DistConfig) -> int:
-    """n: every rank is one tensor-parallel shard (the world size, before or after the launch)."""
-    return cfg.nproc or int(os.environ.get("WORLD_SIZE") or default_nproc(cfg.device))
+    """n: every rank is one tensor-parallel shard (nproc is the world size once resolved)."""
+    return cfg.nproc or default_nproc(cfg.device)
 
 
 def check_tp_shape(cfg: DistConfig, n: int) -> None:
