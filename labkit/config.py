@@ -91,7 +91,9 @@ PRESET_SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1},
              "batch_finder": {"memory_budget_gib": 0.25, "mode": "dynamic"},
              # 4-way tensor parallel splits the kv heads four ways
-             "hybrid": {"num_kv_heads": 4}},
+             "hybrid": {"num_kv_heads": 4},
+             # micro_batches 1, 2, 4 and 8 each split the batch
+             "pipeline_parallel": {"batch_size": 8}},
     "small": {"batch_size": 8, "seq_len": 512, "kv_cache": _GPU_DECODE},
     "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
     "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},

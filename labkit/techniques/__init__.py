@@ -15,11 +15,12 @@ EXPERIMENTS = {
     "memory_pool": "labkit.techniques.memory_pool",
     "batch_finder": "labkit.techniques.batch_finder",
     "collectives": "labkit.techniques.collectives",
-    "load_balance": "labkit.techniques.load_balance",
-    "hybrid": "labkit.techniques.hybrid",
     "data_parallel": "labkit.techniques.data_parallel",
-    "tensor_parallel": "labkit.techniques.tensor_parallel",
     "zero": "labkit.techniques.zero",
+    "tensor_parallel": "labkit.techniques.tensor_parallel",
+    "pipeline_parallel": "labkit.techniques.pipeline_parallel",
+    "hybrid": "labkit.techniques.hybrid",
+    "load_balance": "labkit.techniques.load_balance",
 }
 
 
