@@ -27,6 +27,8 @@ PARAMETERS = {
     "10_data_parallel.ipynb": {"overrides": TINY_DIST, "variants": "ddp", "nproc": 2},
     "11_zero.ipynb": {"overrides": TINY_DIST, "variants": "zero3", "nproc": 2},
     "12_tensor_parallel.ipynb": {"overrides": TINY_DIST, "variants": "tp", "nproc": 2},
+    "13_pipeline_parallel.ipynb": {"overrides": TINY_DIST, "sweep": {"micro_batches": [2]},
+                                   "variants": "gpipe", "nproc": 2},
     "14_hybrid.ipynb": {"overrides": {**TINY_DIST, "batch_size": 4, "num_layers": 1, "timed_steps": 1},
                         "variants": "fsdp_tp", "nproc": 4},
     "15_load_balance.ipynb": {"overrides": {**TINY_DIST, "calibration_steps": 1}, "nproc": 2},
