@@ -11,7 +11,7 @@ pytest.importorskip("ipywidgets")
 
 def test_report_writes_table_summary_and_figures(tmp_path, capsys):
     out = tmp_path / "report"
-    settings = {**FAST, "num_layers": 1, "seq_len": 8, "batch_size": 1}
+    settings = {**FAST, "num_layers": 1, "seq_len": 8, "batch_size": 2}
     argv = ["report", "--out", str(out)] + [f"--set={k}={v}" for k, v in settings.items()]
     assert main(argv) == 0
     table = pd.read_csv(out / "results.csv")
