@@ -275,10 +275,17 @@ def resolve_world(cfg: DistConfig, cpu_ranks: int = 2) -> DistConfig:
         if cfg.nproc not in (None, world):
             raise ConfigError(f"nproc={cfg.nproc} but torchrun started {world} ranks; "
                               "leave nproc unset under torchrun")
-        return dataclasses.replace(cfg, nproc=world)
+        return _check_fault(dataclasses.replace(cfg, nproc=world))
     nproc = cfg.nproc or default_nproc(cfg.device, cpu_ranks)
     check_nproc(cfg.device, nproc)
-    return dataclasses.replace(cfg, nproc=nproc)
+    return _check_fault(dataclasses.replace(cfg, nproc=nproc))
+
+
+def _check_fault(cfg: DistConfig) -> DistConfig:
+    if cfg.fault != "none" and cfg.fault_rank >= cfg.nproc:
+        raise ConfigError(f"fault_rank={cfg.fault_rank} but there are {cfg.nproc} ranks; "
+                          f"valid: 0..{cfg.nproc - 1}")
+    return cfg
 
 
 # --- one run across ranks ---------------------------------------------------------------------

@@ -64,11 +64,7 @@ def plan_points(name: str, preset: str | None, overrides: dict[str, Any] | None,
         raise ConfigError(f"variants are chosen with --variant, not set; valid: {', '.join(exp.VARIANTS)}")
     points = []
     for point in expand_sweep(sweep or {}):
-        cfg = resolve(exp.Config, preset, {**(overrides or {}), **point}, experiment=name)
-        if getattr(exp, "DISTRIBUTED", False):
-            cfg = distributed.resolve_world(cfg, getattr(exp, "CPU_RANKS", 2))  # before validate()
-        if hasattr(exp, "validate"):
-            exp.validate(cfg)
+        cfg = checked(exp, resolve(exp.Config, preset, {**(overrides or {}), **point}, experiment=name))
         typed = {k: getattr(cfg, k) if hasattr(cfg, k) else getattr(cfg.model, k) for k in point}
         points.append((typed, cfg))
     return points
@@ -137,13 +133,20 @@ def lab_plan(device: str = "auto", preset: str | None = None) -> list[dict[str, 
     return plan
 
 
+def checked(exp: ModuleType, cfg: RunConfig) -> RunConfig:
+    """`cfg` with a multi-process experiment's world size filled in (validate() may read it),
+    validated by the experiment: a ConfigError otherwise."""
+    if getattr(exp, "DISTRIBUTED", False):
+        cfg = distributed.resolve_world(cfg, getattr(exp, "CPU_RANKS", 2))
+    if hasattr(exp, "validate"):
+        exp.validate(cfg)
+    return cfg
+
+
 def _refusal(exp: ModuleType, cfg: RunConfig) -> str | None:
     """Why the whole experiment cannot run here with its defaults (too few GPUs for its ranks)."""
     try:
-        if getattr(exp, "DISTRIBUTED", False):
-            cfg = distributed.resolve_world(cfg, getattr(exp, "CPU_RANKS", 2))
-        if hasattr(exp, "validate"):
-            exp.validate(cfg)
+        checked(exp, cfg)
     except ConfigError as e:
         return str(e)
     return None

@@ -1,6 +1,8 @@
 """The experiment contract's types: what a technique hands the harness, and how it says no.
 
-An experiment module offers `Config` (a `RunConfig` subclass whose `variant` chooses the line),
+An experiment module offers `Config` (a `RunConfig` subclass whose `variant` chooses the line;
+`labkit.distributed.DistConfig` for a multi-process one, which also sets `DISTRIBUTED = True` and
+may set `CPU_RANKS`, its rank count without GPUs),
 `VARIANTS`, `REFERENCE`, `build(cfg) -> Workload`, `compare(reference, outputs, cfg) ->
 Comparison`, and `expected(cfg) -> {metric: predicted value}` (the napkin math); optionally
 `validate(cfg)`, which raises `ConfigError` for settings the experiment cannot take, and
@@ -27,10 +29,14 @@ class Workload:
     reference's. `step()` is what is timed and whose peak memory is measured. `tensors` maps a
     `*_bytes` metric to the tensors whose storage it is measured from; `per_token` turns such a
     metric into `*_bytes_per_token` given the number of tokens those tensors hold; `per_second`
-    turns an amount per step into a rate by the timed step (`busbw_gbps`: GB moved per step). `forward()`, when given, is
-    one forward pass (with grad) in which the tensors saved for backward are measured, leaving out
-    `resident` (the parameters). `report()` gives values only the technique knows (a loss scale);
-    `predicted()` adds predictions that depend on what `check()` found (a batch size).
+    turns an amount per step into a rate by the timed step (`busbw_gbps`: GB moved per step).
+    `forward()`, when given, is one forward pass (with grad) in which the tensors saved for
+    backward are measured, leaving out `resident` (the parameters). `report()`, called after
+    timing, gives values only the technique knows (a loss scale, a measured bubble); `predicted()`
+    adds predictions that depend on what `check()` found (a batch size).
+
+    In a multi-process experiment every one of these runs on every rank, in the same order, so
+    each may use collectives (`report()` may gather what the timed steps recorded).
     """
 
     step: Callable[[], Any]
