@@ -143,8 +143,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
 def cmd_run(args: argparse.Namespace) -> int:
     """Rows on stdout (rank 0 only under torchrun); a multi-process run that a rank cut short
     prints what was measured, then one line naming the rank and the cause, and exits 1."""
+    from labkit import distributed
     from labkit.distributed import RunFailed
     from labkit.experiment import run_experiment
+    from labkit.techniques import get_experiment
 
     overrides = _overrides(args)
     if args.nproc is not None:
@@ -160,6 +162,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     if os.environ.get("RANK", "0") == "0":
         _print_result(result, args.json)
+    if "RANK" in os.environ and getattr(get_experiment(args.name), "DISTRIBUTED", False):
+        distributed.leave(0)  # a torchrun rank, its rows stored: see distributed.leave
     return 0
 
 

@@ -21,6 +21,7 @@ import re
 import signal
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -305,7 +306,13 @@ def run(name: str, chosen: list[str], points: list, *, runs_dir: str | None = No
     run_id = new_run_id(name)
     watcher = _PartWatcher(run_id, runs_dir, on_rows)
     exits = spawn(_rank_main, (name, chosen, points, run_id, runs_dir), nproc, poll=watcher)
-    return _collect(name, run_id, runs_dir, exits, points[0][1].timeout_s)
+    try:
+        result = _collect(name, run_id, runs_dir, exits, points[0][1].timeout_s)
+    except RunFailed as e:
+        watcher.flush(e.result.rows)
+        raise
+    watcher.flush(result.rows)
+    return result
 
 
 def _rank_main(local_rank: int, name: str, chosen: list[str], points: list, run_id: str,
@@ -318,6 +325,19 @@ def _rank_main(local_rank: int, name: str, chosen: list[str], points: list, run_
     except Exception as e:  # recorded in this rank's part file; one line here, no traceback
         print(f"labkit rank {local_rank}: {_one_line(e)}", file=sys.stderr)
         sys.exit(1)
+    leave()
+
+
+def leave(code: int = 0) -> None:
+    """End a rank whose results are stored and whose group is destroyed, without the
+    interpreter's teardown, where a C++ thread left joinable by the communication library can
+    abort the process ("terminate called without an active exception"; seen here about once in
+    a hundred runs) and turn a complete run into a failed one."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _one_line(e: BaseException) -> str:
@@ -395,10 +415,18 @@ class _PartWatcher:
             return
         self.last = time.monotonic()
         for part in load_parts(self.run_id, self.runs_dir):
-            new = part["rows"][self.seen.get(part["part"], 0):]
-            if new:
-                self.seen[part["part"]] = len(part["rows"])
-                self.on_rows([expand_row(r, part) for r in new])
+            self._emit(part["part"], [expand_row(r, part) for r in part["rows"]])
+
+    def flush(self, rows: list[dict[str, Any]]) -> None:
+        """The rows the polls missed (the ranks may finish, and drop their parts, between two)."""
+        for r in sorted({row["rank"] for row in rows}) if self.on_rows else ():
+            self._emit(r, [row for row in rows if row["rank"] == r])
+
+    def _emit(self, rank: int, rows: list[dict[str, Any]]) -> None:
+        new = rows[self.seen.get(rank, 0):]
+        if new:
+            self.seen[rank] = len(rows)
+            self.on_rows(new)
 
 
 def _collect(name: str, run_id: str, runs_dir: str | None, exits: list[RankExit], timeout_s: float):
@@ -409,8 +437,14 @@ def _collect(name: str, run_id: str, runs_dir: str | None, exits: list[RankExit]
 
     path = folder(runs_dir) / f"{run_id}.json"
     parts = load_parts(run_id, runs_dir)
-    if all(e.ok for e in exits) and path.exists():
+    if path.exists():  # rank 0 gathered every rank's rows: the run is complete
+        for p in parts:  # a rank that stopped between the gather and dropping its part
+            p["path"].unlink(missing_ok=True)
         record = RunRecord.load(path)
+        late = [e for e in exits if not e.ok]
+        if late:  # a rank that failed on its way out, after everything was stored
+            warnings.warn(f"rank {late[0].rank} exited with code {late[0].exitcode} after the "
+                          "run completed; every row is stored", stacklevel=3)
         return RunResult(run_id, str(path), record.full_rows())
     errors = {p["part"]: p["status"].removeprefix("error: ") for p in parts
               if str(p["status"]).startswith("error")}

@@ -31,20 +31,26 @@ def by(rows, variant, metric, rank, size=None):
 
 @pytest.fixture(scope="module")
 def collectives(tmp_path_factory):
-    runs = tmp_path_factory.mktemp("runs")
+    runs, live = tmp_path_factory.mktemp("runs"), []
     result = run_experiment("collectives", overrides=COLLECTIVES, sweep={"message_bytes": SIZES},
-                            runs_dir=str(runs), progress=False)
-    return result, runs
+                            runs_dir=str(runs), progress=False, on_rows=live.extend)
+    return result, runs, live
 
 
 def test_every_rank_reports_rows_into_one_stored_run(collectives):
-    result, runs = collectives
+    result, runs, _ = collectives
     assert {r["rank"] for r in result.rows} == {0, 1}
     assert all(r["status"] == "ok" for r in result.rows)
     assert sorted(p.name for p in runs.iterdir()) == [f"{result.run_id}.json"]  # parts merged
     (record,) = load_runs(runs)
     assert record["status"] == "complete" and len(record["rows"]) == len(result.rows)
     assert result.rows[0]["params"]["nproc"] == 2
+
+
+def test_live_rows_reach_the_caller_once_each_while_the_ranks_run(collectives):
+    result, _, live = collectives
+    key = lambda r: (r["rank"], r["variant"], r["metric"], str(r["params"]["sweep"]))  # noqa: E731
+    assert sorted(map(key, live)) == sorted(map(key, result.rows))
 
 
 def test_collectives_results_match_the_formula_and_bandwidths_follow_nccl_tests(collectives):
