@@ -172,3 +172,15 @@ def test_part_files_of_an_unmerged_run_load_as_one_run(tmp_path):
     (record,) = load_runs(tmp_path)
     assert record["status"] == "error: RuntimeError: boom"
     assert [r["rank"] for r in record["rows"]] == [0, 1]
+
+
+def test_nccl_settings_are_gpu_knobs_recorded_per_point():
+    from labkit.config import resolve
+    from labkit.techniques import collectives
+
+    cfg = resolve(collectives.Config, "tiny", {"nccl_algo": "Ring", "nccl_channels": "4"})
+    assert collectives.nccl_env(cfg) == {"NCCL_ALGO": "Ring", "NCCL_MIN_NCHANNELS": "4",
+                                         "NCCL_MAX_NCHANNELS": "4"}
+    with pytest.raises(ConfigError, match="NCCL settings: they apply on GPUs"):
+        collectives.validate(cfg)
+    assert collectives.make_group(cfg) is None  # CPU ranks: the default (gloo) group

@@ -60,14 +60,25 @@ def nccl_env(cfg: Config) -> dict[str, str]:
     return {k: v for k, v in env.items() if v}
 
 
+_GROUPS: dict[tuple, object] = {}  # one communicator per combination of NCCL settings
+# What the default group's communicator started with (this module is imported in the rank, after
+# the group was made, before any point changes the environment).
+_DEFAULT_NCCL = {k: os.environ.get(k, "") for k in NCCL_SETTINGS}
+
+
 def make_group(cfg: Config):
-    """A fresh process group for this point, so NCCL settings take effect (every rank calls it)."""
-    if not cfg.device.startswith("cuda"):
+    """The default group, or, for NCCL settings, a group made with them in the environment (a
+    communicator reads them when it starts); every rank calls this at the same point."""
+    settings = nccl_env(cfg)
+    if not settings or not cfg.device.startswith("cuda"):
         return None
-    for key in NCCL_SETTINGS:
-        os.environ.pop(key, None)
-    os.environ.update(nccl_env(cfg))
-    return dist.new_group(backend="nccl")
+    key = tuple(sorted(settings.items()))
+    if key not in _GROUPS:
+        for name in NCCL_SETTINGS:
+            os.environ.pop(name, None)
+        os.environ.update(settings)
+        _GROUPS[key] = dist.new_group(backend="nccl")
+    return _GROUPS[key]
 
 
 def buffers(cfg: Config, n: int, fill: float) -> tuple[torch.Tensor, torch.Tensor | list]:
@@ -158,7 +169,7 @@ def expected(cfg: Config) -> dict[str, float]:
 
 def notes(cfg: Config) -> dict[str, str]:
     _, source = link_gbps(cfg)
-    env = {k: os.environ.get(k, "") for k in NCCL_SETTINGS} if cfg.device.startswith("cuda") else {}
+    env = {**_DEFAULT_NCCL, **nccl_env(cfg)} if cfg.device.startswith("cuda") else {}
     settings = ", ".join(f"{k}={v or 'default'}" for k, v in env.items())
     return {"busbw_gbps": f"predicted: the ceiling, {source}." + (f" {settings}." if settings else ""),
             "step_ms": f"predicted: the {bus_factor(cfg.variant, cfg.nproc or 2):.2f} x S bytes each rank "
