@@ -265,7 +265,11 @@ def root_cause(exits: list[RankExit], errors: dict[int, str], timeout_s: float) 
         r = min(errors)
         return f"rank {r} failed: {errors[r]}"
     bad = [e for e in exits if not e.ok and not e.stopped]
-    return f"rank {bad[0].rank} exited with code {bad[0].exitcode}" if bad else "unknown failure"
+    if not bad:
+        return "unknown failure"
+    return (f"rank {bad[0].rank} exited with code {bad[0].exitcode} before it reported anything "
+            "(its stderr says why; a script that starts ranks must do it under "
+            "`if __name__ == \"__main__\":`, which the spawn start method needs)")
 
 
 def resolve_world(cfg: DistConfig, cpu_ranks: int = 2) -> DistConfig:

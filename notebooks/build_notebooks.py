@@ -449,9 +449,9 @@ DISTRIBUTED = {
         "order (TP, then FSDP, then the optimizer). Every layout must give the plain model's loss "
         "and gradients; then each rank's bytes and step time show what the second dimension "
         "buys.",
-        "- `param_bytes` per rank: 1/4 of the model in every parallel layout (at tiny 5.00 MB "
-        "against 20.00 MB), each equal to the planner's figure.\n"
-        "- `peak_mem_bytes`: `fsdp_tp` below `fsdp` (33.5 against 43.0 MB at tiny): its "
+        "- `param_bytes` per rank: 1/4 of the model in every parallel layout (at tiny 5.26 MB "
+        "against 21.05 MB), each equal to the planner's figure.\n"
+        "- `peak_mem_bytes`: `fsdp_tp` below `fsdp` (34.7 against 45.0 MB at tiny): its "
         "all-gathers fetch TP shards, and the split matmuls keep 1/2 of the activations.\n"
         "- `step_ms`: on 4 CPU ranks sharing 2 cores every collective is expensive; `fsdp_tp` "
         "issues smaller all-gathers than `fsdp`. On a real cluster TP stays inside a node (NVLink) "
