@@ -68,6 +68,10 @@ MODELS: dict[str, ModelConfig] = {
                     vocab_size=32000, max_seq_len=4096),
     "medium": _llama(num_layers=16, hidden_size=2048, num_heads=16, num_kv_heads=8, ffn_size=5632,
                      vocab_size=32000, max_seq_len=4096),
+    # The model labkit trains itself (`labkit train-reference`; weights in data/reference/): small
+    # enough to ship, trained on a seeded synthetic language, so quality deltas mean something.
+    "reference": _llama(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, ffn_size=344,
+                        vocab_size=512, max_seq_len=1024),
     "gpt2-124m": ModelConfig(arch="gpt2", num_layers=12, hidden_size=768, num_heads=12,
                              num_kv_heads=12, ffn_size=3072, vocab_size=50257, max_seq_len=1024,
                              tie_embeddings=True),
@@ -94,6 +98,7 @@ PRESET_SIZES: dict[str, dict[str, Any]] = {
              "hybrid": {"num_kv_heads": 4},
              # micro_batches 1, 2, 4 and 8 each split the batch
              "pipeline_parallel": {"batch_size": 8}},
+    "reference": {"batch_size": 8, "seq_len": 128, "kv_cache": {"batch_size": 1}},
     "small": {"batch_size": 8, "seq_len": 512, "kv_cache": _GPU_DECODE},
     "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
     "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
