@@ -1,4 +1,4 @@
-"""The command line: `labkit env | list | run | results | report | plan`.
+"""The command line: `labkit env | list | run | results | report | plan | train-reference`.
 
 Bad input is one line on stderr and exit code 2, never a traceback. `--json` prints result rows
 as JSON lines on stdout and nothing else.
@@ -50,7 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a setting applied to every experiment")
     _add_run_options(rep)
     _add_plan_parser(sub)
+    _add_train_reference_parser(sub)
     return p
+
+
+def _add_train_reference_parser(sub) -> None:
+    from labkit.reference import DEFAULTS, REFERENCE_DIR
+
+    tr = sub.add_parser("train-reference", help="train the reference model on labkit's synthetic "
+                                                "language; write its weights and record")
+    tr.add_argument("--steps", type=int, help=f"optimizer steps (default: {DEFAULTS['steps']})")
+    tr.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="weights and data seed")
+    tr.add_argument("--out", default=str(REFERENCE_DIR), help="folder for reference.safetensors "
+                    "and reference.json (default: the shipped data/reference)")
+    tr.add_argument("--quick", action="store_true", help="a few tiny steps (a smoke test)")
 
 
 def _add_plan_parser(sub) -> None:
@@ -227,8 +240,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_reference(args: argparse.Namespace) -> int:
+    from labkit.reference import DEFAULTS, QUICK, train_reference, write_reference
+
+    settings = {**DEFAULTS, **(QUICK if args.quick else {}), "seed": args.seed}
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ConfigError(f"--steps {args.steps} must be at least 1")
+        settings["steps"] = args.steps
+
+    def log(step: int, loss: float) -> None:
+        if sys.stderr.isatty() and (step % 100 == 0 or step == settings["steps"] - 1):
+            print(f"step {step:>5}  loss {loss:.3f}", file=sys.stderr)
+
+    model, stats = train_reference(**settings, log=log)
+    record = write_reference(model, stats, args.out)
+    print(f"wrote {args.out}/reference.safetensors  sha256 {record['sha256']}\n"
+          f"held-out perplexity {record['heldout_ppl']:.2f} (random init "
+          f"{record['random_init_ppl']:.1f}); final loss {record['final_loss']:.3f}; "
+          f"{record['steps']} steps in {record['train_s']:.1f} s")
+    return 0
+
+
 COMMANDS = {"env": cmd_env, "list": cmd_list, "run": cmd_run, "results": cmd_results,
-            "report": cmd_report, "plan": cmd_plan}
+            "report": cmd_report, "plan": cmd_plan, "train-reference": cmd_train_reference}
 
 
 if __name__ == "__main__":

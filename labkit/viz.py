@@ -112,6 +112,20 @@ def rank_comparison(frame: pd.DataFrame, *, title: str = "",
     return fig
 
 
+def block_table_figure(table: pd.DataFrame) -> go.Figure:
+    """A paged cache's block tables: one row per sequence, one cell per logical block, labelled
+    with the physical block it maps to and coloured by the tokens it holds (a partly filled last
+    block is the only waste)."""
+    grid = table.pivot(index="sequence", columns="logical_block", values="tokens_used")
+    physical = table.pivot(index="sequence", columns="logical_block", values="physical_block")
+    fig = go.Figure(go.Heatmap(z=grid.values, x=list(grid.columns), y=[f"seq {s}" for s in grid.index],
+                               text=physical.values, texttemplate="%{text}", colorscale="Blues",
+                               colorbar={"title": "tokens used"}, xgap=2, ygap=2))
+    fig.update_layout(title="block table: the physical block behind each logical block",
+                      xaxis_title="logical block", height=120 + 40 * len(grid), yaxis_autorange="reversed")
+    return fig
+
+
 def sweep_lines(frame: pd.DataFrame, x: str, metric: str) -> go.Figure:
     """`metric` against a swept config field `x`, one line per variant (needs expanded params)."""
     rows = ok_rows(frame)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.techniques import EXPERIMENTS
+from labkit.techniques import EXPERIMENTS, kv_cache
 import torch
 
 from labkit.cli import main
@@ -81,7 +81,7 @@ def test_list_json():
     entries = {e["experiment"]: e for e in json_lines(out)}
     assert set(entries) == set(EXPERIMENTS)
     assert entries["kv_cache"]["reference"] == "none"
-    assert entries["kv_cache"]["variants"] == ["none", "dynamic"]
+    assert entries["kv_cache"]["variants"] == ["none", "dynamic", "static", "paged", "quantized"]
     assert entries["mixed_precision"]["reference"] == "fp32"
     assert entries["mixed_precision"]["variants"] == ["fp32", "tf32", "fp16", "bf16", "bf16_weights"]
     assert all(e["summary"] for e in entries.values())
@@ -123,7 +123,7 @@ def test_run_json_stdout_is_only_rows_of_the_schema(kv_run):
     assert len({r["run_id"] for r in rows}) == 1
     assert [r["status"] for r in rows] == ["ok"] * len(rows)
     variants = [r["variant"] for r in rows]
-    assert set(variants) == {"none", "dynamic"}
+    assert set(variants) == set(kv_cache.VARIANTS)
     assert variants == sorted(variants, key=lambda v: v != "none")  # reference first
 
 
@@ -206,7 +206,7 @@ def test_run_human_output_has_a_table_and_the_stored_path(tmp_path):
 
 def test_sweep_gives_rows_for_every_point_reference_first(tmp_path):
     rc, out, err = call(["run", "kv_cache", *KV_TINY, "--sweep", "batch_size=1,2",
-                         "--runs-dir", str(tmp_path), "--json"])
+                         "--variant", "dynamic", "--runs-dir", str(tmp_path), "--json"])
     assert rc == 0, err
     rows = json_lines(out)
     assert all(r["status"] == "ok" for r in rows)

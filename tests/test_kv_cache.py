@@ -1,0 +1,157 @@
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import FAST, TINY_DECODE
+
+from labkit.config import ConfigError, resolve
+from labkit.experiment import run_experiment
+from labkit.model import build_model
+from labkit.techniques import kv_cache
+from labkit.techniques.kv_caches import BlockPool, block_table_frame
+
+# prompt 4 + 12 new: 15 positions held per sequence; 4 blocks of 4 (one slot wasted each)
+SIZES = {**TINY_DECODE, "new_tokens": 12, "batch_size": 2, "block_size": 4, "max_cache_len": 32}
+HELD = 4 + 12 - 1
+# the reference model's shape is fixed: no num_layers
+REFERENCE_SIZES = {k: v for k, v in SIZES.items() if k not in ("num_layers", "batch_size")}
+
+
+def by(rows, variant, metric):
+    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
+    assert len(hits) == 1, (variant, metric, hits)
+    return hits[0]
+
+
+def shape(rows):
+    m = rows[0]["params"]["model"]
+    return m["num_layers"], m["num_kv_heads"], m["hidden_size"] // m["num_heads"]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    return run_experiment("kv_cache", preset="tiny", overrides=SIZES, progress=False,
+                          runs_dir=str(tmp_path_factory.mktemp("runs"))).rows
+
+
+@pytest.fixture(scope="module")
+def bf16_rows(tmp_path_factory):
+    """The acceptance comparison: int8 against a bf16 static cache (bf16 scales)."""
+    return run_experiment("kv_cache", preset="tiny", variants=["static", "quantized"],
+                          overrides={**SIZES, "kv_dtype": "bfloat16"}, progress=False,
+                          runs_dir=str(tmp_path_factory.mktemp("runs"))).rows
+
+
+def test_every_lossless_cache_generates_the_reference_tokens_in_fp32(rows):
+    assert all(r["status"] == "ok" for r in rows)
+    for variant in ("dynamic", "static", "paged"):
+        assert by(rows, variant, "token_agreement")["value"] == 1.0
+        assert by(rows, variant, "attn_output_rel_error")["value"] == 0.0
+
+
+def test_kv_bytes_measured_from_storage_equal_the_formula_for_each_layout(rows):
+    layers, kv, hd = shape(rows)
+    per_token = 2 * layers * kv * hd * 4
+    slots = {"dynamic": 2 * HELD, "static": 2 * 32, "paged": 2 * 4 * 4}
+    for variant, capacity in slots.items():
+        assert by(rows, variant, "kv_bytes")["value"] == per_token * capacity
+        assert by(rows, variant, "kv_bytes")["predicted"] == per_token * capacity
+        assert by(rows, variant, "kv_bytes_per_token")["value"] == per_token
+        assert by(rows, variant, "kv_used_bytes")["value"] == per_token * 2 * HELD
+    int8 = (2 * layers * kv * hd + 2 * layers * 4) * 2 * 32  # data + one fp32 scale per token
+    quant = by(rows, "quantized", "kv_bytes")
+    assert quant["value"] == quant["predicted"] == int8
+
+
+def test_paged_wastes_at_most_one_block_per_sequence_and_static_waste_is_reported(rows):
+    paged = {m: by(rows, "paged", m)["value"] for m in ("kv_bytes", "kv_used_bytes", "kv_bytes_per_token")}
+    assert paged["kv_bytes"] - paged["kv_used_bytes"] <= 4 * paged["kv_bytes_per_token"] * 2
+    assert by(rows, "paged", "kv_waste_pct")["value"] == pytest.approx(100 / 16)
+    assert by(rows, "static", "kv_waste_pct")["value"] == pytest.approx(100 * (1 - HELD / 32))
+    assert by(rows, "dynamic", "kv_waste_pct")["value"] == 0.0
+
+
+def test_int8_halves_bf16_bytes_within_two_percent_attention_error(bf16_rows):
+    static, quant = (by(bf16_rows, v, "kv_bytes")["value"] for v in ("static", "quantized"))
+    assert quant <= 0.52 * static
+    assert 0 < by(bf16_rows, "quantized", "attn_output_rel_error")["value"] <= kv_cache.ATTN_TARGET
+    assert 0 <= by(bf16_rows, "quantized", "token_agreement")["value"] <= 1
+    assert by(bf16_rows, "static", "attn_output_rel_error")["value"] <= 0.02  # bf16 is lossy too
+    assert all(r["status"] == "ok" for r in bf16_rows)
+
+
+def test_a_lossy_cache_past_the_tolerance_is_an_error(monkeypatch):
+    monkeypatch.setattr(kv_cache, "ATTN_TOLERANCE", 0.0)
+    rows = run_experiment("kv_cache", preset="tiny", variants=["quantized"], overrides=SIZES,
+                          progress=False).rows
+    quant = [r for r in rows if r["variant"] == "quantized"]
+    assert {r["status"] for r in quant} == {"error"} and "attention output off" in quant[0]["message"]
+
+
+def test_fp8_is_skipped_without_a_gpu_and_bad_lengths_are_refused():
+    rows = run_experiment("kv_cache", preset="tiny", variants=["quantized"], progress=False,
+                          overrides={**SIZES, "quant_dtype": "fp8"}).rows
+    assert [r["status"] for r in rows if r["variant"] == "quantized"] == ["skipped"]
+    with pytest.raises(ConfigError, match="max_cache_len=8"):
+        run_experiment("kv_cache", overrides={**SIZES, "max_cache_len": 8})
+
+
+def _cfg(**kw):
+    return resolve(kv_cache.Config, "tiny", {**SIZES, "device": "cpu", **kw}, experiment="kv_cache")
+
+
+def test_every_cache_returns_what_it_was_given_and_the_quantized_one_close():
+    cfg = _cfg()
+    model = build_model(cfg.model, seed=0).eval()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, HELD))
+    for variant in ("static", "paged", "quantized"):
+        c = dataclasses.replace(cfg, variant=variant)
+        error = kv_cache.attn_rel_error(model, tokens, kv_cache.make_cache(c))
+        assert error == 0.0 if variant != "quantized" else 0 < error < 0.02
+    per_head = dataclasses.replace(cfg, variant="quantized", quant_scales="per_head")
+    cache = kv_cache.make_cache(per_head)
+    assert sum(t.nbytes for t in cache.tensors()) == kv_cache.bytes_per_token(per_head) * 2 * 32
+
+
+def test_block_pool_allocates_frees_and_gathers_by_the_block_table():
+    pool = BlockPool(num_layers=1, num_blocks=6, block_size=4, kv_heads=2, head_dim=3,
+                     dtype=torch.float32, device="cpu")
+    pool.allocate(0, 5)  # two blocks
+    pool.allocate(1, 3)  # one
+    pool.allocate(0, 9)  # a third, after sequence 1's
+    assert pool.block_table(0) == [0, 1, 3] and pool.block_table(1) == [2]
+    assert pool.num_free_blocks == 2
+    k = torch.randn(9, 2, 3)
+    slots = pool.slots(0, 0, 9)
+    pool.write(0, slots, k, -k)
+    keys, values = pool.gather(0, slots)
+    assert torch.equal(keys, k) and torch.equal(values, -k)
+    frame = block_table_frame(pool)
+    assert list(frame["tokens_used"]) == [4, 4, 1, 3] and list(frame["physical_block"]) == [0, 1, 3, 2]
+    pool.free(0)
+    assert pool.num_free_blocks == 5 and pool.block_table(0) == []
+    with pytest.raises(MemoryError, match="exhausted"):
+        pool.allocate(2, 4 * 6)
+
+
+def test_paged_block_table_frame_covers_every_held_token():
+    frame = kv_cache.paged_block_table(_cfg())
+    assert frame.groupby("sequence")["tokens_used"].sum().tolist() == [HELD, HELD]
+    assert sorted(frame["physical_block"]) == list(range(8))  # the pool, every block used once
+
+
+def test_on_the_reference_model_quantized_reports_agreement_and_perplexity_delta():
+    """The trained model (data/reference) at the default lengths (16 + 128 tokens): held-out
+    prompts, so agreement and perplexity mean something; a lossless layout's perplexity delta is
+    0 up to bf16 rounding."""
+    rows = run_experiment("kv_cache", preset="reference", variants=["static", "paged", "quantized"],
+                          overrides={**FAST, "kv_dtype": "bfloat16"}, progress=False).rows
+    assert all(r["status"] == "ok" for r in rows)
+    assert by(rows, "none", "perplexity_delta")["value"] == 0.0
+    assert abs(by(rows, "paged", "perplexity_delta")["value"]) < 0.05
+    assert abs(by(rows, "quantized", "perplexity_delta")["value"]) < 0.05
+    assert by(rows, "quantized", "attn_output_rel_error")["value"] <= kv_cache.ATTN_TARGET
+    assert 0 <= by(rows, "quantized", "token_agreement")["value"] <= 1
+    ratio = by(rows, "quantized", "kv_bytes")["value"] / by(rows, "static", "kv_bytes")["value"]
+    assert ratio <= 0.52
