@@ -61,8 +61,9 @@ def test_generation_longer_than_the_context_is_refused():
 
 
 def test_variant_choices_come_from_the_experiment():
-    with pytest.raises(ConfigError, match="unknown variant 'paged'; valid: none, dynamic"):
-        resolve(kv_cache.Config, "tiny", {"variant": "paged"})
+    with pytest.raises(ConfigError, match="unknown variant 'beam'; valid: none, dynamic, static, "
+                                          "paged, quantized"):
+        resolve(kv_cache.Config, "tiny", {"variant": "beam"})
 
 
 def test_every_preset_resolves_for_every_experiment():

@@ -77,7 +77,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 TINY = ["--device", "cpu", "--preset", "tiny", "--set", "new_tokens=4", "--set", "prompt_len=4",
-        "--set", "min_run_time_s=0", "--set", "warmup=0"]
+        "--set", "min_run_time_s=0", "--set", "warmup=0", "--variant", "dynamic"]
 
 
 def test_core_runs_without_notebook_packages(tmp_path):
