@@ -124,11 +124,6 @@ class StageModule(nn.Module):
 
 # --- where to cut: measured cost per part, then the split that balances the stages -------------
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def _fastest_ms(fn, device: str) -> float:
     """The fastest of COST_REPEATS runs after a warm-up: noise on a shared host only adds time."""
     fn()
@@ -197,11 +192,10 @@ class Spans:
     @contextlib.contextmanager
     def timed(self, simulated: bool = False):
         """`simulated`: an injected sleep, busy by definition (it stands for compute)."""
-        _sync(self.device)  # on a GPU, the span is the kernels' time, not their launch
-        start, cpu = time.perf_counter(), time.thread_time()
+        # clock() synchronises a GPU: the span is the kernels' time, not their launch
+        start, cpu = clock(self.device), time.thread_time()
         yield
-        _sync(self.device)
-        end = time.perf_counter()
+        end = clock(self.device)
         self.steps[-1].append((start, end, end - start if simulated else time.thread_time() - cpu))
 
 
