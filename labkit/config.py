@@ -93,6 +93,7 @@ _GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "
 PRESET_SIZES: dict[str, dict[str, Any]] = {
     # batch_finder on the CPU searches a virtual budget (there is nothing else to run out of)
     "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1},
+             "batching": {"batch_size": 8},
              "batch_finder": {"memory_budget_gib": 0.25, "mode": "dynamic"},
              # 4-way tensor parallel splits the kv heads four ways
              "hybrid": {"num_kv_heads": 4},

@@ -216,7 +216,7 @@ def _time(wl: Workload, cfg: RunConfig) -> Timing:
         times = distributed.fixed_repeats_timer(wl.step, warmup=cfg.warmup,
                                                 repeats=cfg.timed_steps, device=cfg.device)
         return Timing(times, cfg.warmup)
-    return time_step(wl.step, device=cfg.device, warmup=cfg.warmup,
+    return time_step(wl.step, device=cfg.device, warmup=cfg.warmup, min_repeats=wl.min_repeats,
                      min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
 
 

@@ -15,6 +15,8 @@ from torch import nn
 
 from labkit.config import ModelConfig
 
+StartPos = int | torch.Tensor  # a batch's first position, or one per row (B,)
+
 ATTENTION_IMPLS = ("sdpa", "naive")
 
 
@@ -32,10 +34,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, (T, head_dim), fp32, for the given absolute positions (rotate-half layout)."""
+    """cos and sin, (T, head_dim) for positions (T,), (B, 1, T, head_dim) for per-row positions
+    (B, T); fp32, rotate-half layout."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = torch.outer(positions.float(), inv_freq)  # (T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+    angles = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd)
+    if positions.dim() == 2:
+        angles = angles[:, None]  # broadcast over heads
     return angles.cos(), angles.sin()
 
 
@@ -47,21 +52,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + rotated * sin).type_as(x)
 
 
-def causal_mask(num_queries: int, num_keys: int, start_pos: int, device: torch.device) -> torch.Tensor | None:
-    """(T, S) bool, True where query (at start_pos + i) may see key j; None when nothing is masked."""
-    if num_queries == 1:
-        return None
-    q_pos = torch.arange(start_pos, start_pos + num_queries, device=device)[:, None]
-    return torch.arange(num_keys, device=device)[None, :] <= q_pos
+def causal_mask(num_queries: int, num_keys: int, start_pos: StartPos,
+                device: torch.device) -> torch.Tensor | None:
+    """True where query i (at start_pos + i) may see key j: (T, S) bool, None when nothing is
+    masked; (B, 1, T, S) for per-row start positions (B,), which also hides the keys past a
+    shorter row's end (padding)."""
+    if isinstance(start_pos, int):
+        if num_queries == 1:
+            return None
+        q_pos = torch.arange(start_pos, start_pos + num_queries, device=device)[:, None]
+        return torch.arange(num_keys, device=device)[None, :] <= q_pos
+    q_pos = start_pos[:, None] + torch.arange(num_queries, device=device)  # (B, T)
+    return (torch.arange(num_keys, device=device) <= q_pos[..., None])[:, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, impl: str) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: StartPos,
+           impl: str) -> torch.Tensor:
     """Causal attention of q (B, H, T, hd) over k, v (B, KV, S, hd); returns (B, H, T, hd).
     With fewer kv heads (grouped-query attention) each serves H / KV query heads."""
     T, S = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if impl == "sdpa":  # enable_gqa shares kv heads without copying them
-        if T == S:
+        if T == S and isinstance(start_pos, int):
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         mask = causal_mask(T, S, start_pos, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -86,7 +98,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
         self.wo = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache, impl: str, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: StartPos, cache, impl: str, rope) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         # view(..., -1, hd): the local head count, so a tensor-parallel shard works unchanged.
@@ -130,7 +142,7 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = make_norm(cfg), make_norm(cfg)
         self.attn, self.mlp = Attention(cfg, layer_idx), MLP(cfg)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache, impl: str, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: StartPos, cache, impl: str, rope) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), start_pos, cache, impl, rope)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -149,10 +161,16 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, *, start_pos: int = 0, cache=None,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, start_pos: StartPos = 0, cache=None,
+                last_only: bool | torch.Tensor = False) -> torch.Tensor:
+        """`start_pos`: the position of tokens[:, 0], one for the batch or one per row (a (B,)
+        tensor: rows of different lengths in one batch, as continuous batching runs them).
+        `last_only`: logits at the last position only, or at one index per row ((B,): each
+        right-padded row's last real token)."""
         x = self.embed(tokens)  # (B, T, d)
-        positions = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
+        steps = torch.arange(tokens.shape[1], device=tokens.device)
+        per_row = isinstance(start_pos, torch.Tensor)
+        positions = start_pos[:, None] + steps if per_row else start_pos + steps  # (B, T) or (T,)
         rope = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
@@ -160,7 +178,9 @@ class Decoder(nn.Module):
             rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         for layer in self.layers:
             x = layer(x, start_pos, cache, self.attention, rope)
-        if last_only:
+        if isinstance(last_only, torch.Tensor):
+            x = x[torch.arange(x.shape[0], device=x.device), last_only][:, None]
+        elif last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
 

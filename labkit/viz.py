@@ -126,6 +126,40 @@ def block_table_figure(table: pd.DataFrame) -> go.Figure:
     return fig
 
 
+SEGMENT_COLORS = {"served": None, "held": "lightgrey", "preempted": "crimson"}
+
+
+def schedule_figure(segments: pd.DataFrame, steps: pd.DataFrame, *, title: str = "") -> go.Figure:
+    """A serving replay: above, which request holds which slot over time (a Gantt chart: one bar
+    per stretch, coloured by priority class; grey: done but held until its batch ends; red: cut
+    short by a preemption); below, the rows each decode step computed for a request, against
+    the rows it computed (the difference is padding)."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.7, 0.3],
+                        vertical_spacing=0.06, subplot_titles=("slots", "rows per decode step"))
+    classes = sorted(segments["priority"].unique())
+    palette = dict(zip(classes, ("royalblue", "darkorange", "seagreen", "purple")))
+    for state, color in SEGMENT_COLORS.items():
+        for cls in classes:
+            part = segments[(segments.state == state) & (segments.priority == cls)]
+            if part.empty:
+                continue
+            fig.add_trace(go.Bar(
+                x=part.end_ms - part.start_ms, base=part.start_ms, y=part.slot, orientation="h",
+                marker_color=color or palette[cls], name=f"{cls}: {state}",
+                customdata=part.request, hovertemplate="request %{customdata}<br>%{base:.0f} ms "
+                                                       "+ %{x:.0f} ms<extra></extra>"), row=1, col=1)
+    decode = steps[steps.kind == "decode"]
+    fig.add_trace(go.Scatter(x=decode.start_ms, y=decode.rows, name="rows computed",
+                             line={"shape": "hv", "color": "grey"}), row=2, col=1)
+    fig.add_trace(go.Scatter(x=decode.start_ms, y=decode.live, name="rows serving a request",
+                             line={"shape": "hv", "color": "royalblue"}), row=2, col=1)
+    fig.update_layout(title=title or "schedule", barmode="overlay", height=560, bargap=0.15)
+    fig.update_yaxes(title_text="slot", autorange="reversed", dtick=1, row=1, col=1)
+    fig.update_yaxes(title_text="rows", row=2, col=1)
+    fig.update_xaxes(title_text="ms since the replay began (arrival times count from it)", row=2, col=1)
+    return fig
+
+
 def sweep_lines(frame: pd.DataFrame, x: str, metric: str) -> go.Figure:
     """`metric` against a swept config field `x`, one line per variant (needs expanded params)."""
     rows = ok_rows(frame)

@@ -52,6 +52,7 @@ class Workload:
     notes: dict[str, str] = field(default_factory=dict)
     compute_dtype: str = "float32"  # the dtype the matmuls run in: picks the roofline's peak
     count_flops: bool = True
+    min_repeats: int = 3  # timed calls at least; 1 for a step that is itself a long run (a replay)
 
 
 @dataclass(frozen=True)

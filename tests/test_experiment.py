@@ -1,7 +1,6 @@
 import gc
 
 import pytest
-import torch
 
 from conftest import FAST, TINY_DECODE, TINY_TRAIN
 from labkit import planner

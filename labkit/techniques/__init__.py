@@ -9,6 +9,7 @@ from labkit.config import ConfigError
 EXPERIMENTS = {
     "mixed_precision": "labkit.techniques.mixed_precision",
     "kv_cache": "labkit.techniques.kv_cache",
+    "batching": "labkit.techniques.batching",
     "checkpointing": "labkit.techniques.checkpointing",
     "grad_accumulation": "labkit.techniques.grad_accumulation",
     "offload": "labkit.techniques.offload",

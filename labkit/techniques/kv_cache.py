@@ -215,22 +215,29 @@ def perplexity(model: Decoder, text: torch.Tensor, cache=None) -> float:
 
 # --- the experiment --------------------------------------------------------------------------------
 
-def load_model_and_text(cfg: Config) -> tuple[Decoder, torch.Tensor]:
-    """The model and text (B, prompt_len + new_tokens): on the `reference` preset the trained model
-    and held-out text; otherwise seeded random weights and random tokens."""
-    length = cfg.prompt_len + cfg.new_tokens
+def load_model(cfg: RunConfig) -> Decoder:
+    """On the `reference` preset the trained model (a skip when its weights are missing or
+    altered); otherwise the preset's shape with seeded random weights. In eval mode."""
     if cfg.preset == "reference":
-        from labkit import (
-            reference,  # its weights are trained by `labkit train-reference`
-        )
+        from labkit import reference  # its weights are trained by `labkit train-reference`
 
         try:
-            model = reference.load_reference(device=cfg.device, dtype=torch_dtype(cfg.dtype))
+            return reference.load_reference(device=cfg.device, dtype=torch_dtype(cfg.dtype)).eval()
         except ConfigError as e:
             raise SkipVariant(str(e)) from e
-        return model.eval(), reference.heldout(cfg.batch_size, length).to(cfg.device)
-    model = build_model(cfg.model, device=cfg.device, dtype=torch_dtype(cfg.dtype), seed=cfg.seed,
-                        attention=cfg.attention).eval()
+    return build_model(cfg.model, device=cfg.device, dtype=torch_dtype(cfg.dtype), seed=cfg.seed,
+                       attention=cfg.attention).eval()
+
+
+def load_model_and_text(cfg: Config) -> tuple[Decoder, torch.Tensor]:
+    """The model (`load_model`) and text (B, prompt_len + new_tokens): held-out text on the
+    `reference` preset, otherwise random tokens."""
+    length = cfg.prompt_len + cfg.new_tokens
+    model = load_model(cfg)
+    if cfg.preset == "reference":
+        from labkit import reference
+
+        return model, reference.heldout(cfg.batch_size, length).to(cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     text = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, length), generator=gen)
     return model, text.to(cfg.device)

@@ -1,0 +1,321 @@
+"""Batching: one workload of requests served by five schedulers over the same model.
+
+- `sequential` (the reference): one request at a time, first come, first served.
+- `static`: the next `batch_size` requests in arrival order start together once all have arrived,
+  prompts padded to the longest, and hold their slots until the longest output is done.
+- `dynamic`: the same per prompt-length bucket (`bucket_width`), a bucket starting when full or
+  when its oldest request has waited `batch_timeout_ms`: less padding, shorter waits.
+- `continuous`: iteration-level scheduling (Orca, vLLM) with the paged cache: a finished
+  sequence's slot is refilled at the next step, blocks are taken as sequences grow, and when the
+  pool runs dry the latest arrival is preempted.
+- `priority`: continuous, but the queue is ordered by class (the workload's first class is the
+  most urgent) and a waiting request preempts lower-class work to make room.
+
+Memory pressure is real: the KV pool holds `kv_budget_tokens` positions (allocated on the
+device; on the CPU a budget far below the machine's memory). Reserving schedulers (`static`,
+`dynamic`) take the longest possible sequence per request, so the budget caps their batch at
+kv_budget_tokens // (longest prompt + longest output); paging ones take what they use.
+
+Each variant replays the workload in real time (requests arrive at their times; `arrival=closed`
+queues them all at t = 0). The check replays it with every request's continuation forced, so every
+scheduler computes the same contexts: each token's log-probability must match the one-at-a-time
+reference's, whatever the batch, padding or preemption around it. The engine is
+`labkit.techniques.serving`, the workloads `labkit.techniques.requests`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from labkit import hardware, planner
+from labkit.config import ConfigError, RunConfig, knob, torch_dtype
+from labkit.techniques.kv_cache import load_model
+from labkit.techniques.requests import Request, load_workload
+from labkit.techniques.serving import BatchPolicy, Engine, IterationPolicy, Policy, Sequence
+from labkit.workload import Comparison, Workload
+
+VARIANTS = ("sequential", "static", "dynamic", "continuous", "priority")
+REFERENCE = "sequential"
+WORKLOADS_DIR = hardware.DATA_DIR / "workloads"
+# Largest difference of a token's log-probability from the reference's, same context: batching
+# changes only the order of floating-point sums (about 1e-5 in fp32).
+LOGPROB_TOLERANCE = {"float32": 1e-3}
+LOGPROB_TOLERANCE_16BIT = 0.1
+PERCENTILES = (50, 99)
+
+
+def workload_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in WORKLOADS_DIR.glob("*.json")))
+
+
+@dataclass(kw_only=True)
+class Config(RunConfig):
+    variant: str = knob(REFERENCE, choices=VARIANTS, help="scheduler")
+    workload: str = knob("default", help="a workload in data/workloads (its name) or a JSON file")
+    num_requests: int = knob(0, min=0, help="serve the first N requests (0: all)")
+    max_output_len: int = knob(0, min=0, help="clip every output length to this (0: as given)")
+    arrival: str = knob("workload", choices=("workload", "closed"),
+                        help="the workload's arrival times, or all queued at t = 0")
+    kv_budget_tokens: int = knob(2048, min=1, help="KV positions the pool holds, all requests together")
+    block_size: int = knob(16, min=1, help="continuous, priority: positions per KV block")
+    bucket_width: int = knob(8, min=1, help="dynamic: prompt-length bucket width")
+    batch_timeout_ms: float = knob(50.0, min=0.0, help="dynamic: start a partial bucket after this wait")
+    warmup: int = knob(0, min=0, help="untimed replays before timing (the check already warmed up)")
+    min_run_time_s: float = knob(0.0, min=0.0, help="timing: least total time (a replay is long)")
+    uses_seq_len = False  # lengths come from the workload; batch_size is the most rows per step
+
+
+# --- the workload ----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str) -> tuple[tuple[str, ...], tuple[Request, ...]]:
+    spec, requests = load_workload(path)
+    return tuple(name for name, _ in spec.priorities), tuple(requests)
+
+
+def workload(cfg: Config) -> tuple[tuple[str, ...], list[Request]]:
+    """The priority classes (most urgent first) and the requests as this config serves them."""
+    path = Path(cfg.workload)
+    if cfg.workload in workload_names():
+        path = WORKLOADS_DIR / f"{cfg.workload}.json"
+    elif not path.is_file():
+        raise ConfigError(f"unknown workload {cfg.workload!r}; valid: {', '.join(workload_names())} "
+                          "or the path of a workload file")
+    classes, requests = _load(str(path))
+    requests = list(requests[:cfg.num_requests or None])
+    if cfg.max_output_len:
+        requests = [dataclasses.replace(r, output_len=min(r.output_len, cfg.max_output_len))
+                    for r in requests]
+    return classes, requests
+
+
+def longest(requests: list[Request]) -> int:
+    """The longest sequence a reserving scheduler must plan for: longest prompt + longest output
+    (a request's output length is unknown until it ends)."""
+    return max(r.prompt_len for r in requests) + max(r.output_len for r in requests)
+
+
+def num_slots(cfg: Config, requests: list[Request]) -> int:
+    """Rows per step: one for `sequential`; for reserving schedulers what the budget holds."""
+    if cfg.variant == "sequential":
+        return 1
+    if cfg.variant in ("static", "dynamic"):
+        return min(cfg.batch_size, cfg.kv_budget_tokens // longest(requests))
+    return cfg.batch_size
+
+
+def validate(cfg: Config) -> None:
+    _, requests = workload(cfg)
+    need = longest(requests)
+    if need > cfg.model.max_seq_len:
+        raise ConfigError(f"the workload's longest sequence ({need} tokens) exceeds the model's "
+                          f"context ({cfg.model.max_seq_len}); set max_output_len")
+    if cfg.kv_budget_tokens < need:
+        raise ConfigError(f"kv_budget_tokens={cfg.kv_budget_tokens} cannot hold one request "
+                          f"(longest prompt + longest output = {need} tokens)")
+
+
+# --- building and replaying ------------------------------------------------------------------------
+
+def policy(cfg: Config, classes: tuple[str, ...], slots: int) -> Policy:
+    if cfg.variant in ("static", "dynamic"):
+        dynamic = cfg.variant == "dynamic"
+        return BatchPolicy(slots, cfg.bucket_width if dynamic else None, cfg.batch_timeout_ms / 1e3)
+    ranks = {name: i for i, name in enumerate(classes)}
+    return IterationPolicy(ranks if cfg.variant == "priority" else None)
+
+
+def texts(cfg: Config, requests: list[Request]) -> list[torch.Tensor]:
+    """Per request, seeded tokens: its prompt, then the continuation the check forces."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    return [torch.randint(0, cfg.model.vocab_size, (r.prompt_len + r.output_len,), generator=gen)
+            for r in requests]
+
+
+def make_engine(cfg: Config, model, requests: list[Request], tokens: list[torch.Tensor], *,
+                forced: bool, closed: bool) -> Engine:
+    slots = num_slots(cfg, requests)
+    reserving = cfg.variant in ("static", "dynamic")
+    block = longest(requests) if reserving else cfg.block_size
+    seqs = [Sequence(req=r, prompt=t[:r.prompt_len].tolist(),
+                     forced=t[r.prompt_len:].tolist() if forced else None)
+            for r, t in zip(requests, tokens)]
+    return Engine(model, seqs, num_slots=slots, num_blocks=cfg.kv_budget_tokens // block,
+                  block_size=block, reserve=block if reserving else 0,
+                  kv_dtype=torch_dtype(cfg.dtype), closed=closed)
+
+
+def build(cfg: Config) -> Workload:
+    classes, requests = workload(cfg)
+    model, tokens = load_model(cfg), texts(cfg, requests)
+    closed = cfg.arrival == "closed"
+    replays: list[Engine] = []
+
+    def serve(forced: bool, closed: bool) -> Engine:
+        eng = make_engine(cfg, model, requests, tokens, forced=forced, closed=closed)
+        return eng.serve(policy(cfg, classes, num_slots(cfg, requests)))
+
+    def step() -> None:
+        replays.append(serve(False, closed))
+
+    def check() -> dict:
+        eng = serve(True, True)  # all queued at once: the fullest batches, the most preemption
+        return {"logprobs": {s.req.id: torch.tensor(s.logprobs) for s in eng.seqs},
+                "top1": {s.req.id: torch.tensor(s.top1) for s in eng.seqs},
+                "served": sum(len(s.out) == s.req.output_len for s in eng.seqs)}
+
+    def report() -> dict[str, float]:
+        """The timed replay with the median throughput. The first replay is left out: it ran
+        under the memory meter, whose tensor tracking slows a CPU run."""
+        ranked = sorted((summary(e, cfg, classes) for e in replays[1:]),
+                        key=lambda m: m["useful_tokens_per_s"])
+        return ranked[len(ranked) // 2]
+
+    return Workload(step=step, check=check, report=report, count_flops=False, min_repeats=1,
+                    tensors={"kv_bytes": lambda: replays[-1].pool.tensors()},
+                    notes=notes(cfg), compute_dtype=cfg.dtype)
+
+
+# --- what a replay measured --------------------------------------------------------------------------
+
+def quantile(values: list[float], q: float) -> float:
+    return torch.tensor(values, dtype=torch.float64).quantile(q / 100).item()
+
+
+def latency_rows(seqs: list[Sequence], classes: tuple[str, ...]) -> dict[str, float]:
+    """ttft (arrival to first token) and tpot (the time per output token after the first), p50 and
+    p99, over all requests and per class."""
+    out = {}
+    for name in ("all",) + classes:
+        chosen = [s for s in seqs if name in ("all", s.req.priority)]
+        ttft = [s.first_token_s - s.req.arrival_s for s in chosen]
+        tpot = [(s.finish_s - s.first_token_s) / (s.req.output_len - 1)
+                for s in chosen if s.req.output_len > 1]
+        suffix = "" if name == "all" else f"_{name}"
+        for metric, values in (("ttft", ttft), ("tpot", tpot)):
+            for p in PERCENTILES if values else ():
+                out[f"{metric}_p{p}{suffix}_ms"] = 1e3 * quantile(values, p)
+    return out
+
+
+def summary(eng: Engine, cfg: Config, classes: tuple[str, ...]) -> dict[str, float]:
+    seqs = eng.seqs
+    if eng.closed:  # everything arrived at t = 0
+        seqs = [dataclasses.replace(s, req=dataclasses.replace(s.req, arrival_s=0.0)) for s in seqs]
+    makespan = max(s.finish_s for s in seqs)
+    decode = [st for st in eng.steps if st.kind == "decode"]
+    positions = sum(st.positions for st in eng.steps)
+    out = {"useful_tokens_per_s": sum(s.req.output_len for s in seqs) / makespan,
+           "requests_per_s": len(seqs) / makespan, "makespan_ms": 1e3 * makespan,
+           **latency_rows(seqs, classes),
+           "padding_waste_pct": 100 * sum(st.padding for st in eng.steps) / positions,
+           "recomputed_pct": 100 * sum(st.recomputed for st in eng.steps) / positions,
+           "preemptions": sum(s.preemptions for s in seqs),
+           "decode_steps": len(decode), "max_concurrent": max(st.live for st in decode),
+           "slot_occupancy_pct": 100 * sum(st.live for st in decode) / (len(decode) * cfg.batch_size)}
+    return out
+
+
+def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
+    """Every request served in full; each forced token's log-probability within the tolerance of
+    the one-at-a-time reference's; greedy (top-1) agreement at the same contexts reported."""
+    ids = reference["logprobs"]
+    diff = max((outputs["logprobs"][i] - reference["logprobs"][i]).abs().max().item() for i in ids)
+    same = sum((outputs["top1"][i] == reference["top1"][i]).sum().item() for i in ids)
+    total = sum(len(reference["top1"][i]) for i in ids)
+    metrics = {"logprob_max_abs_diff": diff, "token_agreement": same / total}
+    tolerance = LOGPROB_TOLERANCE.get(cfg.dtype, LOGPROB_TOLERANCE_16BIT)
+    if outputs["served"] != len(ids):
+        return Comparison(metrics, False, f"{outputs['served']} of {len(ids)} requests served in full")
+    ok = diff <= tolerance
+    return Comparison(metrics, ok, "" if ok else f"log-probabilities off by {diff:.2e} "
+                                                 f"(tolerance {tolerance:.0e})")
+
+
+# --- napkin math -----------------------------------------------------------------------------------
+
+def batches(cfg: Config, requests: list[Request]) -> list[list[Request]]:
+    """Static's batches: consecutive groups of its slots, in arrival order (whatever the timing)."""
+    slots = num_slots(cfg, requests)
+    return [requests[i:i + slots] for i in range(0, len(requests), slots)]
+
+
+def predicted_steps(cfg: Config, requests: list[Request]) -> tuple[int, int, int]:
+    """(decode steps, positions computed, of which padding). Exact for sequential and static;
+    for continuous and priority a lower bound (every step full, no padding or preemption)."""
+    prompts, tokens = sum(r.prompt_len for r in requests), sum(r.output_len - 1 for r in requests)
+    if cfg.variant == "static":
+        steps = positions = 0
+        for batch in batches(cfg, requests):
+            longest_out = max(r.output_len for r in batch) - 1
+            steps += longest_out
+            positions += len(batch) * (max(r.prompt_len for r in batch) + longest_out)
+        return steps, positions, positions - prompts - tokens
+    rows = num_slots(cfg, requests)
+    return math.ceil(tokens / rows), prompts + tokens, 0
+
+
+def expected(cfg: Config) -> dict[str, float]:
+    _, requests = workload(cfg)
+    block = longest(requests) if cfg.variant in ("static", "dynamic") else cfg.block_size
+    per_token = planner.kv_bytes_per_token(cfg.model, cfg.dtype)
+    out: dict[str, float] = {"kv_bytes": (cfg.kv_budget_tokens // block) * block * per_token,
+                             "max_concurrent": num_slots(cfg, requests),
+                             "token_agreement": 1.0, "logprob_max_abs_diff": 0.0}
+    if cfg.variant == "dynamic":
+        return out
+    steps, positions, padding = predicted_steps(cfg, requests)
+    out.update(decode_steps=steps, padding_waste_pct=100 * padding / positions)
+    if cfg.variant in ("sequential", "static"):
+        out["preemptions"] = 0
+    # Each decode step reads every weight once: at best the slower of weights at the bandwidth
+    # and the rows' FLOPs at peak; prefill and scheduling are left out (an upper bound).
+    ceil = hardware.ceilings(cfg.device, num_threads=cfg.num_threads)
+    peak = ceil.peak_tflops.get(cfg.dtype)
+    if peak and ceil.bandwidth_gbps:
+        flops = planner.forward_flops(cfg.model, batch=num_slots(cfg, requests), new=1, keys=0, logits=1)
+        step_s = max(flops / (peak * 1e12),
+                     planner.param_bytes(cfg.model, cfg.dtype) / (ceil.bandwidth_gbps * 1e9))
+        last = 0.0 if cfg.arrival == "closed" else max(r.arrival_s for r in requests)
+        out["useful_tokens_per_s"] = sum(r.output_len for r in requests) / max(steps * step_s, last)
+    return out
+
+
+def notes(cfg: Config) -> dict[str, str]:
+    bound = "exact" if cfg.variant in ("sequential", "static") else "a lower bound (every step full)"
+    return {"useful_tokens_per_s": "output tokens of every request (padding and recomputation "
+                                   "excluded) over the time from the start to the last token; "
+                                   "predicted: an upper bound, every decode step reading each "
+                                   "weight once at the device's bandwidth (prefill left out).",
+            "decode_steps": f"predicted: {bound}.",
+            "padding_waste_pct": "token positions computed for no request: prompt padding and the "
+                                 "finished rows a batch carries until its longest is done.",
+            "recomputed_pct": "positions prefilled again after a preemption.",
+            "kv_bytes": "the KV pool: whole blocks of the budget (reservation: blocks of the "
+                        "longest prompt + longest output).",
+            "ttft_p99_ms": "arrival to first token; the replay with the median throughput."}
+
+
+# --- for the notebook ------------------------------------------------------------------------------
+
+def schedule_frames(cfg: Config):
+    """One replay's schedule as two DataFrames: `segments` (request, priority, slot, start_ms,
+    end_ms, state: served, held, preempted) for a Gantt chart, and `steps` (step, kind, start_ms,
+    end_ms, live, rows, padding) for the slot occupancy."""
+    import pandas as pd
+
+    classes, requests = workload(cfg)
+    eng = make_engine(cfg, load_model(cfg), requests, texts(cfg, requests), forced=False,
+                      closed=cfg.arrival == "closed")
+    eng.serve(policy(cfg, classes, num_slots(cfg, requests)))
+    segments = pd.DataFrame([{**dataclasses.asdict(s), "start_ms": 1e3 * s.start_s,
+                              "end_ms": 1e3 * s.end_s} for s in eng.segments])
+    steps = pd.DataFrame([{"step": i, "kind": st.kind, "start_ms": 1e3 * st.start_s,
+                           "end_ms": 1e3 * st.end_s, "live": st.live, "rows": st.rows,
+                           "padding": st.padding} for i, st in enumerate(eng.steps)])
+    return segments.drop(columns=["start_s", "end_s"]), steps
