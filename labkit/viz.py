@@ -8,10 +8,10 @@ from plotly.subplots import make_subplots
 
 MEMORY_METRICS = ("peak_mem_bytes", "param_bytes", "optimizer_bytes", "activation_bytes",
                   "saved_weight_copy_bytes", "kv_bytes")
-THROUGHPUT_METRICS = ("tokens_per_s", "requests_per_s")
+THROUGHPUT_METRICS = ("tokens_per_s", "useful_tokens_per_s", "requests_per_s")
 COLORS = dict(zip(MEMORY_METRICS + THROUGHPUT_METRICS,
                   ("#264653", "#e76f51", "#8e7dbe", "#457b9d", "#f4a261", "#e9c46a", "#2a9d8f",
-                   "#2a9d8f")))
+                   "#2a9d8f", "#2a9d8f")))
 MIB = 2**20
 
 
@@ -123,6 +123,19 @@ def block_table_figure(table: pd.DataFrame) -> go.Figure:
                                colorbar={"title": "tokens used"}, xgap=2, ygap=2))
     fig.update_layout(title="block table: the physical block behind each logical block",
                       xaxis_title="logical block", height=120 + 40 * len(grid), yaxis_autorange="reversed")
+    return fig
+
+
+def latency_bars(frame: pd.DataFrame, name: str = "ttft") -> go.Figure:
+    """A serving latency (`ttft` or `tpot`) per variant: one bar per percentile and priority
+    class (`ttft_p99_high_ms`, ...), the all-requests ones first."""
+    rows = ok_rows(frame)
+    rows = rows[rows["metric"].str.fullmatch(rf"{name}_p\d+(_\w+)?_ms")]
+    fig = go.Figure()
+    for metric, part in rows.groupby("metric", sort=False):
+        fig.add_bar(x=part["variant"], y=part["value"], name=metric.removesuffix("_ms"))
+    fig.update_layout(barmode="group", title=f"{name} by variant (ms; lower is better)", height=380,
+                      yaxis_title="ms", legend={"orientation": "h", "y": -0.2})
     return fig
 
 

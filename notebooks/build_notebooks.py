@@ -149,6 +149,53 @@ NOTEBOOKS = {
                           'viz.metric_table(bf16).loc[["kv_bytes", "kv_bytes_per_token", "attn_output_rel_error",\n'
                           '                            "token_agreement"]]'),
         )),
+    "16_batching.ipynb": experiment_notebook(
+        "batching", "16 · Batching: static, dynamic, continuous and priority scheduling",
+        "One workload of requests (`data/workloads/default.json`: 64 requests arriving as a "
+        "Poisson process at 20 per second, prompts of 8 to 32 tokens, outputs of 8 to 256, a "
+        "quarter of them high priority) replayed in real time against the real model by five "
+        "schedulers: one request at a time (`sequential`, the reference), `static` batches that "
+        "wait to fill and run until their longest output is done, `dynamic` batches per "
+        "prompt-length bucket started when full or after a timeout, `continuous` batching that "
+        "refills a slot as soon as its sequence ends (with the paged KV cache), and `priority`, "
+        "which lets the urgent class go first and preempts low-priority work for it. The KV pool "
+        "holds `kv_budget_tokens` positions: reserving schedulers must keep the longest possible "
+        "sequence for every request, paging ones only what is used. Before anything is timed, "
+        "each scheduler replays the workload with every continuation forced and must compute "
+        "the reference's log-probability for every token.",
+        "- `useful_tokens_per_s`: output tokens over the time to the last one. `continuous` "
+        "against `static` is the point of iteration-level scheduling: static's batches wait "
+        "for their longest output (uniform on 8..256, so most rows sit finished) and for "
+        "the batch to fill. On one thread of a 2-core CPU at the tiny preset: 1077 against 645 "
+        "tokens/s (1.67x; sequential 313). `dynamic` (570) buckets prompts, but here the outputs "
+        "make the padding, and its timeouts start partial batches.\n"
+        "- `padding_waste_pct`: the positions computed for nobody: static pads prompts and "
+        "carries finished rows (40.5% of its positions on the default workload, predicted "
+        "exactly: its batches are consecutive groups in arrival order); continuous none.\n"
+        "- `max_concurrent`: the budget caps a reserving scheduler at kv_budget_tokens // "
+        "(longest prompt + longest output) = 2048 // 286 = 7 rows; paging runs all 8 and "
+        "preempts (`preemptions`, `recomputed_pct`) when the pool runs dry.\n"
+        "- `ttft_p99_high_ms` under `priority` against `continuous` (first come, first "
+        "served): the urgent class no longer waits behind the queue (15 ms against 3.1 s in "
+        "the run above); the low class pays with preemptions and a longer `tpot_p99_low_ms`.\n"
+        "- `tpot`: larger batches cost each token a little more time; the Gantt charts show "
+        "where the time goes.\n"
+        "- `logprob_max_abs_diff` ~1e-6: batching, padding and preemption change only the order "
+        "of floating-point sums.",
+        extra=(
+            new_markdown_cell("## Latency by priority class"),
+            new_code_cell("viz.latency_bars(frame, \"ttft\").show()\n"
+                          "viz.latency_bars(frame, \"tpot\").show()"),
+            new_markdown_cell("## Who held which slot: static against continuous (one more replay "
+                              "of each)"),
+            new_code_cell("from labkit.config import resolve\n"
+                          "from labkit.techniques import batching\n\n"
+                          'for variant in ("static", "continuous"):\n'
+                          '    cfg = resolve(batching.Config, preset, {**overrides, "device": device, '
+                          '"variant": variant},\n'
+                          '                  experiment="batching")\n'
+                          "    viz.schedule_figure(*batching.schedule_frames(cfg), title=variant).show()"),
+        )),
 }
 
 BATCH_FINDER_PARAMETERS = '''preset = None  # model shape and sizes: tiny, small, medium, gpt2-124m, ...; None: from the device

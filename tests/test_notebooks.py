@@ -32,6 +32,8 @@ PARAMETERS = {
     "14_hybrid.ipynb": {"overrides": {**TINY_DIST, "batch_size": 4, "num_layers": 1, "timed_steps": 1},
                         "variants": "fsdp_tp", "nproc": 4},
     "15_load_balance.ipynb": {"overrides": {**TINY_DIST, "calibration_steps": 1}, "nproc": 2},
+    "16_batching.ipynb": {"overrides": {"num_requests": 6, "max_output_len": 12, "arrival": "closed",
+                                        "batch_size": 3, "num_layers": 2}, "variants": "continuous"},
 }
 
 
