@@ -94,6 +94,8 @@ PRESET_SIZES: dict[str, dict[str, Any]] = {
     # batch_finder on the CPU searches a virtual budget (there is nothing else to run out of)
     "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1},
              "batching": {"batch_size": 8},
+             # attention's seq_len is its own (no positions); 4096 rows pass the CPU caches
+             "attention": {"seq_len": 512}, "fused_kernel": {"rows": 4096},
              "batch_finder": {"memory_budget_gib": 0.25, "mode": "dynamic"},
              # 4-way tensor parallel splits the kv heads four ways
              "hybrid": {"num_kv_heads": 4},

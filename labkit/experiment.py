@@ -7,12 +7,11 @@ or an exception) or `skipped` (with the reason). Rows are stored after every poi
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -21,7 +20,7 @@ from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
 from labkit.measure.flops import count_flops
 from labkit.measure.memory import ActivationMeter, MemoryMeter, free_device_memory, storage_bytes
 from labkit.measure.roofline import roofline
-from labkit.measure.timer import Timing, time_step
+from labkit.measure.timer import Timing, cpu_threads, time_step
 from labkit.results import RunRecord, expand_row, unit_of
 from labkit.techniques import EXPERIMENTS, get_experiment
 from labkit.workload import Comparison, SkipVariant, Workload
@@ -158,7 +157,7 @@ def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] |
     row = _row_maker(cfg, point)
     outputs, rows = None, []
     try:
-        with _threads(cfg):
+        with cpu_threads(cfg.num_threads):  # the whole point: build, check, memory, timing
             outputs, rows = _measure(exp, cfg, reference, row)
     except SkipVariant as e:
         rows = [row(None, None, status="skipped", message=str(e))]
@@ -274,17 +273,6 @@ def _row_maker(cfg: RunConfig, point: dict[str, Any]) -> Callable[..., dict[str,
                 "status": status, "message": message, "rank": distributed.rank()}
 
     return row
-
-
-@contextlib.contextmanager
-def _threads(cfg: RunConfig) -> Iterator[None]:
-    """The whole point (build, check, memory, timing) at the config's CPU thread count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(cfg.num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class _NoBar:

@@ -32,7 +32,7 @@ def new_run_id(experiment: str) -> str:
     return f"{stamp}-{experiment}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-UNIT_SUFFIXES = (("_ms", "ms"), ("_bytes_per_token", "bytes/token"), ("_bytes", "bytes"), ("_fraction", "fraction"), ("_pct", "%"),
+UNIT_SUFFIXES = (("_steps", "steps"), ("_ms", "ms"), ("_bytes_per_token", "bytes/token"), ("_bytes", "bytes"), ("_fraction", "fraction"), ("_pct", "%"),
                  ("tflops", "TFLOP/s"), ("gbps", "GB/s"), ("flops", "FLOP"), ("_s", "s"))
 
 

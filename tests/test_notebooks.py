@@ -34,6 +34,19 @@ PARAMETERS = {
     "15_load_balance.ipynb": {"overrides": {**TINY_DIST, "calibration_steps": 1}, "nproc": 2},
     "16_batching.ipynb": {"overrides": {"num_requests": 6, "max_output_len": 12, "arrival": "closed",
                                         "batch_size": 3, "num_layers": 2}, "variants": "continuous"},
+    "17_attention.ipynb": {"overrides": {**FAST, "batch_size": 1, "hidden_size": 64, "num_heads": 4,
+                                         "num_kv_heads": 2}, "sweep": {"seq_len": [64, 128]}, "variants": "sdpa"},
+    "18_compile.ipynb": {"overrides": {**FAST, "num_layers": 1, "hidden_size": 32, "num_heads": 2,
+                                       "num_kv_heads": 1, "ffn_size": 64, "vocab_size": 64,
+                                       "batch_size": 2, "seq_len": 8, "prompt_len": 4,
+                                       "decode_steps": 4, "probe_calls": 2, "inductor_cache": True},
+                         "variants": "default"},
+    "19_fused_kernel.ipynb": {"overrides": {**FAST, "hidden_size": 96}, "sweep": {"rows": [64]},
+                              "variants": "triton"},
+    "20_matmul.ipynb": {"overrides": {**FAST, "size": 128}},
+    "21_memory_access.ipynb": {"overrides": {**FAST, "size_mib": 1}, "sweep": {"stride": [2, 4]}},
+    "22_profiling.ipynb": {"overrides": {**TINY_TRAIN, "overhead_repeats": 1, "memory_timeline": False},
+                           "variants": "profiler"},
 }
 
 

@@ -2,15 +2,27 @@
 on the CPU. Both report the median and the interquartile range over repeats."""
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.utils import benchmark
 
 MAX_REPEATS = 1000
+
+
+@contextlib.contextmanager
+def cpu_threads(num_threads: int) -> Iterator[None]:
+    """torch's intra-op thread count for the block (two threads on two shared cores stall)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,12 @@ EXPERIMENTS = {
     "pipeline_parallel": "labkit.techniques.pipeline_parallel",
     "hybrid": "labkit.techniques.hybrid",
     "load_balance": "labkit.techniques.load_balance",
+    "attention": "labkit.techniques.attention",
+    "compile": "labkit.techniques.compiling",
+    "fused_kernel": "labkit.techniques.fused_kernel",
+    "matmul": "labkit.techniques.matmul",
+    "memory_access": "labkit.techniques.memory_access",
+    "profiling": "labkit.techniques.profiling",
 }
 
 

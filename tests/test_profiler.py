@@ -1,0 +1,153 @@
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import TINY_TRAIN
+
+from labkit import planner
+from labkit.config import ConfigError, resolve
+from labkit.experiment import run_experiment
+from labkit.measure import profiler
+from labkit.techniques import profiling
+
+SIZES = {**TINY_TRAIN, "overhead_repeats": 1}
+
+
+def by(rows, variant, metric):
+    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
+    assert len(hits) == 1, (variant, metric, hits)
+    return hits[0]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    traces = tmp_path_factory.mktemp("traces")
+    return run_experiment("profiling", preset="tiny", progress=False,
+                          overrides={**SIZES, "device": "cpu", "trace_dir": str(traces)},
+                          runs_dir=str(tmp_path_factory.mktemp("runs"))).rows
+
+
+def test_every_variant_computes_the_plain_losses_and_reports_its_rows(rows):
+    assert all(r["status"] == "ok" for r in rows)
+    for variant in profiling.VARIANTS:
+        assert by(rows, variant, "loss_delta")["value"] == 0.0
+        assert by(rows, variant, "loss")["value"] == by(rows, "plain", "loss")["value"]
+    for metric in ("profiler_overhead_pct", "num_ops", "num_op_calls", "top_op_share_pct",
+                   "idle_gap_pct", "num_small_ops", "data_share_pct", "trace_bytes"):
+        by(rows, "profiler", metric)
+    assert 0 < by(rows, "profiler", "top_op_share_pct")["value"] <= 100
+    assert by(rows, "monitor", "num_monitor_samples")["value"] >= 2
+
+
+def test_the_trace_file_is_a_chrome_trace_with_the_phases(rows):
+    row = by(rows, "profiler", "trace_bytes")
+    path = row["message"].split("Chrome trace: ")[1].split(" (open")[0]
+    trace = json.loads(open(path).read())
+    assert row["value"] == len(open(path, "rb").read())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"data", "forward", "backward", "optimizer", "aten::mm"} <= names
+
+
+def test_the_memory_timeline_holds_the_parameters_and_optimizer_state_exactly(tmp_path):
+    cfg = resolve(profiling.Config, "tiny", {**SIZES, "device": "cpu", "trace_dir": str(tmp_path)},
+                  experiment="profiling")
+    prof = profiling.profile_once(cfg)
+    last = prof.memory.iloc[-1]
+    assert last["parameter"] == planner.param_bytes(cfg.model, "float32")
+    # AdamW's two fp32 moments, plus its fp32 `step` counter per parameter tensor
+    num_tensors = len(list(profiling.PhasedTrainer(cfg).model.parameters()))
+    assert last["optimizer_state"] == planner.adamw_state_bytes(cfg.model) + 4 * num_tensors
+    ops = prof.operators
+    assert {"name", "calls", "self_cpu_ms", "total_cpu_ms", "self_device_ms", "self_mem_bytes"} <= set(ops)
+    assert ops["share_pct"].sum() == pytest.approx(100)
+    assert "aten::mm" in set(ops["name"])
+    assert list(prof.phases_ms()) == ["data", "forward", "backward", "optimizer"]
+    assert prof.trace_path.exists() and len(prof.findings()) == 4
+
+
+def synthetic() -> pd.DataFrame:
+    """Two phases over 100 us; ops busy 0-10, 10-40 (a nested op inside), 60-65, 90-100 us."""
+    rows = [("data", "phase", 0, 20, 20, 0, 0, False), ("forward", "phase", 20, 80, 80, 0, 0, False),
+            ("aten::mm", "op", 0, 10, 10, 0, 400, True), ("aten::linear", "op", 10, 30, 10, 0, 0, False),
+            ("aten::mm", "op", 15, 25, 25, 0, 400, True), ("aten::add", "op", 60, 5, 5, 0, 8, True),
+            ("aten::mul", "op", 90, 10, 10, 0, 8, True)]
+    return pd.DataFrame(rows, columns=list(profiler.EVENT_COLUMNS))
+
+
+def test_findings_on_a_synthetic_profile():
+    events = synthetic()
+    ops = profiler.operator_table(events)
+    assert ops.iloc[0]["name"] == "aten::mm" and ops.iloc[0]["calls"] == 2
+    assert ops.iloc[0]["share_pct"] == pytest.approx(100 * 35 / 60)
+    assert ops.iloc[0]["self_mem_bytes"] == 800
+    assert profiler.idle_time(events) == {"idle_us": 45.0, "span_us": 100.0, "num_gaps": 2,
+                                          "longest_gap_us": 25.0}
+    assert profiler.small_work(events, small_us=10) == (1, 4)  # leaf ops only: the 5 us add
+    summary = profiler.summary(events, ops, small_us=10)
+    assert summary["data_share_pct"] == 20.0 and summary["idle_gap_pct"] == 45.0
+    assert summary["num_ops"] == 4 and summary["num_op_calls"] == 5
+    lines = profiler.findings(events, ops, small_us=10)
+    assert lines[0].startswith("data loading: 20.0%")
+    assert lines[1] == "top operator: aten::mm, 58.3% of self CPU time (2 calls)"
+    assert lines[2].startswith("idle: 45.0% of the 0.10 ms timeline runs no operator, in 2 gaps")
+    assert lines[3].startswith("small work: 1 of 4 leaf ops (25%) take under 10 us")
+
+
+def test_kernels_take_over_from_ops_when_present_and_the_top_kernel_gets_an_ncu_command():
+    kernels = pd.DataFrame([("gemm<float>(x)", "kernel", 0, 50, 50, 50, 0, True),
+                            ("gemm<float>(x)", "kernel", 60, 50, 50, 50, 0, True),
+                            ("elementwise", "kernel", 120, 4, 4, 4, 0, True)],
+                           columns=list(profiler.EVENT_COLUMNS))
+    events = pd.concat([synthetic(), kernels], ignore_index=True)
+    assert profiler.idle_time(events)["idle_us"] == 20.0  # 50-60 and 110-120 us
+    assert profiler.small_work(events) == (1, 3)
+    assert profiler.top_kernel_command(events) == (
+        "ncu --target-processes all --kernel-name 'regex:gemm<float>\\(x\\)' --launch-skip 2 "
+        "--launch-count 1 --set full -f -o labkit_ncu python -m labkit run profiling --device cuda "
+        "--variant plain")
+    assert profiler.top_kernel_command(synthetic()) is None
+
+
+def test_nsys_and_ncu_command_lines():
+    assert profiler.nsys_command(preset="small", overrides={"batch_size": 8}) == (
+        "nsys profile -t cuda,nvtx,osrt --capture-range=cudaProfilerApi --capture-range-end=stop "
+        "-o labkit_nsys --force-overwrite=true python -m labkit run profiling --device cuda "
+        "--preset small --variant plain --set batch_size=8")
+    assert profiler.nsys_command("kv_cache", variant=None, capture_range=False) == (
+        "nsys profile -t cuda,nvtx,osrt -o labkit_nsys --force-overwrite=true "
+        "python -m labkit run kv_cache --device cuda")
+    assert profiler.ncu_command("ampere_sgemm", launch_skip=5, nvtx_range="forward", output="mm") == (
+        "ncu --target-processes all --nvtx --nvtx-include forward/ --kernel-name regex:ampere_sgemm "
+        "--launch-skip 5 --launch-count 1 --set full -f -o mm python -m labkit run profiling "
+        "--device cuda --variant plain")
+
+
+def test_phase_ranges_push_nvtx_only_on_cuda_and_capture_one_call(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append(("start",)))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append(("stop",)))
+    assert profiler.run_phases([("a", lambda: 1), ("b", lambda: 2)], "cpu") == {"a": 1, "b": 2}
+    assert calls == []
+    profiler.run_phases([("a", lambda: 1)], "cuda")
+    assert calls == [("push", "a"), ("pop",)]
+    calls.clear()
+    step = profiler.CaptureRange("cuda", at_call=1).wrap(lambda: calls.append(("step",)))
+    for _ in range(3):
+        step()
+    assert calls == [("step",), ("start",), ("step",), ("stop",), ("step",)]
+    calls.clear()
+    cpu_step = profiler.CaptureRange("cpu").wrap(lambda: calls.append(("step",)))
+    cpu_step(), cpu_step()
+    assert calls == [("step",), ("step",)]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ConfigError, match="monitor_interval_ms"):
+        resolve(profiling.Config, "tiny", {"monitor_interval_ms": 0}, experiment="profiling")
+    with pytest.raises(ConfigError, match="valid: plain, profiler, monitor"):
+        run_experiment("profiling", variants=["nsys"], overrides=SIZES)
