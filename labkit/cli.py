@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                      help="a setting applied to every experiment")
     _add_run_options(rep)
+    cal = sub.add_parser("calibrate", help="measure this device's matmul and copy ceilings "
+                                           "(stored; the roofline prefers them to the datasheet)")
+    cal.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    cal.add_argument("--runs-dir", help="where results are stored (default: $LABKIT_RUNS_DIR or runs/)")
+    cal.add_argument("--sizes", help="square matmul sizes to scan, comma-separated "
+                                     "(default: 256,512,1024 on a CPU, 4096,8192,16384 on a GPU)")
     _add_plan_parser(sub)
     _add_train_reference_parser(sub)
     return p
@@ -226,6 +232,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from labkit import roofline
+
+    sizes = None
+    if args.sizes:
+        try:
+            sizes = [int(v) for v in args.sizes.split(",")]
+        except ValueError:
+            raise ConfigError(f"--sizes={args.sizes!r}: give integers, e.g. 256,512,1024") from None
+    print(roofline.summary(roofline.calibrate(args.device or "auto", args.runs_dir, sizes=sizes)))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """A plan that does not fit is an answer (exit 0); only bad input exits 2."""
     from labkit.plan_view import format_plan
@@ -263,7 +282,8 @@ def cmd_train_reference(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"env": cmd_env, "list": cmd_list, "run": cmd_run, "results": cmd_results,
-            "report": cmd_report, "plan": cmd_plan, "train-reference": cmd_train_reference}
+            "report": cmd_report, "plan": cmd_plan, "train-reference": cmd_train_reference,
+            "calibrate": cmd_calibrate}
 
 
 if __name__ == "__main__":

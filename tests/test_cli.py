@@ -306,3 +306,22 @@ def test_python_m_labkit_refuses_bad_input_without_a_traceback(tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("labkit: error: unknown experiment 'nope'")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_stores_ceilings_the_roofline_then_prefers(tmp_path, monkeypatch):
+    """Only the wiring: the scan itself is tested in test_roofline.py (a 256 MiB copy is slow)."""
+    from labkit import roofline
+
+    seen = {}
+
+    def fake(device, runs_dir, *, sizes=None):
+        seen.update(device=device, runs_dir=runs_dir, sizes=sizes)
+        return roofline.RooflineCeilings("cpu", "test cpu", {"float32": 0.5}, 10.0,
+                                         {"float32": "measured: test", "bandwidth": "measured: test"})
+
+    monkeypatch.setattr(roofline, "calibrate", fake)
+    rc, out, _ = call(["calibrate", "--device", "cpu", "--runs-dir", str(tmp_path), "--sizes", "128,256"])
+    assert rc == 0 and seen == {"device": "cpu", "runs_dir": str(tmp_path), "sizes": [128, 256]}
+    assert "float32: 0.5 TFLOP/s, ridge 50 FLOP/B [measured: test]" in out
+    rc, _, err = call(["calibrate", "--sizes", "big"])
+    assert rc == 2 and err.count("\n") == 1 and "give integers" in err
