@@ -47,6 +47,11 @@ PARAMETERS = {
     "21_memory_access.ipynb": {"overrides": {**FAST, "size_mib": 1}, "sweep": {"stride": [2, 4]}},
     "22_profiling.ipynb": {"overrides": {**TINY_TRAIN, "overhead_repeats": 1, "memory_timeline": False},
                            "variants": "profiler"},
+    "23_dataloading.ipynb": {"overrides": {**FAST, "batch_size": 2, "seq_len": 16, "num_layers": 2,
+                                           "steps": 2, "sample_cost_us": 5000.0, "epoch_steps": 50,
+                                           "min_run_time_s": 0.1},
+                             "variants": "workers"},
+    "24_threads.ipynb": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
 }
 
 

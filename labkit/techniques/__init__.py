@@ -28,6 +28,8 @@ EXPERIMENTS = {
     "matmul": "labkit.techniques.matmul",
     "memory_access": "labkit.techniques.memory_access",
     "profiling": "labkit.techniques.profiling",
+    "dataloading": "labkit.techniques.dataloading",
+    "threads": "labkit.techniques.threads",
 }
 
 
