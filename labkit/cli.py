@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                      help="a setting applied to every experiment")
     _add_run_options(rep)
+    prof = sub.add_parser("profile", help="one step of one experiment under torch.profiler: "
+                                          "findings, top operators, a Chrome trace")
+    prof.add_argument("name")
+    _add_run_options(prof)
+    prof.add_argument("--variant", help="the variant to profile (default: the reference)")
+    prof.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    prof.add_argument("--trace", default="labkit_trace.json", help="Chrome trace file to write "
+                      "(open it in https://ui.perfetto.dev)")
+    prof.add_argument("--top", type=int, default=10, help="operators to list")
     cal = sub.add_parser("calibrate", help="measure this device's matmul and copy ceilings "
                                            "(stored; the roofline prefers them to the datasheet)")
     cal.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
@@ -232,6 +241,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from labkit.experiment import profile_experiment
+
+    prof = profile_experiment(args.name, preset=args.preset, variant=args.variant,
+                              overrides=_overrides(args), trace_path=args.trace)
+    print("\n".join(prof.findings()))
+    print(prof.operators.head(args.top).to_string(index=False))
+    print(f"Chrome trace: {prof.trace_path}")
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from labkit import roofline
 
@@ -283,7 +303,7 @@ def cmd_train_reference(args: argparse.Namespace) -> int:
 
 COMMANDS = {"env": cmd_env, "list": cmd_list, "run": cmd_run, "results": cmd_results,
             "report": cmd_report, "plan": cmd_plan, "train-reference": cmd_train_reference,
-            "calibrate": cmd_calibrate}
+            "calibrate": cmd_calibrate, "profile": cmd_profile}
 
 
 if __name__ == "__main__":

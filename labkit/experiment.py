@@ -18,7 +18,9 @@ import torch
 from labkit import distributed, hardware
 from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
 from labkit.measure.flops import count_flops
+from labkit.measure import profiler
 from labkit.measure.memory import ActivationMeter, MemoryMeter, free_device_memory, storage_bytes
+from labkit.measure.profiler import Profile
 from labkit.measure.roofline import roofline
 from labkit.measure.timer import Timing, cpu_threads, time_step
 from labkit.results import RunRecord, expand_row, unit_of
@@ -90,6 +92,30 @@ def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str,
         record.finish(status)
         bar.close()
     return RunResult(record.run_id, str(record.path), record.full_rows())
+
+
+def profile_experiment(name: str, *, preset: str | None = None, overrides: dict[str, Any] | None = None,
+                       variant: str | None = None, trace_path: str | None = None) -> Profile:
+    """One timed step of one variant of any single-process experiment under torch.profiler, after
+    its check (which warms it up): the operator table, findings and (with `trace_path`) a Chrome
+    trace. For a multi-process experiment profile the ranks with `nsys` (see `profiler`)."""
+    exp = get_experiment(name)
+    chosen = variant or exp.REFERENCE
+    if chosen not in exp.VARIANTS:
+        raise ConfigError(f"unknown variant {chosen!r} of {name}; valid: {', '.join(exp.VARIANTS)}")
+    if getattr(exp, "DISTRIBUTED", False):
+        raise ConfigError(f"{name} runs several processes; profile its ranks with nsys "
+                          f"({profiler.nsys_command(name, variant=None, capture_range=False)})")
+    (_, cfg), = plan_points(name, preset, overrides, None)
+    cfg = dataclasses.replace(cfg, variant=chosen)
+    reason = exp.skip_reason(cfg) if hasattr(exp, "skip_reason") else None
+    if reason:
+        raise ConfigError(f"{name} {chosen} cannot run here: {reason}")
+    with cpu_threads(cfg.num_threads):
+        wl = exp.build(cfg)
+        wl.check()
+        prof, _ = profiler.profile_step(wl.step, cfg.device, trace_path=trace_path)
+    return prof
 
 
 def run_points(exp: ModuleType, chosen: list[str], points: list[tuple[dict[str, Any], RunConfig]],

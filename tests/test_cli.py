@@ -325,3 +325,15 @@ def test_calibrate_stores_ceilings_the_roofline_then_prefers(tmp_path, monkeypat
     assert "float32: 0.5 TFLOP/s, ridge 50 FLOP/B [measured: test]" in out
     rc, _, err = call(["calibrate", "--sizes", "big"])
     assert rc == 2 and err.count("\n") == 1 and "give integers" in err
+
+
+def test_profile_any_experiment_prints_findings_operators_and_writes_a_trace(tmp_path):
+    trace = tmp_path / "trace.json"
+    rc, out, _ = call(["profile", "kv_cache", *KV_TINY, "--variant", "static", "--trace", str(trace)])
+    assert rc == 0 and "top operator: aten::" in out and "aten::mm" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    rc, _, err = call(["profile", "kv_cache", "--variant", "nope"])
+    assert rc == 2 and "valid: none, dynamic, static, paged, quantized" in err
+    rc, _, err = call(["profile", "data_parallel", "--device", "cpu"])
+    assert rc == 2 and "nsys profile" in err and "--variant" not in err
