@@ -20,3 +20,10 @@ TINY_DECODE = {**FAST, "prompt_len": 4, "new_tokens": 6, "num_layers": 2}
 # launches each experiment once (a module-scoped fixture) and asserts on those rows.
 TINY_DIST = {**FAST, "timed_steps": 2, "batch_size": 2, "seq_len": 16, "num_layers": 2,
              "timeout_s": 60}
+
+
+def by(rows, variant, metric):
+    """The one row of `metric` for `variant` in a run's rows (a failure when absent or repeated)."""
+    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
+    assert len(hits) == 1, (variant, metric, hits)
+    return hits[0]

@@ -5,7 +5,7 @@ import gc
 import numpy as np
 import pytest
 
-from conftest import FAST
+from conftest import FAST, by
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
 from labkit.measure.flops import count_flops
@@ -21,12 +21,6 @@ ACTIVATION_BOUND = {**FAST, "batch_size": 4, "seq_len": 64, "num_layers": 4}
 def config(variant="none", **overrides):
     return resolve(ckpt.Config, "tiny", {**TINY, "variant": variant, **overrides},
                    experiment="checkpointing")
-
-
-def by(rows, variant, metric):
-    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
-    assert len(hits) == 1, (variant, metric, hits)
-    return hits[0]
 
 
 def trained(cfg):

@@ -3,7 +3,7 @@ across decode positions, cold-compile rows present. Never asserts speed. One com
 import pytest
 import torch
 
-from conftest import FAST
+from conftest import FAST, by
 
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
@@ -19,12 +19,6 @@ SIZES = {**FAST, **SHAPE, "batch_size": 2, "seq_len": 8, "prompt_len": 4, "decod
          "probe_calls": 2, "inductor_cache": True, "device": "cpu"}
 pytestmark = pytest.mark.skipif(compiling.cxx_problem() is not None,
                                 reason=str(compiling.cxx_problem()))
-
-
-def by(rows, variant, metric):
-    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
-    assert len(hits) == 1, (variant, metric, hits)
-    return hits[0]
 
 
 @pytest.fixture(scope="module", params=["block", "decode"])

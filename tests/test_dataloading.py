@@ -3,19 +3,13 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import TINY_TRAIN
+from conftest import TINY_TRAIN, by
 
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
 from labkit.techniques import dataloading
 
 SIZES = {**TINY_TRAIN, "batch_size": 2, "steps": 3, "epoch_steps": 6, "sample_cost_us": 300.0}
-
-
-def by(rows, variant, metric):
-    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
-    assert len(hits) == 1, (variant, metric, hits)
-    return hits[0]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import FAST
+from conftest import FAST, by
 
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
@@ -14,12 +14,6 @@ from labkit.techniques import fused_kernel
 
 # 64 rows of 96 (not a power of two: the kernel's row is padded to 128 and masked)
 SIZES = {**FAST, "rows": 64, "hidden_size": 96}
-
-
-def by(rows, variant, metric):
-    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
-    assert len(hits) == 1, (variant, metric, hits)
-    return hits[0]
 
 
 def run_python(code: str, **env: str) -> str:

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import FAST, TINY_DECODE
+from conftest import FAST, TINY_DECODE, by
 
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
@@ -16,12 +16,6 @@ SIZES = {**TINY_DECODE, "new_tokens": 12, "batch_size": 2, "block_size": 4, "max
 HELD = 4 + 12 - 1
 # the reference model's shape is fixed: no num_layers
 REFERENCE_SIZES = {k: v for k, v in SIZES.items() if k not in ("num_layers", "batch_size")}
-
-
-def by(rows, variant, metric):
-    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
-    assert len(hits) == 1, (variant, metric, hits)
-    return hits[0]
 
 
 def shape(rows):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import FAST
+from conftest import FAST, by
 
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
@@ -9,12 +9,6 @@ from labkit.techniques import memory_access
 
 SIZES = {**FAST, "size_mib": 1, "stride": 4, "device": "cpu"}
 N = 2**20 // 4  # float32 values in 1 MiB
-
-
-def by(rows, variant, metric):
-    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
-    assert len(hits) == 1, (variant, metric, hits)
-    return hits[0]
 
 
 def _run(tmp_path_factory, **kw):

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import TINY_TRAIN
+from conftest import TINY_TRAIN, by
 
 from labkit import planner
 from labkit.config import ConfigError, resolve
@@ -13,12 +13,6 @@ from labkit.measure import profiler
 from labkit.techniques import profiling
 
 SIZES = {**TINY_TRAIN, "overhead_repeats": 1}
-
-
-def by(rows, variant, metric):
-    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
-    assert len(hits) == 1, (variant, metric, hits)
-    return hits[0]
 
 
 @pytest.fixture(scope="module")

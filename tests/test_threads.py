@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import FAST
+from conftest import FAST, by
 
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
@@ -11,12 +11,6 @@ from labkit.techniques import threads
 
 # a one-layer model on 8 tokens: the fresh processes rebuild it from the config, seeded
 SIZES = {**FAST, "work": "forward", "threads": 2, "num_layers": 1, "batch_size": 1, "seq_len": 8}
-
-
-def by(rows, variant, metric):
-    hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
-    assert len(hits) == 1, (variant, metric, hits)
-    return hits[0]
 
 
 def _cfg(**kw):
