@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--json", action="store_true")
     rep = sub.add_parser("report", help="run every experiment; write a table and figures")
     rep.add_argument("--out", default="lab-report", help="folder for results and figures")
+    rep.add_argument("--only", action="append", default=[], metavar="NAME",
+                     help="experiments to run (repeat or comma-separate; default: all)")
     rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                      help="a setting applied to every experiment")
     _add_run_options(rep)
@@ -235,8 +237,13 @@ def cmd_results(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from labkit.report import run_report
 
+    from labkit.techniques import get_experiment
+
+    only = [name for item in args.only for name in item.split(",") if name]
+    for name in only:
+        get_experiment(name)  # an unknown name: one line naming the valid ones
     out = run_report(args.out, preset=args.preset, overrides=_overrides(args), runs_dir=args.runs_dir,
-                     progress=sys.stderr.isatty())
+                     experiments=only or None, progress=sys.stderr.isatty())
     print(f"report written to {out}")
     return 0
 

@@ -402,6 +402,83 @@ runs_dir = None  # where the check's results are stored (None: $LABKIT_RUNS_DIR 
 
 NOTEBOOKS["08_memory_planner.ipynb"] = planner_notebook()
 
+
+def compare_notebook() -> nbformat.NotebookNode:
+    """Across runs: stored runs side by side (any folder: yours or a colleague's), the cost per
+    million tokens at a price the user enters, and the GPUs a model fits on. labkit.views holds
+    the logic; every cell copes with an empty store."""
+    parameters = '''runs_dir = None  # stored runs: yours, or a colleague's copied in; None: $LABKIT_RUNS_DIR or ./runs
+price_per_gpu_hour = None  # what a GPU-hour costs you, e.g. 2.5; None: no cost (no price is assumed)
+model = "llama-2-7b"  # the fit table's model: a preset (tiny, small, gpt2-124m, llama-2-7b, llama-3-70b, ...)
+interactive = True  # show the panels: pick runs, enter prices, try other fit settings'''
+    look_for = (
+        "## What to look for\n\n"
+        "- **The overlay**: each run is one colour, labelled by the device it measured on (from its "
+        "stored fingerprint) and its short id, so a GPU run and a CPU run of the same experiment "
+        "share the memory and throughput axes. Memory should agree across machines for the same "
+        "config (it is bytes of tensors); throughput should not.\n"
+        "- **Cost** = price per hour x devices / 3600 / tokens_per_s x 1e6. On this 2-core CPU the "
+        "`kv_cache` experiment's `dynamic` variant (tiny preset) measured 348 tokens/s against 106 "
+        "without a cache: at any price per hour the cache makes each token 3.3x cheaper (each 1.00 "
+        "per hour costs 0.80 per million tokens with it, 2.61 without). CPU rows are never priced "
+        "by the GPU price: the note says so.\n"
+        "- **Fit** (llama-2-7b, bf16, ZeRO-3, full checkpointing, micro-batch 1 x 2048, the "
+        "planner's prediction): 62.76 GiB on one GPU, so one 80 GB GPU (17.24 GiB to spare); two "
+        "40-48 GB GPUs (32.07 GiB each); four 24 GB GPUs (22.65 GiB, only 1.35 GiB to spare, "
+        "before the CUDA context); sixteen 16 GB ones (15.59 GiB). ZeRO-3 divides the 8 bytes per "
+        "parameter of model states by the GPU count; the activations of one micro-batch do not "
+        "shrink, which is why 16 GB cards need so many.")
+    return new_notebook(metadata=KERNEL, cells=[
+        new_markdown_cell(
+            "# 99 · Compare runs, price them, find the GPUs that fit\n\nEvery experiment stores its "
+            "runs (one file each, with the machine's fingerprint). Here: the stored runs in a table; "
+            "the latest runs of one experiment on the same memory and throughput axes (runs from "
+            "other machines or people too: copy their run files into a folder and point `runs_dir` "
+            "at it); the cost per million tokens of each measured configuration at the price you "
+            "enter; and, from `data/gpus.json` and the memory planner, the fewest GPUs of each type "
+            "a model and technique combination fits on."),
+        new_code_cell(parameters, metadata={"tags": ["parameters"]}),
+        new_markdown_cell("## The machine"),
+        new_code_cell("from labkit import hardware\n\nprint(hardware.describe())"),
+        new_markdown_cell("## Stored runs (newest first)"),
+        new_code_cell("from labkit import views\n"
+                      "from labkit.results import load_results, runs_dir as store\n\n"
+                      "frame = load_results(runs_dir)\n"
+                      "runs = views.run_table(runs_dir)\n"
+                      "if runs.empty:\n"
+                      "    print(f'no runs stored yet in {store(runs_dir).resolve()}: run an experiment, '\n"
+                      "          'or copy run files there')\n"
+                      "else:\n"
+                      "    display(runs.drop(columns='label'))"),
+        new_markdown_cell("## The latest runs of one experiment, on the same axes"),
+        new_code_cell("latest = views.latest_runs(frame, n=3)\n"
+                      "if latest:\n"
+                      "    name = runs.set_index('run_id').loc[latest[-1], 'experiment']\n"
+                      "    views.compare_runs(frame, latest, title=f'{name}: the latest runs').show()\n"
+                      "else:\n"
+                      "    print('no measured runs to compare yet')"),
+        new_markdown_cell("## Cost per million tokens of each measured configuration"),
+        new_code_cell("cost = views.cost_table(frame, price_per_gpu_hour)\n"
+                      "if cost.empty:\n"
+                      "    print('no measured tokens_per_s rows yet: nothing to price')\n"
+                      "else:\n"
+                      "    display(cost.drop(columns='run_id'))"),
+        new_markdown_cell("## Which GPUs, and how many, the model fits on (bf16, ZeRO-3, full "
+                          "checkpointing; predicted by the planner)"),
+        new_code_cell("fit = views.fit_table(model, precision='bf16', zero_stage=3, checkpointing='full')\n"
+                      "views.fit_figure(fit, title=f'{model}: fewest GPUs that fit').show()\n"
+                      "fit"),
+        new_markdown_cell("## Try other runs, prices and settings"),
+        new_code_cell("if interactive:\n"
+                      "    display(views.comparison_panel(runs_dir))\n"
+                      "    display(views.cost_panel(frame))\n"
+                      "    display(views.fit_panel(model))"),
+        new_markdown_cell(look_for),
+    ])
+
+
+NOTEBOOKS["99_compare.ipynb"] = compare_notebook()
+
 # Issue 4: multi-process experiments. Each entry: filename -> (experiment, title, intro, what to
 # look for, default sweep, CPU ranks by default).
 DISTRIBUTED = {

@@ -52,6 +52,7 @@ PARAMETERS = {
                                            "min_run_time_s": 0.1},
                              "variants": "workers"},
     "24_threads.ipynb": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
+    "99_compare.ipynb": {"price_per_gpu_hour": 2.0},
 }
 
 
