@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--trace", default="labkit_trace.json", help="Chrome trace file to write "
                       "(open it in https://ui.perfetto.dev)")
     prof.add_argument("--top", type=int, default=10, help="operators to list")
+    lab = sub.add_parser("lab", help="start JupyterLab on notebooks/ (127.0.0.1 only, token on)")
+    lab.add_argument("--port", type=int, default=8888, help="port on 127.0.0.1 (default: 8888)")
+    lab.add_argument("--dry-run", action="store_true", help="print the command; start nothing")
     cal = sub.add_parser("calibrate", help="measure this device's matmul and copy ceilings "
                                            "(stored; the roofline prefers them to the datasheet)")
     cal.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
@@ -259,6 +262,37 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def lab_command(port: int, token: str) -> tuple[list[str], dict[str, str]]:
+    """JupyterLab on the repository's notebooks, bound to 127.0.0.1, with `token` required (given
+    through JUPYTER_TOKEN, so it is not in the process list); --allow-root only where root runs it."""
+    from labkit.hardware import REPO_DIR
+
+    notebooks = REPO_DIR / "notebooks"
+    if not notebooks.is_dir():
+        raise ConfigError(f"no notebooks folder at {notebooks}: labkit lab runs from a source checkout")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port={port}: valid: 1..65535")
+    cmd = [sys.executable, "-m", "jupyterlab", "--ip=127.0.0.1", f"--port={port}",
+           f"--ServerApp.root_dir={notebooks}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    return cmd, {**os.environ, "JUPYTER_TOKEN": token}
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    import secrets
+    import shlex
+    import subprocess
+
+    token = secrets.token_urlsafe(24)
+    cmd, env = lab_command(args.port, token)
+    print(f"http://127.0.0.1:{args.port}/lab?token={token}")
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    return subprocess.call(cmd, env=env)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from labkit import roofline
 
@@ -310,7 +344,7 @@ def cmd_train_reference(args: argparse.Namespace) -> int:
 
 COMMANDS = {"env": cmd_env, "list": cmd_list, "run": cmd_run, "results": cmd_results,
             "report": cmd_report, "plan": cmd_plan, "train-reference": cmd_train_reference,
-            "calibrate": cmd_calibrate, "profile": cmd_profile}
+            "calibrate": cmd_calibrate, "profile": cmd_profile, "lab": cmd_lab}
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 DATA_DIR: Path = Path(__file__).resolve().parents[1] / "data"
-_REPO_DIR = Path(__file__).resolve().parents[1]
+REPO_DIR = Path(__file__).resolve().parents[1]  # the source checkout
 
 # Flags that decide which CPU kernels (and which dtypes) run natively.
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16",
@@ -472,7 +472,7 @@ def _static_fingerprint() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu": {"model": cpu.model, "num_cores": cpu.num_cores, "flags": list(cpu.flags)},
         "hostname": socket.gethostname(),
-        "git_commit": _git_commit(_REPO_DIR),
+        "git_commit": _git_commit(REPO_DIR),
     }
 
 
