@@ -11,21 +11,22 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from labkit import distributed, hardware
 from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
 from labkit.measure.flops import count_flops
-from labkit.measure import profiler
 from labkit.measure.memory import ActivationMeter, MemoryMeter, free_device_memory, storage_bytes
-from labkit.measure.profiler import Profile
 from labkit.measure.roofline import roofline
 from labkit.measure.timer import Timing, cpu_threads, time_step
 from labkit.results import RunRecord, expand_row, unit_of
 from labkit.techniques import EXPERIMENTS, get_experiment
 from labkit.workload import Comparison, SkipVariant, Workload
+
+if TYPE_CHECKING:
+    from labkit.measure.profiler import Profile
 
 
 class Mismatch(Exception):
@@ -99,6 +100,8 @@ def profile_experiment(name: str, *, preset: str | None = None, overrides: dict[
     """One timed step of one variant of any single-process experiment under torch.profiler, after
     its check (which warms it up): the operator table, findings and (with `trace_path`) a Chrome
     trace. For a multi-process experiment profile the ranks with `nsys` (see `profiler`)."""
+    from labkit.measure import profiler  # torch.profiler and its tables: only when profiling
+
     exp = get_experiment(name)
     chosen = variant or exp.REFERENCE
     if chosen not in exp.VARIANTS:
