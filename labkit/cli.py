@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Sequence
 
-from labkit.config import PRESETS, ConfigError, parse_assignments
+from labkit.config import PRESETS, ConfigError, parse_assignments, parse_sweep
 
 EXIT_BAD_INPUT = 2
 
@@ -155,11 +155,6 @@ def cmd_list(args: argparse.Namespace) -> int:
         variants = ", ".join(v + (" (reference)" if v == e["reference"] else "") for v in e["variants"])
         print(f"{e['experiment']:<18} {variants}\n{'':<18} {e['summary']}")
     return 0
-
-
-def parse_sweep(items: list[str]) -> dict[str, list[str]]:
-    """`["batch_size=1,2,4"]` -> {"batch_size": ["1", "2", "4"]}."""
-    return {k: [v for v in vs.split(",") if v] for k, vs in parse_assignments(items).items()}
 
 
 def split_variants(items: list[str]) -> list[str]:

@@ -295,6 +295,11 @@ def parse_assignments(items: list[str]) -> dict[str, str]:
     return out
 
 
+def parse_sweep(items: list[str]) -> dict[str, list[str]]:
+    """`["batch_size=1,2,4"]` -> {"batch_size": ["1", "2", "4"]} (the CLI's and the panel's)."""
+    return {k: [v for v in vs.split(",") if v] for k, vs in parse_assignments(items).items()}
+
+
 def expand_sweep(sweep: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """The cartesian product of the swept values, as a list of override dicts (in order)."""
     if not sweep:

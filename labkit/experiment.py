@@ -226,8 +226,9 @@ def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
         measured.update({m: storage_bytes(fn()) for m, fn in wl.tensors.items()})
         measured.update({f"{m}_per_token": measured[m] / fn() for m, fn in wl.per_token.items()})
         saved = _activations(wl)
-    timing = _time(wl, cfg)
+    timing = _time(wl.step, wl, cfg)
     measured.update(step_ms=timing.median_ms, step_iqr_ms=timing.iqr_s * 1e3)
+    measured.update({m: _time(fn, wl, cfg).median_ms for m, fn in wl.timed.items()})
     if wl.tokens_per_step:
         measured["tokens_per_s"] = wl.tokens_per_step / timing.median_s
     measured.update({m: amount / timing.median_s for m, amount in wl.per_second.items()})
@@ -239,12 +240,12 @@ def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
     return outputs, _rows(measured, saved, predicted, notes, row)
 
 
-def _time(wl: Workload, cfg: RunConfig) -> Timing:
+def _time(step: Callable[[], Any], wl: Workload, cfg: RunConfig) -> Timing:
     if distributed.world_size() > 1:
-        times = distributed.fixed_repeats_timer(wl.step, warmup=cfg.warmup,
+        times = distributed.fixed_repeats_timer(step, warmup=cfg.warmup,
                                                 repeats=cfg.timed_steps, device=cfg.device)
         return Timing(times, cfg.warmup)
-    return time_step(wl.step, device=cfg.device, warmup=cfg.warmup, min_repeats=wl.min_repeats,
+    return time_step(step, device=cfg.device, warmup=cfg.warmup, min_repeats=wl.min_repeats,
                      min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
 
 

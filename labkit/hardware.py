@@ -489,6 +489,24 @@ def _gpu_fingerprint(gpu: GpuInfo) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=1)
+def inductor_cpu_problem() -> str | None:
+    """Why torch.compile's CPU backend (Inductor's C++ code) cannot build kernels here, or None
+    when its compiler answers."""
+    import shutil
+
+    from torch._inductor import cpp_builder
+
+    try:
+        cxx = cpp_builder.get_cpp_compiler()
+        if shutil.which(cxx) is None:
+            return f"Inductor's CPU backend needs a C++ compiler; {cxx!r} is not on PATH"
+        subprocess.run([cxx, "--version"], check=True, capture_output=True, timeout=30)
+    except Exception as e:  # any failure to find or run the compiler is the reason to skip
+        return f"Inductor's CPU backend needs a working C++ compiler: {type(e).__name__}: {e}"
+    return None
+
+
 def _git_commit(repo: Path) -> str | None:
     """Short HEAD of ``repo``, with "-dirty" if ``git status --porcelain`` lists anything; None
     if ``repo`` is not a git checkout or git is missing or slow (2 s timeout per command)."""

@@ -31,8 +31,8 @@ from IPython.display import display
 from plotly.subplots import make_subplots
 
 from labkit import hardware, viz
-from labkit.cli import parse_sweep
-from labkit.config import PRESETS, ConfigError, default_preset, expand_sweep, resolve, resolve_device
+from labkit.config import (PRESETS, ConfigError, default_preset, expand_sweep, parse_sweep, resolve,
+                           resolve_device)
 from labkit.distributed import RunFailed
 from labkit.experiment import choose_variants, run_experiment
 from labkit.measure.monitor import DeviceMonitor

@@ -33,7 +33,8 @@ class Workload:
     `forward()`, when given, is one forward pass (with grad) in which the tensors saved for
     backward are measured, leaving out `resident` (the parameters). `report()`, called after
     timing, gives values only the technique knows (a loss scale, a measured bubble); `predicted()`
-    adds predictions that depend on what `check()` found (a batch size).
+    adds predictions that depend on what `check()` found (a batch size). `timed` gives calls
+    timed like the step, right after it (`fwd_ms`: a forward alone).
 
     In a multi-process experiment every one of these runs on every rank, in the same order, so
     each may use collectives (`report()` may gather what the timed steps recorded).
@@ -53,6 +54,7 @@ class Workload:
     compute_dtype: str = "float32"  # the dtype the matmuls run in: picks the roofline's peak
     count_flops: bool = True
     min_repeats: int = 3  # timed calls at least; 1 for a step that is itself a long run (a replay)
+    timed: dict[str, Callable[[], Any]] = field(default_factory=dict)  # `x_ms` -> another call, timed as step
 
 
 @dataclass(frozen=True)

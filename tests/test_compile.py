@@ -5,6 +5,7 @@ import torch
 
 from conftest import FAST, by
 
+from labkit import hardware
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
 from labkit.model import build_model
@@ -17,8 +18,8 @@ SHAPE = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, 
 # inductor_cache: a rerun of the tests reuses compiled kernels (the tests never read compile speed)
 SIZES = {**FAST, **SHAPE, "batch_size": 2, "seq_len": 8, "prompt_len": 4, "decode_steps": 4,
          "probe_calls": 2, "inductor_cache": True, "device": "cpu"}
-pytestmark = pytest.mark.skipif(compiling.cxx_problem() is not None,
-                                reason=str(compiling.cxx_problem()))
+pytestmark = pytest.mark.skipif(hardware.inductor_cpu_problem() is not None,
+                                reason=str(hardware.inductor_cpu_problem()))
 
 
 @pytest.fixture(scope="module", params=["block", "decode"])

@@ -19,8 +19,6 @@ Every variant computes the same function: its output and q, k, v gradients must 
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -221,15 +219,13 @@ def build(cfg: Config) -> Workload:
     flex = cfg.variant == "flex_sliding"
 
     def report() -> dict[str, float]:
-        out = {"fwd_ms": forward_ms(forward_only, cfg)}
-        if flex:
-            out["activation_bytes"] = saved_for_backward_bytes(forward)
-        return out
+        return {"activation_bytes": saved_for_backward_bytes(forward)} if flex else {}
 
     # The harness's meters are dispatch modes, and flex_attention's higher-order op has no rule for
     # them (NotImplementedError): flex's saved bytes come from saved-tensor hooks, its FLOPs uncounted.
     return Workload(step=step, check=check, tokens_per_step=cfg.batch_size * cfg.seq_len,
                     forward=None if flex else forward, report=report, count_flops=not flex,
+                    timed={"fwd_ms": forward_only},
                     notes=notes(cfg), compute_dtype=cfg.dtype)
 
 
@@ -244,21 +240,6 @@ def saved_for_backward_bytes(forward) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward()
     return sum(seen.values())
-
-
-def forward_ms(forward, cfg: Config) -> float:
-    """Median ms of a forward (with grad, as in training) after one warm-up; at least 3 calls and
-    `min_run_time_s` in all, timed right after the step on the same thread count."""
-    sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else (lambda: None)
-    forward()
-    times: list[float] = []
-    while len(times) < 3 or sum(times) < cfg.min_run_time_s:
-        sync()
-        start = time.perf_counter()
-        forward()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:

@@ -187,13 +187,13 @@ def quantile(values: list[float], q: float) -> float:
     return torch.tensor(values, dtype=torch.float64).quantile(q / 100).item()
 
 
-def latency_rows(seqs: list[Sequence], classes: tuple[str, ...]) -> dict[str, float]:
+def latency_rows(eng: Engine, classes: tuple[str, ...]) -> dict[str, float]:
     """ttft (arrival to first token) and tpot (the time per output token after the first), p50 and
     p99, over all requests and per class."""
     out = {}
     for name in ("all",) + classes:
-        chosen = [s for s in seqs if name in ("all", s.req.priority)]
-        ttft = [s.first_token_s - s.req.arrival_s for s in chosen]
+        chosen = [s for s in eng.seqs if name in ("all", s.req.priority)]
+        ttft = [s.first_token_s - eng.arrival(s) for s in chosen]
         tpot = [(s.finish_s - s.first_token_s) / (s.req.output_len - 1)
                 for s in chosen if s.req.output_len > 1]
         suffix = "" if name == "all" else f"_{name}"
@@ -205,14 +205,12 @@ def latency_rows(seqs: list[Sequence], classes: tuple[str, ...]) -> dict[str, fl
 
 def summary(eng: Engine, cfg: Config, classes: tuple[str, ...]) -> dict[str, float]:
     seqs = eng.seqs
-    if eng.closed:  # everything arrived at t = 0
-        seqs = [dataclasses.replace(s, req=dataclasses.replace(s.req, arrival_s=0.0)) for s in seqs]
     makespan = max(s.finish_s for s in seqs)
     decode = [st for st in eng.steps if st.kind == "decode"]
     positions = sum(st.positions for st in eng.steps)
     out = {"useful_tokens_per_s": sum(s.req.output_len for s in seqs) / makespan,
            "requests_per_s": len(seqs) / makespan, "makespan_ms": 1e3 * makespan,
-           **latency_rows(seqs, classes),
+           **latency_rows(eng, classes),
            "padding_waste_pct": 100 * sum(st.padding for st in eng.steps) / positions,
            "recomputed_pct": 100 * sum(st.recomputed for st in eng.steps) / positions,
            "preemptions": sum(s.preemptions for s in seqs),

@@ -30,10 +30,7 @@ timed.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import shutil
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -41,7 +38,7 @@ from typing import Callable
 import torch
 from torch._dynamo.utils import counters, guard_failures
 
-from labkit import planner
+from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob, torch_dtype
 from labkit.model import Block, build_model, rope_tables
 from labkit.techniques.kv_caches import StaticCache
@@ -83,25 +80,10 @@ def skip_reason(cfg: Config) -> str | None:
         if cfg.variant in GPU_ONLY:
             return (f"mode {cfg.variant} is GPU-only here: it tunes Triton kernels or captures "
                     "CUDA graphs; this is a CPU (mode default runs)")
-        return cxx_problem()
+        return hardware.inductor_cpu_problem()
     from torch.utils._triton import has_triton
 
     return None if has_triton() else "Inductor's GPU backend needs triton, which is not installed"
-
-
-@functools.lru_cache(maxsize=1)
-def cxx_problem() -> str | None:
-    """Why Inductor's C++ backend cannot build kernels here, or None when a compiler answers."""
-    from torch._inductor import cpp_builder
-
-    try:
-        cxx = cpp_builder.get_cpp_compiler()
-        if shutil.which(cxx) is None:
-            return f"Inductor's CPU backend needs a C++ compiler; {cxx!r} is not on PATH"
-        subprocess.run([cxx, "--version"], check=True, capture_output=True, timeout=30)
-    except Exception as e:  # any failure to find or run the compiler is the reason to skip
-        return f"Inductor's CPU backend needs a working C++ compiler: {type(e).__name__}: {e}"
-    return None
 
 
 def cache_len(cfg: Config) -> int:

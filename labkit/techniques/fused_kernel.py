@@ -66,10 +66,7 @@ def skip_reason(cfg: Config) -> str | None:
             return ("Triton kernels need a CUDA GPU here; on the CPU the kernel's correctness is "
                     "tested under TRITON_INTERPRET=1 (tests/test_fused_kernel.py)")
     if cfg.variant == "compiled" and not cfg.device.startswith("cuda"):
-        import shutil
-
-        if not shutil.which("g++") and not shutil.which("gcc"):
-            return "torch.compile (inductor) needs a C++ compiler on the CPU; none found (g++, gcc)"
+        return hardware.inductor_cpu_problem()
     return None
 
 
