@@ -102,8 +102,9 @@ PRESET_SIZES: dict[str, dict[str, Any]] = {
              # micro_batches 1, 2, 4 and 8 each split the batch
              "pipeline_parallel": {"batch_size": 8}},
     "reference": {"batch_size": 8, "seq_len": 128, "kv_cache": {"batch_size": 1}},
-    "small": {"batch_size": 8, "seq_len": 512, "kv_cache": _GPU_DECODE},
-    "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
+    # attention on a GPU in bf16: the fused kernels (flash, cuDNN) take no fp32
+    "small": {"batch_size": 8, "seq_len": 512, "kv_cache": _GPU_DECODE, "attention": {"dtype": "bfloat16"}},
+    "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE, "attention": {"dtype": "bfloat16"}},
     "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
     "llama-2-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
     "llama-3-8b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},

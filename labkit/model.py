@@ -73,18 +73,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: StartPo
     T, S = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if impl == "sdpa":  # enable_gqa shares kv heads without copying them
-        if T == S and isinstance(start_pos, int):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
-        mask = causal_mask(T, S, start_pos, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        whole = T == S and isinstance(start_pos, int)  # plain causal: no mask tensor needed
+        mask = None if whole else causal_mask(T, S, start_pos, q.device)
+        if gqa and q.is_cuda and (mask is not None or q.dtype == torch.float32):
+            # CUDA's one fused kernel that shares kv heads (flash) takes neither fp32 nor a mask;
+            # the others need full heads, else SDPA falls back to math and holds the S x S scores
+            k, v, gqa = *repeat_kv(k, v, q.shape[1]), False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=whole and T > 1,
+                                              enable_gqa=gqa)
     if gqa:
-        repeats = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        k, v = repeat_kv(k, v, q.shape[1])
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, S)
     mask = causal_mask(T, S, start_pos, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(dim=-1) @ v
+
+
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v (B, KV, S, hd) with each kv head repeated for its H / KV query heads."""
+    repeats = heads // k.shape[1]
+    return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
 
 
 class Attention(nn.Module):

@@ -130,6 +130,48 @@ def compare_runs(frame: pd.DataFrame, run_ids: list[str], *, memory: str = "peak
     return fig
 
 
+# --- Your device against the reference results (data/reference/, from `labkit selfcheck`) --------
+
+REFERENCES = ("h200",)  # data/reference/<name>.json (the checks) and <name>-runs/ (the runs)
+
+
+def _reference_path(name: str, suffix: str) -> Any:
+    if name not in REFERENCES:
+        raise ConfigError(f"unknown reference {name!r}; valid: {', '.join(REFERENCES)}")
+    return hardware.DATA_DIR / "reference" / f"{name}{suffix}"
+
+
+def reference_results(name: str = "h200") -> pd.DataFrame:
+    """The rows of the runs behind a reference selfcheck (a results store of its own)."""
+    return load_results(_reference_path(name, "-runs"))
+
+
+def reference_overlay(frame: pd.DataFrame, experiment: str, name: str = "h200") -> Any:
+    """Your newest run of `experiment` beside the reference's run of it, on the same axes; a line
+    saying so when either has none."""
+    ref = reference_results(name)
+    mine, theirs = latest_runs(frame, experiment, n=1), latest_runs(ref, experiment, n=1)
+    if not mine or not theirs:
+        missing = "you have no run" if not mine else f"the {name} reference has no run"
+        return f"{experiment}: {missing} of it to compare"
+    both = pd.concat([frame[frame["run_id"] == mine[0]], ref[ref["run_id"] == theirs[0]]])
+    return compare_runs(both, [mine[0], theirs[0]], title=f"{experiment}: yours against {name}")
+
+
+def selfcheck_table(mine: dict | None = None, name: str = "h200") -> pd.DataFrame:
+    """The reference's selfcheck checks, with yours beside them when `mine` (a `labkit selfcheck
+    --out` record) is given: metric, expected, the reference's measured value and verdict."""
+    ref = json.loads(_reference_path(name, ".json").read_text())
+    table = pd.DataFrame([{"experiment": c["experiment"], "metric": c["metric"],
+                           "expected": c.get("expected", ""), name: c.get("measured"),
+                           f"{name} passed": c.get("passed")} for c in ref["checks"]])
+    if mine:
+        yours = {(c["experiment"], c["metric"]): c for c in mine["checks"]}
+        table["yours"] = [yours.get(k, {}).get("measured") for k in zip(table.experiment, table.metric)]
+        table["you passed"] = [yours.get(k, {}).get("passed") for k in zip(table.experiment, table.metric)]
+    return table
+
+
 # --- 2. Cost ---------------------------------------------------------------------------------------
 
 def _check_price(name: str, value: float | None) -> None:

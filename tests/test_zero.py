@@ -58,10 +58,10 @@ def test_every_stage_trains_exactly_as_ddp(rows):
     # AdamW is elementwise, so sharding the states changes nothing (here: bitwise).
     for rank in RANKS:
         for v in RAN:
-            assert value(rows, v, "weight_max_rel_diff", rank) <= zero.TOLERANCE
-            assert value(rows, v, "loss_rel_diff", rank) <= zero.TOLERANCE
+            assert value(rows, v, "weight_max_rel_diff", rank) <= zero.TOLERANCE["cpu"]
+            assert value(rows, v, "loss_rel_diff", rank) <= zero.TOLERANCE["cpu"]
             assert value(rows, v, "loss", rank) == pytest.approx(value(rows, "zero0", "loss", rank),
-                                                                 rel=zero.TOLERANCE)
+                                                                 rel=zero.TOLERANCE["cpu"])
     # each rank trains on its own half of the batch
     assert value(rows, "zero0", "loss", 0) != value(rows, "zero0", "loss", 1)
 

@@ -84,8 +84,9 @@ VARIANTS = ("none", "full", "every_n", "selective", "budget")
 REFERENCE = "none"
 # Gradients after one step must equal `none`'s on the CPU: recomputation replays the same kernels
 # on the same inputs. On CUDA the embedding and attention backwards accumulate with atomics in a
-# run-to-run order, so there a normwise relative difference of 1e-6 is allowed.
-GRAD_TOLERANCE = {"cpu": 0.0, "cuda": 1e-6}
+# run-to-run order: an H200 measured a normwise relative difference of 3.6e-6 (medium preset, fp32,
+# 8 x 1024 tokens; ~30 ulps), so there 1e-5 is allowed.
+GRAD_TOLERANCE = {"cpu": 0.0, "cuda": 1e-5}
 TIMING_REPEATS = 3  # timed forwards of one block for the budget's table (the median is kept)
 
 

@@ -58,8 +58,11 @@ CHECK_STEPS = 2  # the second step also checks the sharded optimizer states the 
 # per tensor, and relative difference of the losses. AdamW is elementwise, and on two ranks every
 # variant averages the gradients as (a + b) / 2, exactly: bitwise equal to DDP (gloo, here). More
 # ranks may sum in another order (NCCL's rings and trees), and GPU kernels differ between the
-# sharded and whole tensors: a few fp32 ulps (1.2e-7 each).
-TOLERANCE = 1e-6
+# sharded and whole tensors: a few fp32 ulps (1.2e-7 each). On CUDA, backwards that accumulate
+# with atomics (embedding, attention) differ run to run by such ulps, and AdamW's first steps
+# (update ~ lr * g / |g|) turn a sign flip of a near-zero gradient into a whole lr: an H200 measured
+# 3.3e-5 (zero3 against zero0, one rank, small preset), so there 1e-4 is allowed.
+TOLERANCE = {"cpu": 1e-6, "cuda": 1e-4}
 
 
 @dataclass(kw_only=True)
@@ -175,9 +178,10 @@ def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
     """This rank's losses and the whole weights after CHECK_STEPS steps, against plain DDP's."""
     _, max_rel = gradient_difference(reference["weights"], outputs["weights"])
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(outputs["losses"], reference["losses"]))
-    ok = max_rel <= TOLERANCE and loss_rel <= TOLERANCE
+    tol = TOLERANCE["cuda" if cfg.device.startswith("cuda") else "cpu"]
+    ok = max_rel <= tol and loss_rel <= tol
     message = "" if ok else (f"after {CHECK_STEPS} steps: weights max relative {max_rel:.2e}, "
-                             f"losses {loss_rel:.2e} (> {TOLERANCE:g})")
+                             f"losses {loss_rel:.2e} (> {tol:g})")
     return Comparison({"loss": outputs["losses"][-1], "weight_max_rel_diff": max_rel,
                        "loss_rel_diff": loss_rel}, ok, message)
 
