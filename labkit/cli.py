@@ -1,4 +1,4 @@
-"""The command line: `labkit env | list | run | results | report | plan | train-reference`.
+"""The command line: `labkit env | list | run | results | report | plan | selfcheck | ...`.
 
 Bad input is one line on stderr and exit code 2, never a traceback. `--json` prints result rows
 as JSON lines on stdout and nothing else.
@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from labkit.config import PRESETS, ConfigError, parse_assignments, parse_sweep
@@ -44,12 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--run-id")
     res.add_argument("--runs-dir")
     res.add_argument("--json", action="store_true")
-    rep = sub.add_parser("report", help="run every experiment; write a table and figures")
-    rep.add_argument("--out", default="lab-report", help="folder for results and figures")
+    rep = sub.add_parser("report", help="execute the notebooks (papermill, report mode) and render "
+                         "them to offline HTML pages with an index",
+                         description="Exit code: 0 when every notebook ran, 1 when any failed (after "
+                                     "all of them ran; the index names the error), 2 on bad input.")
+    rep.add_argument("--out", default="lab-report", help="folder for the pages, index.html and runs/")
     rep.add_argument("--only", action="append", default=[], metavar="NAME",
-                     help="experiments to run (repeat or comma-separate; default: all)")
+                     help="experiments (matmul) or notebooks (20_matmul) to run (repeat or "
+                          "comma-separate; default: every notebook outside notebooks/exercises/)")
     rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                     help="a setting applied to every experiment")
+                     help="a setting given to every notebook whose experiment takes it")
+    rep.add_argument("--jobs", type=int, default=2, help="notebooks run at once (default: 2; "
+                     "multi-process notebooks one at a time)")
     _add_run_options(rep)
     prof = sub.add_parser("profile", help="one step of one experiment under torch.profiler: "
                                           "findings, top operators, a Chrome trace")
@@ -88,6 +95,17 @@ def _add_train_reference_parser(sub) -> None:
 
 def _add_plan_parser(sub) -> None:
     """`labkit plan`: choices are checked by the planner (one line naming the valid ones)."""
+    sc = sub.add_parser("selfcheck", help="every experiment family at this device's size, within a "
+                        "time budget, checked against what a healthy device shows",
+                        description="Exit code: 0 when every check passed or was skipped with a "
+                                    "reason, 1 when one failed, 2 on bad input.")
+    sc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    sc.add_argument("--budget-s", type=float, default=300.0,
+                    help="time for all families; those that do not fit are left out, said so")
+    sc.add_argument("--out", help="write the checks and the environment as JSON here")
+    sc.add_argument("--runs-dir", help="where results are stored (default: $LABKIT_RUNS_DIR or runs/)")
+    sc.add_argument("--recheck", metavar="RECORD", help="measure nothing: evaluate today's checks on "
+                    "the runs a stored record names (written back to it, or to --out)")
     pl = sub.add_parser("plan", help="predict training memory per GPU; recommend a plan that fits")
     pl.add_argument("--model", help=f"a preset: {', '.join(PRESETS)} (default: tiny)")
     pl.add_argument("--params", help="a bare parameter count instead of --model, e.g. 7.5e9 "
@@ -233,17 +251,28 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from labkit.report import run_report
+    """Exit 1 when a notebook failed, once every notebook has run; bad input exits 2 first."""
+    from labkit.config import resolve_device
+    from labkit.report import check_settings, choose_notebooks, find_notebooks, run_report
 
-    from labkit.techniques import get_experiment
-
-    only = [name for item in args.only for name in item.split(",") if name]
-    for name in only:
-        get_experiment(name)  # an unknown name: one line naming the valid ones
-    out = run_report(args.out, preset=args.preset, overrides=_overrides(args), runs_dir=args.runs_dir,
-                     experiments=only or None, progress=sys.stderr.isatty())
-    print(f"report written to {out}")
-    return 0
+    only = split_variants(args.only)
+    choose_notebooks(find_notebooks(), only)  # an unknown name: one line naming the valid ones
+    if args.preset is not None and args.preset not in PRESETS:
+        raise ConfigError(f"unknown preset {args.preset!r}; valid: {', '.join(PRESETS)}")
+    if args.device is not None:
+        resolve_device(args.device)  # an absent device: one line, before anything runs
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs={args.jobs}: give 1 or more")
+    overrides = parse_assignments(args.overrides) if args.overrides else {}
+    check_settings(list(overrides))  # a setting no experiment takes: exit 2 before anything runs
+    report = run_report(args.out, preset=args.preset, device=args.device, overrides=overrides,
+                        runs_dir=args.runs_dir, only=only, jobs=args.jobs,
+                        progress=sys.stderr.isatty())
+    print(f"report written to {report.out / 'index.html'}: {len(report.notebooks)} notebooks, "
+          f"{len(report.failed)} failed, {report.seconds:.0f} s")
+    for run in report.failed:
+        print(f"labkit: error: {run.stem} failed: {run.error}", file=sys.stderr)
+    return 1 if report.failed else 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -257,12 +286,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def lab_command(port: int, token: str) -> tuple[list[str], dict[str, str]]:
-    """JupyterLab on the repository's notebooks, bound to 127.0.0.1, with `token` required (given
-    through JUPYTER_TOKEN, so it is not in the process list); --allow-root only where root runs it."""
+def lab_command(port: int, token: str, root_dir: str | os.PathLike | None = None
+                ) -> tuple[list[str], dict[str, str]]:
+    """JupyterLab on the repository's notebooks (or `root_dir`), bound to 127.0.0.1, with `token`
+    required (given through JUPYTER_TOKEN, so it is not in the process list); --allow-root only
+    where root runs it."""
     from labkit.hardware import REPO_DIR
 
-    notebooks = REPO_DIR / "notebooks"
+    notebooks = Path(root_dir) if root_dir else REPO_DIR / "notebooks"
     if not notebooks.is_dir():
         raise ConfigError(f"no notebooks folder at {notebooks}: labkit lab runs from a source checkout")
     if not 1 <= port <= 65535:
@@ -299,6 +330,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--sizes={args.sizes!r}: give integers, e.g. 256,512,1024") from None
     print(roofline.summary(roofline.calibrate(args.device or "auto", args.runs_dir, sizes=sizes)))
     return 0
+
+
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    from labkit.config import resolve_device
+    from labkit.selfcheck import exit_code, recheck, selfcheck
+
+    if args.recheck:
+        return exit_code(recheck(args.recheck, args.runs_dir, args.out))
+    if not args.budget_s > 0:
+        raise ConfigError(f"--budget-s={args.budget_s:g}: give a number of seconds above 0")
+    resolve_device(args.device)  # an absent device: one line naming the valid ones
+    return exit_code(selfcheck(args.device, args.budget_s, args.runs_dir, args.out))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -339,7 +382,8 @@ def cmd_train_reference(args: argparse.Namespace) -> int:
 
 COMMANDS = {"env": cmd_env, "list": cmd_list, "run": cmd_run, "results": cmd_results,
             "report": cmd_report, "plan": cmd_plan, "train-reference": cmd_train_reference,
-            "calibrate": cmd_calibrate, "profile": cmd_profile, "lab": cmd_lab}
+            "calibrate": cmd_calibrate, "profile": cmd_profile, "lab": cmd_lab,
+            "selfcheck": cmd_selfcheck}
 
 
 if __name__ == "__main__":

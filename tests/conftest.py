@@ -6,6 +6,7 @@ import torch
 def _isolated(monkeypatch, tmp_path):
     """Every test stores runs in its own folder and runs torch on one thread (2-core machine)."""
     monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("LABKIT_QUIZ_PROGRESS", str(tmp_path / "quiz_progress.json"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,91 +1,150 @@
-"""Each notebook is executed by papermill with small CPU parameters, as a report would be."""
+"""Every notebook is executed once, by papermill at the tiny preset in report mode, through
+`labkit report`'s own code path (`run_report`, two notebooks at a time, a session fixture); the
+tests below read those executed notebooks, their HTML pages and the index."""
 import json
+import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from conftest import FAST, TINY_DECODE, TINY_DIST, TINY_TRAIN
 
 papermill = pytest.importorskip("papermill")
+pytest.importorskip("nbconvert")
+
+from labkit.report import find_notebooks, run_report  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+# Each notebook's own parameters on top of report mode: sizes that finish in seconds.
 PARAMETERS = {
-    "00_environment.ipynb": {},
-    "01_mixed_precision.ipynb": {"overrides": {**TINY_TRAIN, "batch_size": 2}, "variants": "bf16_weights"},
-    "02_kv_cache.ipynb": {"overrides": TINY_DECODE},
-    "03_checkpointing.ipynb": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2}},
-    "04_grad_accumulation.ipynb": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2},
+    "00_environment": {},
+    "01_mixed_precision": {"overrides": {**TINY_TRAIN, "batch_size": 2}, "variants": "bf16_weights"},
+    "02_kv_cache": {"overrides": TINY_DECODE},
+    "03_checkpointing": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2}},
+    "04_grad_accumulation": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2},
                                    "sweep": {"micro_batches": [1, 2]}},
-    "05_offload.ipynb": {"overrides": TINY_TRAIN},
-    "06_memory_pool.ipynb": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 6,
+    "05_offload": {"overrides": TINY_TRAIN},
+    "06_memory_pool": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 6,
                                            "batch_size": 1}},
-    "07_batch_finder.ipynb": {"overrides": {**FAST, "num_layers": 2, "mode": "dynamic"}, "seq_lens": [16, 32],
+    "07_batch_finder": {"overrides": {**FAST, "num_layers": 2, "mode": "dynamic"}, "seq_lens": [16, 32],
                               "cpu_budget_gib": 0.062, "variants": "fp32_ckpt"},
-    "08_memory_planner.ipynb": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu"},
-    "09_collectives.ipynb": {"overrides": {**FAST, "timed_steps": 1}, "sweep": {"message_bytes": [4096]},
+    "08_memory_planner": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu"},
+    "09_collectives": {"overrides": {**FAST, "timed_steps": 1}, "sweep": {"message_bytes": [4096]},
                              "variants": "all_gather", "nproc": 2},
-    "10_data_parallel.ipynb": {"overrides": TINY_DIST, "variants": "ddp", "nproc": 2},
-    "11_zero.ipynb": {"overrides": TINY_DIST, "variants": "zero3", "nproc": 2},
-    "12_tensor_parallel.ipynb": {"overrides": TINY_DIST, "variants": "tp", "nproc": 2},
-    "13_pipeline_parallel.ipynb": {"overrides": TINY_DIST, "sweep": {"micro_batches": [2]},
+    "10_data_parallel": {"overrides": TINY_DIST, "variants": "ddp", "nproc": 2},
+    "11_zero": {"overrides": TINY_DIST, "variants": "zero3", "nproc": 2},
+    "12_tensor_parallel": {"overrides": TINY_DIST, "variants": "tp", "nproc": 2},
+    "13_pipeline_parallel": {"overrides": TINY_DIST, "sweep": {"micro_batches": [2]},
                                    "variants": "gpipe", "nproc": 2},
-    "14_hybrid.ipynb": {"overrides": {**TINY_DIST, "batch_size": 4, "num_layers": 1, "timed_steps": 1},
+    "14_hybrid": {"overrides": {**TINY_DIST, "batch_size": 4, "num_layers": 1, "timed_steps": 1},
                         "variants": "fsdp_tp", "nproc": 4},
-    "15_load_balance.ipynb": {"overrides": {**TINY_DIST, "calibration_steps": 1}, "nproc": 2},
-    "16_batching.ipynb": {"overrides": {"num_requests": 6, "max_output_len": 12, "arrival": "closed",
+    "15_load_balance": {"overrides": {**TINY_DIST, "calibration_steps": 1}, "nproc": 2},
+    "16_batching": {"overrides": {"num_requests": 6, "max_output_len": 12, "arrival": "closed",
                                         "batch_size": 3, "num_layers": 2}, "variants": "continuous"},
-    "17_attention.ipynb": {"overrides": {**FAST, "batch_size": 1, "hidden_size": 64, "num_heads": 4,
-                                         "num_kv_heads": 2}, "sweep": {"seq_len": [64, 128]}, "variants": "sdpa"},
-    "18_compile.ipynb": {"overrides": {**FAST, "num_layers": 1, "hidden_size": 32, "num_heads": 2,
+    "17_attention": {"overrides": {**FAST, "batch_size": 1, "hidden_size": 64, "num_heads": 4,
+                                         "num_kv_heads": 2}, "sweep": {"seq_len": [64, 128]},
+                           "variants": "sdpa"},
+    "18_compile": {"overrides": {**FAST, "num_layers": 1, "hidden_size": 32, "num_heads": 2,
                                        "num_kv_heads": 1, "ffn_size": 64, "vocab_size": 64,
                                        "batch_size": 2, "seq_len": 8, "prompt_len": 4,
                                        "decode_steps": 4, "probe_calls": 2, "inductor_cache": True},
                          "variants": "default"},
-    "19_fused_kernel.ipynb": {"overrides": {**FAST, "hidden_size": 96}, "sweep": {"rows": [64]},
+    "19_fused_kernel": {"overrides": {**FAST, "hidden_size": 96}, "sweep": {"rows": [64]},
                               "variants": "triton"},
-    "20_matmul.ipynb": {"overrides": {**FAST, "size": 128}},
-    "21_memory_access.ipynb": {"overrides": {**FAST, "size_mib": 1}, "sweep": {"stride": [2, 4]}},
-    "22_profiling.ipynb": {"overrides": {**TINY_TRAIN, "overhead_repeats": 1, "memory_timeline": False},
+    "20_matmul": {"overrides": {**FAST, "size": 128}},
+    "21_memory_access": {"overrides": {**FAST, "size_mib": 1}, "sweep": {"stride": [2, 4]}},
+    "22_profiling": {"overrides": {**TINY_TRAIN, "overhead_repeats": 1, "memory_timeline": False},
                            "variants": "profiler"},
-    "23_dataloading.ipynb": {"overrides": {**FAST, "batch_size": 2, "seq_len": 16, "num_layers": 2,
+    "23_dataloading": {"overrides": {**FAST, "batch_size": 2, "seq_len": 16, "num_layers": 2,
                                            "steps": 2, "sample_cost_us": 5000.0, "epoch_steps": 50,
                                            "min_run_time_s": 0.1},
                              "variants": "workers"},
-    "24_threads.ipynb": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
-    "99_compare.ipynb": {"price_per_gpu_hour": 2.0},
+    "24_threads": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
+    "99_compare": {"price_per_gpu_hour": 2.0},
 }
 
 
+@pytest.fixture(scope="session")
+def report(tmp_path_factory):
+    """The whole report, once: every notebook outside notebooks/exercises/."""
+    return run_report(tmp_path_factory.mktemp("report"), preset="tiny", parameters=PARAMETERS,
+                      jobs=2, progress=False)
+
+
 def test_every_notebook_is_covered_committed_clean_with_one_parameters_cell():
-    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(PARAMETERS)
+    assert sorted(find_notebooks(NOTEBOOKS)) == sorted(PARAMETERS)
     for path in NOTEBOOKS.glob("*.ipynb"):
         cells = json.loads(path.read_text())["cells"]
         assert not any(c.get("outputs") for c in cells), path
         tagged = [c for c in cells if "parameters" in c["metadata"].get("tags", [])]
         assert len(tagged) == 1, path
+        assert "interactive" in "".join(tagged[0]["source"]) or path.stem == "00_environment", path
 
 
 def outputs_of(nb: dict) -> list[dict]:
     return [o for c in nb["cells"] for o in c.get("outputs", [])]
 
 
-@pytest.mark.parametrize("name", sorted(PARAMETERS))
-def test_notebook_runs_under_papermill(name, tmp_path):
-    out = tmp_path / name
-    papermill.execute_notebook(str(NOTEBOOKS / name), str(out), parameters=PARAMETERS[name],
-                               kernel_name="python3", progress_bar=False, store_widget_state=False,
-                               cwd=str(tmp_path))
-    nb = json.loads(out.read_text())
+@pytest.mark.parametrize("stem", sorted(PARAMETERS))
+def test_notebook_runs_in_report_mode(stem, report):
+    run = next(n for n in report.notebooks if n.stem == stem)
+    assert (run.status, run.error) == ("ok", "")
+    nb = json.loads((report.out / f"{stem}.ipynb").read_text())
     outputs = outputs_of(nb)
     assert not [o for o in outputs if o["output_type"] == "error"]
     text = json.dumps(outputs)
     assert "cpu" in text
-    if name != "00_environment.ipynb":
-        assert "application/vnd.plotly.v1+json" in text  # the comparison figure
+    assert "application/vnd.jupyter.widget-view+json" not in text  # report mode: no panel
+    figures = text.count("application/vnd.plotly.v1+json")
+    if stem != "00_environment":
+        assert figures >= 1  # the comparison figure
         assert "predicted" in text and "measured" in text  # predicted beside measured
-        assert "application/vnd.jupyter.widget-view+json" in text  # the panel
-        assert out.stat().st_size < 1_000_000  # static figures, no embedded widget JavaScript
+        assert (report.out / f"{stem}.ipynb").stat().st_size < 1_000_000  # static, no plotly.js
     else:
         assert "peak TFLOP/s" in text and "reason" in text
-    if "nproc" in PARAMETERS[name]:  # a multi-process experiment: every rank's bars
+    if "nproc" in PARAMETERS[stem]:  # a multi-process experiment: every rank's bars
         assert "rank 1" in text and "every rank" in text
+    page = (report.out / f"{stem}.html").read_text()
+    assert page.count('class="plotly-graph-div"') == figures  # every figure drawn on its page
+
+
+def test_index_lists_every_notebook_with_its_page_and_the_headline_numbers(report):
+    index = (report.out / "index.html").read_text()
+    stems = sorted(find_notebooks(NOTEBOOKS))
+    assert [n.stem for n in report.notebooks] == stems
+    for stem in stems:
+        assert f"href='{stem}.html'" in index and (report.out / f"{stem}.html").exists()
+    assert index.count("class='ok'") == len(stems) and "class='failed'" not in index
+    assert "<details id='kv_cache'>" in index and "kv_bytes_per_token" in index
+    assert "git commit" in index and "torch" in index
+    assert set(pd.read_csv(report.out / "results.csv")["experiment"]) >= {"kv_cache", "matmul", "zero"}
+
+
+# A tag that loads from a network address: src= or href= with http(s):// or protocol-relative //.
+NETWORK_REF = re.compile(r"""<(?:script|link|img|iframe|source|embed)\b[^>]*\b(?:src|href)\s*=\s*"""
+                         r"""["']?(?:https?:)?//""", re.IGNORECASE)
+
+
+def test_pages_load_nothing_from_the_network_and_share_one_plotly_js(report):
+    pages = sorted(report.out.glob("*.html"))
+    assert len(pages) == len(report.notebooks) + 1  # one per notebook and the index
+    assert [p.name for p in report.out.rglob("plotly.min.js")] == ["plotly.min.js"]
+    assert (report.out / "plotly.min.js").stat().st_size > 1_000_000
+    for page in pages:
+        text = page.read_text()
+        assert not NETWORK_REF.findall(text), page
+        assert not re.search(r"@import|url\(\s*['\"]?(?:https?:)?//", text), page  # no remote CSS/fonts
+        assert text.count("<script src='plotly.min.js'>") + text.count('<script src="plotly.min.js">') == 1
+        assert page.stat().st_size < 2_000_000, page  # plotly.js is not embedded
+
+
+def test_interactive_mode_shows_the_panel(tmp_path):
+    """With `interactive` on (what JupyterLab gets by default), the widget panel is displayed;
+    widget state is not stored, so the executed notebook stays small."""
+    report = run_report(tmp_path, preset="tiny", only=["20_matmul"], jobs=1, progress=False,
+                        parameters={"20_matmul": {**PARAMETERS["20_matmul"], "interactive": True}})
+    assert not report.failed
+    path = tmp_path / "20_matmul.ipynb"
+    assert "application/vnd.jupyter.widget-view+json" in json.dumps(outputs_of(json.loads(path.read_text())))
+    assert path.stat().st_size < 1_000_000

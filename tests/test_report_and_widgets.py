@@ -1,31 +1,45 @@
-import pandas as pd
+import json
+
 import pytest
 
-from conftest import FAST, TINY_DECODE
+from conftest import TINY_DECODE
 from labkit.cli import main
 
 pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
 
-def test_report_writes_table_summary_and_figures(tmp_path, capsys):
-    """The report's mechanics on three experiments (every experiment runs in its notebook's test;
-    all of them here would cost minutes)."""
+def test_report_reports_a_failed_notebook_runs_the_others_and_exits_1(tmp_path, capsys):
+    """`labkit report` end to end on two notebooks, one made to fail by a setting its experiment
+    refuses (every notebook runs in test_notebooks.py's shared report)."""
+    pytest.importorskip("papermill")
     out = tmp_path / "report"
-    settings = {**FAST, "num_layers": 1, "seq_len": 8, "batch_size": 2}
-    chosen = ["mixed_precision", "kv_cache", "memory_pool"]
-    argv = ["report", "--out", str(out), "--only", "mixed_precision,kv_cache", "--only", "memory_pool"]
-    assert main(argv + [f"--set={k}={v}" for k, v in settings.items()]) == 0
-    table = pd.read_csv(out / "results.csv")
-    assert set(table["experiment"]) == set(chosen)
-    assert set(table["variant"]) >= {"fp32", "bf16_weights", "none", "dynamic"}
-    summary = (out / "summary.md").read_text()
-    assert "## kv_cache" in summary and "kv_bytes_per_token" in summary
-    html = (out / "figures.html").read_text()
-    assert html.count("plotly-graph-div") == len(chosen) and "tokens_per_s" in html
-    assert len(list((out / "runs").glob("*.json"))) == len(chosen)
-    assert main(["report", "--out", str(out), "--only", "nope"]) == 2
-    assert "unknown experiment 'nope'; valid: " in capsys.readouterr().err
+    argv = ["report", "--out", str(out), "--preset", "tiny", "--only", "matmul", "--only", "00_environment",
+            "--set", "size=100"]  # matmul's size must be a multiple of 128
+    assert main(argv) == 1
+    assert "20_matmul failed: ConfigError: m=100 must be a multiple of 128" in capsys.readouterr().err
+    index = (out / "index.html").read_text()
+    assert "class='failed'" in index and "m=100 must be a multiple of 128" in index
+    assert "href='00_environment.html'" in index and index.count("class='ok'") == 1
+    failed = json.loads((out / "20_matmul.ipynb").read_text())  # the executed notebook is kept
+    errors = [o for c in failed["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert [e["ename"] for e in errors] == ["ConfigError"]
+    assert "ConfigError" in (out / "20_matmul.html").read_text()  # its partial page is rendered
+    assert "peak TFLOP/s" in (out / "00_environment.html").read_text()  # the other one ran
+    assert (out / "summary.md").exists() and (out / "plotly.min.js").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "nope"], "unknown experiment or notebook 'nope'; valid: environment, mixed_precision"),
+    (["--only", "matmul,21_nope"], "unknown experiment or notebook '21_nope'"),
+    (["--preset", "huge"], "unknown preset 'huge'; valid: tiny"),
+    (["--set", "no_such_knob=1"], "unknown setting 'no_such_knob'; valid: "),
+])
+def test_report_bad_input_is_one_line_and_exit_2_before_anything_runs(argv, message, tmp_path, capsys):
+    assert main(["report", "--out", str(tmp_path / "r")] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
 
 
 def test_panel_controls_come_from_the_config_and_run_goes_through_the_harness(tmp_path):

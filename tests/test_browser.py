@@ -1,0 +1,242 @@
+"""What a person sees, checked in a real browser: headless Chromium (Debian's package, not
+Playwright's own download) driven by Playwright's Python package.
+
+- JupyterLab: a cheap notebook (20_matmul with the tiny parameters its papermill test uses) is
+  opened in JupyterLab started as `labkit lab` starts it (127.0.0.1, a token), run with
+  Run > Run All Cells; the widget panel and the plotly figures render; a click on the panel's Run
+  makes the panel's figure gain points. The page is saved as a screenshot (on failure too).
+- The report: the page `labkit report` writes for a notebook is opened from disk with every
+  request that is not a local file aborted (and recorded: none may be attempted); each plotly
+  output of the executed notebook is a rendered chart (`div.js-plotly-plot` with `svg.main-svg`).
+
+Screenshots go to `test-artifacts/browser/` at the repository root (ignored by git).
+Skipped only where no browser can be had: no `playwright` package, or no Chromium binary
+(`$LABKIT_CHROMIUM`, then `chromium` on PATH, then /usr/bin/chromium).
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from labkit.cli import lab_command, main
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+papermill_io = pytest.importorskip("papermill.iorw")
+from papermill.parameterize import parameterize_notebook  # noqa: E402
+
+from conftest import FAST  # noqa: E402
+
+# Slow on purpose (a server, a kernel and a browser; about 30 s each here): the waits below fail
+# first, with what the page showed, well inside this limit.
+pytestmark = pytest.mark.timeout(400)
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "test-artifacts" / "browser"
+NOTEBOOK = "20_matmul.ipynb"  # cheap: a few 128x128 matmuls per variant
+SETTINGS = {**FAST, "size": 128}
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+SERVER_START_S, NOTEBOOK_RUN_S, PANEL_RUN_S = 60, 120, 60
+KERNEL_DIALOG = ".jp-Dialog .jp-mod-accept"  # "Select Kernel", when JupyterLab asks
+
+# Charts drawn: plotly's graph divs that hold an svg (each has more than one svg.main-svg layer).
+DRAWN_JS = ("() => [...document.querySelectorAll('div.js-plotly-plot')]"
+            ".filter(gd => gd.querySelector('svg.main-svg')).length")
+# The points (x values over all traces) of each plotly chart inside the output that holds the
+# panel's Run button: [comparison figure, device monitor]; null before the panel exists.
+PANEL_POINTS_JS = """() => {
+  const run = [...document.querySelectorAll('.jp-OutputArea-output button')]
+    .find(b => b.textContent.trim() === 'Run');
+  if (!run) return null;
+  const plots = run.closest('.jp-OutputArea-output').querySelectorAll('.js-plotly-plot');
+  return [...plots].map(gd => (gd.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0));
+}"""
+
+
+def find_chromium() -> str | None:
+    """$LABKIT_CHROMIUM when set (trusted: a wrong path fails at launch), else Debian's binary."""
+    if os.environ.get("LABKIT_CHROMIUM"):
+        return os.environ["LABKIT_CHROMIUM"]
+    found = shutil.which("chromium") or "/usr/bin/chromium"
+    return found if os.access(found, os.X_OK) else None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip("no Chromium: install Debian's `chromium` or set LABKIT_CHROMIUM to a binary")
+    with playwright_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def offline_page(browser, allowed: tuple[str, ...], viewport=(1400, 1000)):
+    """A new page on which any request outside `allowed` URL prefixes is aborted and recorded in
+    the returned list; JavaScript errors on the page are recorded in the second list."""
+    page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+    refused, errors = [], []
+
+    def guard(route):
+        if route.request.url.startswith(allowed + ("data:", "blob:")):
+            route.continue_()
+        else:
+            refused.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", guard)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return page, refused, errors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_notebook(root: Path) -> None:
+    """The notebook with its tiny parameters injected by papermill (as a report run does), storing
+    its runs under `root`."""
+    parameters = {"overrides": SETTINGS, "device": "cpu", "runs_dir": str(root / "runs")}
+    nb = parameterize_notebook(papermill_io.load_notebook_node(str(REPO / "notebooks" / NOTEBOOK)),
+                               parameters)
+    (root / NOTEBOOK).write_text(json.dumps(nb, indent=1))
+
+
+def quiet_lab_settings(folder: Path) -> None:
+    """User settings of our own: no news or update toasts over the page (nor requests for them)."""
+    notes = folder / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    notes.parent.mkdir(parents=True)
+    notes.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+
+
+def wait_until_serving(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"JupyterLab exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    pytest.fail(f"JupyterLab did not answer in {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab (the `labkit lab` command) serving a folder with the prepared notebook; yields its
+    base URL and token. The process group is ended afterwards, also when the test failed."""
+    root = tmp_path / "lab"
+    root.mkdir()
+    prepare_notebook(root)
+    quiet_lab_settings(tmp_path / "settings")
+    port, token = free_port(), "labkit-browser-test"
+    cmd, env = lab_command(port, token, root_dir=root)  # `labkit lab`'s command, on our folder
+    cmd.append("--no-browser")
+    env.update(JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
+    log = tmp_path / "lab.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until_serving(proc, f"{base}/api/status?token={token}", log)
+        yield base, token
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (it shuts its kernels down), SIGKILL if it hangs."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def accept_kernel_dialog(page) -> None:
+    """JupyterLab may ask which kernel to start; the notebook's own (python3) is preselected."""
+    dialog = page.locator(KERNEL_DIALOG)
+    if dialog.count():
+        dialog.click()
+
+
+def screenshot(page, name: str, full_page: bool = False) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=full_page)
+    return path
+
+
+def test_notebook_panel_in_jupyterlab_gains_points_on_run(browser, lab):
+    base, token = lab
+    page, refused, errors = offline_page(browser, (base,))
+    try:
+        page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
+        page.locator(".jp-Notebook").wait_for(timeout=SERVER_START_S * 1000)
+        page.locator('.jp-StatusBar-TextItem:has-text("Idle")').wait_for(timeout=SERVER_START_S * 1000)
+        accept_kernel_dialog(page)
+        page.click('.lm-MenuBar-itemLabel:text-is("Run")')
+        page.click('.lm-Menu-itemLabel:text-is("Run All Cells")')
+        run = page.locator('.jp-OutputArea-output button:has-text("Run")')
+        run.or_(page.locator(KERNEL_DIALOG)).first.wait_for(timeout=NOTEBOOK_RUN_S * 1000)
+        accept_kernel_dialog(page)
+        run.wait_for(timeout=NOTEBOOK_RUN_S * 1000)
+        run.scroll_into_view_if_needed()
+        # the panel's comparison figure and device monitor are drawn, empty until Run
+        page.wait_for_function(f"() => ({PANEL_POINTS_JS})()?.length === 2")
+        before = page.evaluate(PANEL_POINTS_JS)
+        run.click()
+        page.wait_for_function(f"() => ({PANEL_POINTS_JS})()[0] > {before[0]}",
+                               timeout=PANEL_RUN_S * 1000)
+        page.locator('.jp-OutputArea-output:has-text("done:")').wait_for(
+            timeout=PANEL_RUN_S * 1000)
+        assert page.evaluate(DRAWN_JS) >= 3  # the panel's two and the static comparison figure
+        assert not run.is_disabled()  # the button came back after the run
+    finally:
+        screenshot(page, Path(NOTEBOOK).stem)
+        page.close()
+    assert not errors, errors
+    assert not refused, f"JupyterLab asked for non-local addresses: {refused}"
+
+
+def test_report_page_renders_its_plots_with_the_network_blocked(browser, tmp_path):
+    out = tmp_path / "report"
+    argv = ["report", "--preset", "tiny", "--only", "matmul", "--out", str(out), "--device", "cpu"]
+    assert main(argv + [f"--set={k}={v}" for k, v in SETTINGS.items()]) == 0
+    stem = Path(NOTEBOOK).stem
+    assert (out / "plotly.min.js").is_file() and (out / "index.html").is_file()
+    executed = json.loads((out / f"{stem}.ipynb").read_text())
+    num_plots = sum("application/vnd.plotly.v1+json" in o.get("data", {})
+                    for c in executed["cells"] for o in c.get("outputs", []))
+    assert num_plots >= 1
+    page, refused, errors = offline_page(browser, ("file://",))
+    try:
+        page.goto((out / f"{stem}.html").as_uri())
+        try:
+            page.wait_for_function(f"() => ({DRAWN_JS})() >= {num_plots}")
+        except playwright_api.TimeoutError:
+            pytest.fail(f"{num_plots} plots not drawn; refused requests: {refused}; errors: {errors}")
+        traces = page.evaluate("() => [...document.querySelectorAll('div.js-plotly-plot')]"
+                               ".map(gd => gd.data.length)")
+    finally:
+        screenshot(page, f"report_{stem}", full_page=True)
+        page.close()
+    assert len(traces) == num_plots and all(n > 0 for n in traces), traces
+    assert not refused, f"the page asked for network addresses: {refused}"
+    assert not errors, errors
