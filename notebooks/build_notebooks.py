@@ -49,6 +49,11 @@ def experiment_notebook(name: str, title: str, intro: str, look_for: str,
         new_markdown_cell("## Every measured number"),
         new_code_cell("from labkit import viz\n\nviz.metric_table(frame)"),
         *extra,
+        new_markdown_cell("## Your device against the H200 reference\n\nThe same experiment from "
+                          "`labkit selfcheck` on an H200 (`data/reference/`), on the same axes: "
+                          "memory should agree where the settings do, throughput should not."),
+        new_code_cell("from labkit import views\n\n"
+                      f'views.reference_overlay(frame, "{name}")'),
         new_markdown_cell("## Try other settings"),
         new_code_cell("if interactive:\n"
                       f'    display(build_panel("{name}", preset=preset, device=device,\n'
@@ -410,6 +415,7 @@ def compare_notebook() -> nbformat.NotebookNode:
     parameters = '''runs_dir = None  # stored runs: yours, or a colleague's copied in; None: $LABKIT_RUNS_DIR or ./runs
 price_per_gpu_hour = None  # what a GPU-hour costs you, e.g. 2.5; None: no cost (no price is assumed)
 model = "llama-2-7b"  # the fit table's model: a preset (tiny, small, gpt2-124m, llama-2-7b, llama-3-70b, ...)
+selfcheck = None  # your `labkit selfcheck --out` file, shown beside the H200 reference; None: the reference alone
 interactive = True  # show the panels: pick runs, enter prices, try other fit settings'''
     look_for = (
         "## What to look for\n\n"
@@ -468,6 +474,13 @@ interactive = True  # show the panels: pick runs, enter prices, try other fit se
         new_code_cell("fit = views.fit_table(model, precision='bf16', zero_stage=3, checkpointing='full')\n"
                       "views.fit_figure(fit, title=f'{model}: fewest GPUs that fit').show()\n"
                       "fit"),
+        new_markdown_cell("## Your device against the H200 reference\n\nWhat `labkit selfcheck` "
+                          "measured on an H200 (`data/reference/h200.json`), check by check; with "
+                          "your own `labkit selfcheck --out selfcheck.json` given as `selfcheck`, "
+                          "yours beside it."),
+        new_code_cell("import json\nfrom pathlib import Path\n\n"
+                      "mine = json.loads(Path(selfcheck).read_text()) if selfcheck else None\n"
+                      "views.selfcheck_table(mine)"),
         new_markdown_cell("## Try other runs, prices and settings"),
         new_code_cell("if interactive:\n"
                       "    display(views.comparison_panel(runs_dir))\n"
@@ -478,6 +491,39 @@ interactive = True  # show the panels: pick runs, enter prices, try other fit se
 
 
 NOTEBOOKS["99_compare.ipynb"] = compare_notebook()
+
+QUIZ_PARAMETERS = '''topic = "all"  # all, memory, parallelism, distributed, profiling, inference, precision
+n = 10  # questions per quiz
+seed = None  # a number: the same questions every time (a class drawing one quiz)
+progress = None  # progress file (None: $LABKIT_QUIZ_PROGRESS or ~/.labkit/quiz_progress.json)
+interactive = True  # the quiz widget; False: print the drawn questions with their answers (an answer key)'''
+
+NOTEBOOKS["25_quiz.ipynb"] = new_notebook(metadata=KERNEL, cells=[
+    new_markdown_cell("# 25 · Quiz: the exam's optimization topics\n\nMultiple-choice questions on memory "
+                      "and batch optimization, parallelism, multi-GPU setups, profiling and "
+                      "troubleshooting, inference (KV cache, batching), mixed precision and kernels. Pick "
+                      "a topic, answer, Submit: you see right or wrong, why (with the formula), and the "
+                      "notebook that measures it. Your progress per topic is kept between sessions."),
+    new_code_cell(QUIZ_PARAMETERS, metadata={"tags": ["parameters"]}),
+    new_markdown_cell("## The question bank"),
+    new_code_cell("import collections\n\nfrom labkit import quiz\n\n"
+                  "bank = quiz.load_bank()\n"
+                  "counts = collections.Counter(q.topic for q in bank)\n"
+                  'print(f"{len(bank)} questions")\n'
+                  "for key, title in quiz.TOPICS.items():\n"
+                  '    print(f"  {title}: {counts[key]}")'),
+    new_markdown_cell("## The quiz"),
+    new_code_cell("if interactive:\n"
+                  "    display(quiz.quiz_panel(topic, n, seed=seed, progress=progress))\n"
+                  "else:\n"
+                  "    for i, q in enumerate(quiz.draw(topic, n, seed, bank), 1):\n"
+                  '        print(f"{i}. [{quiz.TOPICS[q.topic]}] {q.question}")\n'
+                  "        for j, choice in enumerate(q.choices):\n"
+                  "            print(f\"   {'*' if j == q.answer else ' '} {chr(65 + j)}. {choice}\")\n"
+                  '        print(f"   Why: {q.explanation}\\n   Measure it: {q.notebook}\\n")'),
+    new_markdown_cell("## Your progress per topic"),
+    new_code_cell("quiz.progress_summary(progress)"),
+])
 
 # Issue 4: multi-process experiments. Each entry: filename -> (experiment, title, intro, what to
 # look for, default sweep, CPU ranks by default).

@@ -61,6 +61,7 @@ PARAMETERS = {
                                            "min_run_time_s": 0.1},
                              "variants": "workers"},
     "24_threads": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
+    "25_quiz": {"n": 3, "seed": 0},
     "99_compare": {"price_per_gpu_hour": 2.0},
 }
 
@@ -97,7 +98,9 @@ def test_notebook_runs_in_report_mode(stem, report):
     assert "cpu" in text
     assert "application/vnd.jupyter.widget-view+json" not in text  # report mode: no panel
     figures = text.count("application/vnd.plotly.v1+json")
-    if stem != "00_environment":
+    if stem == "25_quiz":  # report mode: an answer key, no figures
+        assert text.count("Why: ") == 3 and "questions" in text
+    elif stem != "00_environment":
         assert figures >= 1  # the comparison figure
         assert "predicted" in text and "measured" in text  # predicted beside measured
         assert (report.out / f"{stem}.ipynb").stat().st_size < 1_000_000  # static, no plotly.js
@@ -117,6 +120,9 @@ def test_index_lists_every_notebook_with_its_page_and_the_headline_numbers(repor
         assert f"href='{stem}.html'" in index and (report.out / f"{stem}.html").exists()
     assert index.count("class='ok'") == len(stems) and "class='failed'" not in index
     assert "<details id='kv_cache'>" in index and "kv_bytes_per_token" in index
+    # the H200 reference beside this machine's runs, in the experiments' and the compare notebooks
+    assert "NVIDIA H200" in json.dumps(outputs_of(json.loads((report.out / "20_matmul.ipynb").read_text())))
+    assert "bf16 matmul TFLOP/s" in json.dumps(outputs_of(json.loads((report.out / "99_compare.ipynb").read_text())))
     assert "git commit" in index and "torch" in index
     assert set(pd.read_csv(report.out / "results.csv")["experiment"]) >= {"kv_cache", "matmul", "zero"}
 
