@@ -1,6 +1,6 @@
-"""The core (CLI env/list/run, experiments, results) runs with only torch, numpy, pandas and
-nvidia-ml-py: the notebook-side packages are made unimportable in a fresh interpreter, and the
-CLI must still work and must not have loaded any of them.
+"""The core (CLI env/list/run, selfcheck --recheck, experiments, results) runs with only torch,
+numpy, pandas and nvidia-ml-py: the notebook-side packages are made unimportable in a fresh
+interpreter, and the CLI must still work and must not have loaded any of them.
 
 One subprocess for everything (each launch pays for an `import torch`).
 
@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent("""
     from labkit.cli import main
 
     report = {{"preloaded": preloaded, "codes": [], "outputs": [], "errors": []}}
-    for argv in (["env"], ["run", "kv_cache", *{tiny!r}, "--json"], ["list"]):
+    for argv in (["env"], ["run", "kv_cache", *{tiny!r}, "--json"], ["list"], {recheck!r}):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
@@ -82,17 +82,21 @@ TINY = ["--device", "cpu", "--preset", "tiny", "--set", "new_tokens=4", "--set",
 
 def test_core_runs_without_notebook_packages(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "LABKIT_RUNS_DIR": str(tmp_path / "runs")}
-    script = SCRIPT.format(blocked=BLOCKED, tiny=TINY)
+    reference = REPO / "data" / "reference"  # the H200 selfcheck, evaluated again: no notebook packages
+    recheck = ["selfcheck", "--recheck", str(reference / "h200.json"), "--runs-dir",
+               str(reference / "h200-runs"), "--out", os.devnull]
+    script = SCRIPT.format(blocked=BLOCKED, tiny=TINY, recheck=recheck)
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.splitlines()[-1])
+    # exit 1 from the recheck: the H200 record holds checks that failed there (evaluated, no crash)
+    assert proc.returncode == 1 and report["codes"] == [0, 0, 0, 1], (report["errors"], proc.stderr[-4000:])
 
     assert report["preloaded"] == []  # the blocker was in place before anything was imported
-    assert report["codes"] == [0, 0, 0], report["errors"]
     assert report["loaded"] == []  # none of the notebook-side packages got in
 
-    env_out, run_out, list_out = report["outputs"]
+    env_out, run_out, list_out, recheck_out = report["outputs"]
+    assert "bf16 matmul TFLOP/s" in recheck_out and "pass" in recheck_out
     assert "cpu" in env_out.lower()
     assert "kv_cache" in list_out and "mixed_precision" in list_out
     rows = [json.loads(line) for line in run_out.splitlines()]
