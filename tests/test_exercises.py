@@ -1,0 +1,159 @@
+"""The exercises: every one graded correct in solution mode and a wrong prediction graded wrong
+(through labkit.exercises directly), and every exercise notebook executed by papermill in solution
+mode. Each run behind the exercises is measured once per session into one shared folder (two
+multi-process launches: zero and pipeline_parallel); the checks and the notebooks reuse them."""
+import concurrent.futures
+import math
+from pathlib import Path
+
+import pytest
+
+from labkit import exercises
+from labkit.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1] / "notebooks" / "exercises"
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("exercise-runs")
+    for run in exercises.RUNS.values():  # each once: exercises that share a Run share its rows
+        exercises.measure(run, "cpu", str(folder), reuse=False)
+    return str(folder)
+
+
+def wrong_answer(ex):
+    """A prediction outside the tolerance (a number) or another option (a choice)."""
+    ref = exercises.reference_answer(ex.key, "cpu")
+    if ex.choices:
+        return next(c for c in ex.choices if c != ref)
+    return ref + 2 * ex.tolerance(ref) + 1.0
+
+
+def test_counts_topics_and_fields():
+    assert len(exercises.EXERCISES) >= 30
+    topics = {ex.topic for ex in exercises.EXERCISES.values()}
+    assert topics == set(exercises.TOPICS)
+    assert sum(ex.topic == "troubleshooting lab" for ex in exercises.EXERCISES.values()) >= 6
+    for ex in exercises.EXERCISES.values():
+        assert ex.run in exercises.RUNS and ex.scenario and ex.question and ex.why
+        assert ex.graded_against in ("formula", "measurement", "fault")
+        assert (ex.choices == exercises.FAULTS) == (ex.graded_against == "fault")
+        assert (ex.measured is not None) == (ex.graded_against == "measurement")
+        assert isinstance(exercises.reference_answer(ex.key, "cpu"), str) == bool(ex.choices)
+
+
+def test_at_most_two_multi_process_runs():
+    from labkit.techniques import get_experiment
+
+    dist = {r.experiment for r in exercises.RUNS.values() if getattr(get_experiment(r.experiment),
+                                                                      "DISTRIBUTED", False)}
+    assert dist == {"zero", "pipeline_parallel"}
+
+
+def test_closed_forms_match_torch_and_the_papers():
+    import torch
+
+    for v in (1e-8, 3e-8, 6e-8, 1e-5, 0.1, 123.456, 65504.0, 65519.0, 65520.0, 70000.0):
+        assert exercises.fp16_round(v) == torch.tensor(v).half().item(), v
+    assert exercises.ring_allreduce_bytes(1000, 2) == 1000 and exercises.ring_allreduce_bytes(800, 4) == 1200
+    assert exercises.tensor_core_friendly(4096, 4096, 8) and not exercises.tensor_core_friendly(4095, 4096, 8)
+
+
+def test_bad_input_is_one_line_naming_the_valid_choices():
+    with pytest.raises(ConfigError, match="valid: peak_memory"):
+        exercises.get("nope")
+    with pytest.raises(ConfigError, match="valid: compute-bound, memory-bound"):
+        exercises.parse_prediction(exercises.get("roofline_bound"), "fast")
+    with pytest.raises(ConfigError, match="finite number in MiB"):
+        exercises.parse_prediction(exercises.get("peak_memory"), "lots")
+    with pytest.raises(ConfigError, match="enter a prediction"):
+        exercises.check("peak_memory", None, device="cpu")
+
+
+@pytest.mark.parametrize("key", list(exercises.EXERCISES))
+def test_solution_graded_correct_and_a_wrong_prediction_graded_wrong(key, shared_runs):
+    ex = exercises.get(key)
+    right = exercises.check(key, solution=True, device="cpu", runs_dir=shared_runs)
+    assert right.correct, right.report()
+    assert "reused" in right.source  # the session's measurement, not a new run
+    report = right.report()
+    assert report.startswith("Graded: correct") and "{" not in report and "n/a" not in report, report
+    if ex.graded_against == "formula" and not ex.choices:  # the answer is not the measurement
+        assert right.reference == exercises.reference_answer(key, "cpu")
+    wrong = exercises.check(key, wrong_answer(ex), device="cpu", runs_dir=shared_runs)
+    assert not wrong.correct and wrong.report().startswith("Graded: wrong"), wrong.report()
+
+
+def test_measurement_graded_exercises_say_so(shared_runs):
+    out = exercises.check("kv_speedup", "the cached run", device="cpu", runs_dir=shared_runs)
+    assert "graded against the measurement: there is no formula" in out.report()
+
+
+def test_widget_grades_what_is_entered(shared_runs, capsys):
+    pytest.importorskip("ipywidgets")
+    panel = exercises.widget("roofline_bound", device="cpu", runs_dir=shared_runs)
+    box, button = panel.children[0].children
+    assert tuple(box.options) == exercises.get("roofline_bound").choices
+    box.value = next(c for c in box.options if c != exercises.reference_answer("roofline_bound", "cpu"))
+    button.click()  # outside a kernel the Output widget lets the report through to stdout
+    assert "Graded: wrong" in capsys.readouterr().out
+    number = exercises.widget("peak_memory", device="cpu", runs_dir=shared_runs).children[0].children[0]
+    assert type(number).__name__ == "FloatText"
+
+
+def test_tolerance_edges():
+    ex = exercises.get("peak_memory")
+    ref = exercises.reference_answer("peak_memory", "cpu")
+    assert exercises.grade(ex, ref * 1.149, ref) and not exercises.grade(ex, ref * 1.151, ref)
+    assert not math.isnan(ex.tolerance(ref))
+
+
+def run_notebook(path, out_dir, runs_dir):
+    import papermill as pm
+
+    out = out_dir / path.name
+    pm.execute_notebook(str(path), str(out), parameters={"solution": True, "interactive": False,
+                                                         "device": "cpu", "runs_dir": runs_dir},
+                        kernel_name="python3", progress_bar=False, store_widget_state=False)
+    return out
+
+
+def test_every_exercise_notebook_in_solution_mode(shared_runs, tmp_path):
+    pytest.importorskip("papermill")
+    import nbformat
+
+    paths = sorted(ROOT.glob("*.ipynb"))
+    assert {p.stem.split("_", 1)[1] for p in paths} == set(exercises.EXERCISES)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda p: run_notebook(p, tmp_path, shared_runs), paths))
+    for out in outs:
+        nb = nbformat.read(out, as_version=4)
+        text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+        assert "Graded: correct" in text and "reused" in text, (out.name, text[-2000:])
+
+
+def test_an_exercise_notebook_by_default_asks_for_a_prediction(tmp_path):
+    """What a learner opens: no prediction yet, so nothing is graded or run; the box is shown."""
+    pytest.importorskip("papermill")
+    import nbformat
+    import papermill as pm
+
+    out = tmp_path / "default.ipynb"
+    pm.execute_notebook(str(next(iter(sorted(ROOT.glob("*.ipynb"))))), str(out), kernel_name="python3",
+                        parameters={"device": "cpu"}, progress_bar=False, store_widget_state=False)
+    outputs = [o for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "Enter your prediction" in text and "Graded" not in text
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
+
+
+def test_notebooks_committed_clean_with_one_parameters_cell():
+    import nbformat
+
+    for path in sorted(ROOT.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, path
+        assert "prediction = None  #" in tagged[0].source and "solution = False  #" in tagged[0].source
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), path
