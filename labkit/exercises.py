@@ -26,16 +26,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from labkit import planner
+from labkit import planner, quiz
 from labkit.config import MODELS, ConfigError, RunConfig
 from labkit.experiment import plan_points, run_experiment
 from labkit.results import load_runs
 from labkit.techniques import get_experiment
 
 MiB, KiB = 2**20, 2**10
-TOPICS = ("memory and batch optimization", "mixed precision", "parallelism techniques",
-          "multi-GPU and distributed setups", "performance profiling and troubleshooting",
-          "inference optimization", "troubleshooting lab")
+# The quiz's topics (defined once, in labkit.quiz), in this order, plus the troubleshooting lab.
+TOPICS = (*(quiz.TOPICS[k] for k in ("memory", "precision", "parallelism", "distributed", "profiling",
+                                     "inference")), "Troubleshooting lab")
 SOURCES = {"formula": "from the formula, computed before the measurement",
            "measurement": "the textbook answer from the FLOP count, graded against the measurement",
            "fault": "the fault built into the setup"}

@@ -34,7 +34,7 @@ def test_counts_topics_and_fields():
     assert len(exercises.EXERCISES) >= 30
     topics = {ex.topic for ex in exercises.EXERCISES.values()}
     assert topics == set(exercises.TOPICS)
-    assert sum(ex.topic == "troubleshooting lab" for ex in exercises.EXERCISES.values()) >= 6
+    assert sum(ex.topic == "Troubleshooting lab" for ex in exercises.EXERCISES.values()) >= 6
     for ex in exercises.EXERCISES.values():
         assert ex.run in exercises.RUNS and ex.scenario and ex.question and ex.why
         assert ex.graded_against in ("formula", "measurement", "fault")
