@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import gc
 import weakref
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,6 +25,18 @@ from labkit import hardware
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; any other tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (nested tuples, lists, dicts): what pytree's
+    `tree_leaves` finds, several times faster, which matters once per dispatched op."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in tensors_in(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in tensors_in(x)]
+    return []
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -101,11 +113,9 @@ class LiveTensorTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         # An output on an input's storage (a view, an in-place op) allocated nothing; without this,
         # a view of a tensor made before the mode (a parameter's .t()) would count as new.
-        inputs = {st._cdata for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t, inputs)
+        inputs = {st._cdata for t in tensors_in((args, kwargs)) if (st := _storage(t)) is not None}
+        for t in tensors_in(out):
+            self._track(t, inputs)
         return out
 
     def _track(self, t: torch.Tensor, inputs: set[int] = frozenset()) -> None:
