@@ -40,10 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, metavar="N",
                      help="ranks of a multi-process experiment (default: one per visible GPU, "
                           "else 2 CPU ranks; under torchrun: its world size)")
-    res = sub.add_parser("results", help="stored results")
-    res.add_argument("--experiment")
+    res = sub.add_parser("results", help="stored results; export or import a bundle of them",
+                         description="labkit results [show]: the stored rows. labkit results export "
+                         "--out FILE.zip: the run files and a manifest with a checksum per file. "
+                         "labkit results import FILE.zip: add a bundle's runs (exit 2, nothing "
+                         "written, when it is corrupted).")
+    res.add_argument("action", nargs="?", default="show", choices=("show", "export", "import"))
+    res.add_argument("bundle", nargs="?", help="import: the bundle to add")
+    res.add_argument("--experiment", help="only this experiment's runs (show, export)")
+    res.add_argument("--participant", help="export: only this participant's runs")
+    res.add_argument("--out", help="export: the bundle to write (a .zip)")
     res.add_argument("--run-id")
-    res.add_argument("--runs-dir")
+    res.add_argument("--runs-dir", help="the store (default: $LABKIT_RUNS_DIR or runs/)")
     res.add_argument("--json", action="store_true")
     rep = sub.add_parser("report", help="execute the notebooks (papermill, report mode) and render "
                          "them to offline HTML pages with an index",
@@ -235,6 +243,8 @@ def _print_result(result, as_json: bool) -> None:
 def cmd_results(args: argparse.Namespace) -> int:
     from labkit.results import format_rows, load_results
 
+    if args.action != "show" or args.bundle:
+        return _results_bundle(args)
     frame = load_results(args.runs_dir, experiment=args.experiment, run_id=args.run_id)
     if args.json:
         frame = frame.astype(object).where(frame.notna(), None)  # missing -> null, never NaN
@@ -247,6 +257,32 @@ def cmd_results(args: argparse.Namespace) -> int:
     for run_id, rows in frame.groupby("run_id", sort=False):
         print(f"== {run_id}")
         print(format_rows(rows.to_dict(orient="records")))
+    return 0
+
+
+def _results_bundle(args: argparse.Namespace) -> int:
+    """`labkit results export|import`: a corrupted or absent bundle is one line, exit 2."""
+    from labkit.results import BundleError, export_bundle, import_bundle, runs_dir
+
+    if args.action == "export":
+        if not args.out or args.bundle:
+            raise ConfigError("results export writes one bundle: give --out FILE.zip (no other name)")
+        m = export_bundle(args.out, args.runs_dir, experiment=args.experiment,
+                          participant=args.participant)
+        c = m["counts"]
+        print(f"exported {c['runs']} runs ({c['rows']} rows, {c['files']} files) from "
+              f"{runs_dir(args.runs_dir)} to {args.out}")
+        return 0
+    if args.action != "import" or not args.bundle or args.out:
+        raise ConfigError("give: labkit results export --out FILE.zip, or labkit results import FILE.zip")
+    try:
+        done = import_bundle(args.bundle, args.runs_dir)
+    except BundleError as e:
+        raise ConfigError(str(e)) from None
+    print(f"imported {args.bundle} into {runs_dir(args.runs_dir)}: {done['added']} added, "
+          f"{done['updated']} updated, {done['unchanged']} already there"
+          + (f"; kept {len(done['kept'])} differing files already there: {', '.join(done['kept'])}"
+             if done["kept"] else ""))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -33,6 +34,25 @@ def knob(default: Any, *, help: str = "", min: float | None = None, max: float |
     """A dataclass field with its help text and valid range (read by resolve() and the widgets)."""
     meta = {"help": help, "min": min, "max": max, "choices": choices}
     return field(default=default, metadata=meta)
+
+
+# A participant's or team's name: short and printable (it is shown in tables and stored in runs).
+NAME_RE = re.compile(r"[\w .@'-]{0,40}")
+
+
+def name_knob(env_var: str, *, help: str) -> Any:
+    """A name field whose default is read from `env_var` (empty when unset) each time a config
+    is made, so `LABKIT_PARTICIPANT=ana labkit run ...` names every run of that shell."""
+    return field(default_factory=lambda: os.environ.get(env_var, "").strip(),
+                 metadata={"help": f"{help} (default: ${env_var})", "name": True})
+
+
+def check_name(name: str, value: str) -> str:
+    """`value` if it is a short printable name, else one ConfigError line saying what is valid."""
+    if not NAME_RE.fullmatch(value):
+        raise ConfigError(f"{name}={value[:60]!r} is not a valid name; valid: up to 40 letters, "
+                          "digits, spaces and . _ - @ '")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +163,9 @@ class RunConfig:
                                            help="virtual memory budget: OOM past it")
     warmup: int = knob(1, min=0, help="untimed calls before timing")
     min_run_time_s: float = knob(0.5, min=0.0, help="timing: least total time measured")
+    # Who ran it (a workshop's leaderboard): stored in every row's params; checked by resolve().
+    participant: str = name_knob("LABKIT_PARTICIPANT", help="your name on the leaderboard")
+    team: str = name_knob("LABKIT_TEAM", help="your team on the leaderboard")
     model: ModelConfig | None = None
     uses_seq_len: typing.ClassVar[bool] = True  # False where an experiment never reads seq_len
 
@@ -282,6 +305,9 @@ def resolve(config_cls: type[RunConfig], preset: str | None = None,
     cfg = dataclasses.replace(cfg, preset=preset, device=device, model=model,
                               dtype=DTYPE_ALIASES[cfg.dtype])
     _check_lengths(cfg)
+    for f in dataclasses.fields(cfg):  # names from overrides and from the environment
+        if f.metadata.get("name"):
+            check_name(f.name, getattr(cfg, f.name))
     return cfg
 
 

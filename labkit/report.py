@@ -6,9 +6,10 @@ The report folder holds:
 - `<stem>.ipynb`: each executed notebook (kept when it failed: the error is in it);
 - `<stem>.html`: each executed notebook rendered by nbconvert (the partial one too);
 - `plotly.min.js`: plotly.js, shipped once; every page loads it with a relative `<script>`;
-- `index.html`: provenance (device, versions, commit, date), every notebook's status, time and
-  page (a failed one with its error's last line), and each experiment's headline numbers,
-  measured beside predicted, read from the runs the notebooks stored in this report;
+- `index.html` (written by `labkit.report_index`): provenance (device, versions, commit, date),
+  every notebook's status, time and page (a failed one with its error's last line), and each
+  experiment's headline numbers, measured beside predicted, read from the runs the notebooks
+  stored in this report;
 - `results.csv` and `summary.md`: those runs' rows as a table and as text;
 - `runs/`: the results store (unless `runs_dir` names another);
 - `logs/<stem>.log`: what each notebook's kernel (and its ranks) wrote to stderr.
@@ -35,23 +36,19 @@ store, so they start once every other notebook has finished.
 from __future__ import annotations
 
 import dataclasses
-import html
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 
 from labkit import hardware
 from labkit.config import ConfigError
-from labkit.results import expand_row, format_rows, format_value, load_runs, now
+from labkit.results import now
 
 NOTEBOOKS_DIR = hardware.REPO_DIR / "notebooks"
 LAST_FROM = 90  # 99_compare and later read the runs the others store
@@ -178,6 +175,8 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
     for run in report.notebooks:
         run.status, run.error, run.seconds = jobs_done[run.stem]
     report.seconds = time.perf_counter() - t0
+    from labkit.report_index import write_outputs
+
     write_outputs(report, runs_dir, started, {k: v for k, v in common.items() if k != "runs_dir"})
     return report
 
@@ -282,150 +281,3 @@ def notebook_title(path: Path) -> str:
     nb = nbformat.read(path, as_version=4)
     text = next((c.source for c in nb.cells if c.cell_type == "markdown"), path.stem)
     return (text.strip().splitlines() or [path.stem])[0].lstrip("# ").strip()
-
-
-# --- what the notebooks stored: the headline numbers
-
-
-def report_frames(runs_dir: Path, since: str) -> dict[str, pd.DataFrame]:
-    """Each experiment's main run stored since `since`, as rows: the run with the most rows (a
-    notebook's sweep; side checks, such as the planner notebook's, run fewer variants)."""
-    records = [r for r in load_runs(runs_dir) if r["timestamp"] >= since]
-    main: dict[str, dict] = {}
-    for record in records:
-        best = main.get(record["experiment"])
-        if best is None or len(record["rows"]) > len(best["rows"]):
-            main[record["experiment"]] = record
-    return {name: pd.DataFrame([expand_row(row, rec) for row in rec["rows"]])
-            for name, rec in sorted(main.items())}
-
-
-def _formatted(metric: str, value: Any, unit: str) -> str:
-    unit = "" if metric.endswith(("_bytes", "flops", "_per_token")) else unit
-    return f"{format_value(metric, value)} {unit}".strip()
-
-
-def headline_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Rank 0's measured values that have a prediction, beside it, one line per variant, sweep
-    point and metric."""
-    from labkit import viz
-
-    rows = frame[(frame["status"] == "ok") & frame["metric"].notna() & frame["predicted"].notna()
-                 & (frame["rank"].fillna(0) == 0)]
-    ratio = rows["value"] / rows["predicted"].where(rows["predicted"] != 0)
-    keys = list(zip(rows["metric"], rows["unit"]))
-    return pd.DataFrame({
-        "variant": viz.point_labels(rows) if len(rows) else [],
-        "metric": rows["metric"],
-        "measured": [_formatted(m, v, u) for (m, u), v in zip(keys, rows["value"])],
-        "predicted": [_formatted(m, v, u) for (m, u), v in zip(keys, rows["predicted"])],
-        "measured / predicted": ratio.map(lambda r: "" if pd.isna(r) else f"{r:.3g}"),
-    }).reset_index(drop=True)
-
-
-def ratio_figure(frames: dict[str, pd.DataFrame]):
-    """Measured over predicted for every headline number, one column of points per experiment."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    for name, frame in frames.items():
-        rows = frame[(frame["status"] == "ok") & frame["predicted"].notna()
-                     & (frame["predicted"] != 0) & (frame["rank"].fillna(0) == 0)]
-        rows = rows[rows["value"] / rows["predicted"] > 0]
-        fig.add_scatter(x=[name] * len(rows), y=rows["value"] / rows["predicted"], mode="markers",
-                        name=name, hovertext=rows["variant"] + " " + rows["metric"], showlegend=False)
-    fig.add_hline(y=1, line_dash="dash", line_color="grey")
-    fig.update_layout(title="measured / predicted (1: as predicted)", yaxis_type="log", height=420)
-    return fig
-
-
-# --- the files
-
-
-def write_outputs(report: Report, runs_dir: Path, since: str, settings: dict[str, Any]) -> None:
-    from plotly.offline import get_plotlyjs
-
-    frames = report_frames(runs_dir, since)
-    (report.out / "plotly.min.js").write_text(get_plotlyjs())
-    if frames:
-        table = pd.concat(frames.values(), ignore_index=True)
-        table.drop(columns=["params", "env"]).to_csv(report.out / "results.csv", index=False)
-    (report.out / "summary.md").write_text(summary_markdown(report, frames))
-    (report.out / "index.html").write_text(index_html(report, frames, settings))
-
-
-def summary_markdown(report: Report, frames: dict[str, pd.DataFrame]) -> str:
-    parts = ["# labkit report", "", "```", hardware.describe(), "```", ""]
-    parts += [f"- {n.stem}: {n.status} in {n.seconds:.1f} s" + (f": {n.error}" if n.error else "")
-              for n in report.notebooks]
-    for name, frame in frames.items():
-        parts += ["", f"## {name}", "", "```", format_rows(frame.to_dict(orient="records")), "```"]
-    return "\n".join(parts) + "\n"
-
-
-def provenance() -> dict[str, str]:
-    fp = hardware.fingerprint()
-    versions = {name: _version(name) for name in ("plotly", "papermill", "nbconvert", "pandas")}
-    return {"date": now(), "device": fp["device"], "torch": fp["torch"], "python": platform.python_version(),
-            "git commit": fp.get("git_commit") or "none", "cuda": fp.get("cuda") or "none",
-            **versions}
-
-
-def _version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:72em;color:#222}
-table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left}
-.ok{color:#1b7f3b}.failed{color:#c0392b;font-weight:bold}
-pre{background:#f6f6f6;padding:.6em;white-space:pre-wrap}"""
-
-
-def index_html(report: Report, frames: dict[str, pd.DataFrame], settings: dict[str, Any]) -> str:
-    """The index page: provenance, the notebooks, the headline numbers."""
-    esc = html.escape
-    shown = {k: ", ".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else str(v)
-             for k, v in settings.items() if v not in (None, {})}
-    facts = {**provenance(), **shown,
-             "notebooks": f"{len(report.notebooks)} run, {len(report.failed)} failed, "
-                          f"{report.seconds:.0f} s in all"}
-    rows = "".join(
-        f"<tr><td><a href='{esc(n.stem)}.html'>{esc(n.stem)}</a></td><td>{esc(n.title)}</td>"
-        f"<td class='{esc(n.status)}'>{esc(n.status)}</td><td>{n.seconds:.1f} s</td>"
-        f"<td>{esc(n.error or n.note)}</td><td><a href='{esc(n.stem)}.ipynb'>.ipynb</a></td></tr>"
-        for n in report.notebooks)
-    pages = {n.stem.split("_", 1)[-1]: n.stem for n in report.notebooks}
-    sections = "".join(_experiment_html(name, frame, pages.get(name)) for name, frame in frames.items())
-    figure = ratio_figure(frames).to_html(include_plotlyjs=False, full_html=False) if frames else ""
-    return (
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>labkit report</title>"
-        f"<script src='plotly.min.js'></script><style>{STYLE}</style></head><body>"
-        "<h1>labkit report</h1><h2>Provenance</h2><table>"
-        + "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts.items())
-        + f"</table><pre>{esc(hardware.describe())}</pre>"
-        "<h2>Notebooks</h2><table><tr><th>notebook</th><th>title</th><th>status</th><th>time</th>"
-        f"<th>error or note</th><th>executed</th></tr>{rows}</table>"
-        f"<h2>Headline numbers: measured beside predicted</h2>{figure}"
-        f"{sections or '<p>no runs were stored</p>'}</body></html>")
-
-
-def _experiment_html(name: str, frame: pd.DataFrame, page: str | None) -> str:
-    """One experiment's headline table, folded under a line: how many numbers, how many variants
-    did not run, a link to its notebook's page."""
-    table, esc = headline_table(frame), html.escape
-    skipped = frame[frame["status"] != "ok"]["variant"].nunique()
-    link = f" (<a href='{esc(page)}.html'>{esc(page)}</a>)" if page else ""
-    return (f"<details id='{esc(name)}'><summary><b>{esc(name)}</b>{link}: {len(table)} numbers "
-            f"measured beside predicted; {skipped} variant(s) not run</summary>"
-            f"{table.to_html(index=False, border=0)}{_not_run_html(frame)}</details>")
-
-
-def _not_run_html(frame: pd.DataFrame) -> str:
-    bad = frame[frame["status"] != "ok"].drop_duplicates("variant")
-    items = "".join(f"<li>{html.escape(str(r.variant))}: {html.escape(str(r.status))}"
-                    f"{': ' + html.escape(str(r.message)) if isinstance(r.message, str) else ''}</li>"
-                    for r in bad.itertuples())
-    return f"<p>not run:</p><ul>{items}</ul>" if items else ""

@@ -1,14 +1,26 @@
 """The results store: one JSON file per run under `runs/` (or `--runs-dir`, or `LABKIT_RUNS_DIR`),
 rewritten atomically after every sweep point, so a crash keeps what was measured and many
-processes can write at once (each run has its own file; a reader never sees half a file)."""
+processes can write at once (each run has its own file; a reader never sees half a file).
+
+A workshop shares one folder (a shared disk: NFS, SMB, a hub's shared volume) between many
+participants' processes and machines. Nothing is appended to a common file, so no lock is needed:
+each run's file name is its run id, which holds the host name and the process id (unique at one
+moment on one host) plus random bits, and each save is a write to a temporary file in the same
+folder, then a rename (atomic on a POSIX file system, NFS included). Machines that share nothing
+exchange results as a bundle (`export_bundle` / `import_bundle`): a zip of run files plus a
+manifest with each file's SHA-256, checked before anything is written."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
+import re
 import secrets
+import socket
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +38,21 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def host_tag() -> str:
+    """This machine's name in letters and digits only (a run id is also a file name)."""
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:16] or "host"
+
+
 def new_run_id(experiment: str) -> str:
-    """Unique across processes and machines: time, experiment, pid and random bits."""
+    """Unique across processes and machines writing to one folder: time, experiment, host, pid
+    (one process on one host at a time) and random bits (hosts with the same name)."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    return f"{stamp}-{experiment}-{os.getpid()}-{secrets.token_hex(3)}"
+    return f"{stamp}-{experiment}-{host_tag()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-UNIT_SUFFIXES = (("_steps", "steps"), ("_ms", "ms"), ("_bytes_per_token", "bytes/token"), ("_bytes", "bytes"), ("_fraction", "fraction"), ("_pct", "%"),
-                 ("tflops", "TFLOP/s"), ("gbps", "GB/s"), ("flops", "FLOP"), ("_s", "s"))
+UNIT_SUFFIXES = (("_steps", "steps"), ("_ms", "ms"), ("_bytes_per_token", "bytes/token"), ("_bytes", "bytes"),
+                 ("_fraction", "fraction"), ("_pct", "%"), ("tflops", "TFLOP/s"), ("gbps", "GB/s"),
+                 ("flops", "FLOP"), ("_s", "s"))
 
 
 def unit_of(metric: str) -> str:
@@ -44,13 +63,17 @@ def unit_of(metric: str) -> str:
     return next((unit for suffix, unit in UNIT_SUFFIXES if metric.endswith(suffix)), "")
 
 
-def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
-    """Write to a temporary file in the same folder, then rename it into place."""
+def write_json_atomic(path: Path, record: dict[str, Any] | bytes) -> None:
+    """Write to a temporary file in the same folder, then rename it into place. `record`: a dict
+    (saved as JSON) or the bytes of a file (an imported run, kept byte for byte)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, default=str)
+        with os.fdopen(fd, "wb" if isinstance(record, bytes) else "w") as f:
+            if isinstance(record, bytes):
+                f.write(record)
+            else:
+                json.dump(record, f, default=str)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -168,6 +191,117 @@ def load_results(directory: str | os.PathLike | None = None, *, experiment: str 
         flat = pd.json_normalize(frame["params"].tolist(), sep=".").set_index(frame.index)
         frame = frame.join(flat[[c for c in flat.columns if c not in frame.columns]])
     return frame
+
+
+# --- Bundles: results carried between machines that share no folder ---------------------------
+
+BUNDLE_FORMAT = "labkit-results-bundle/1"
+MANIFEST = "manifest.json"
+RUN_FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\.json")  # a plain file name: no folders
+
+
+class BundleError(ValueError):
+    """A file that is not a labkit bundle, or whose run files do not match its manifest."""
+
+
+def _as_record(data: bytes) -> dict[str, Any] | None:
+    """The run record in a file's bytes, or None when they hold none."""
+    try:
+        record = json.loads(data)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return None
+    ok = isinstance(record, dict) and {"run_id", "timestamp", "experiment", "rows"} <= set(record)
+    return record if ok else None
+
+
+def export_bundle(out: str | os.PathLike, directory: str | os.PathLike | None = None, *,
+                  experiment: str | None = None, participant: str | None = None) -> dict[str, Any]:
+    """Write the run files of the store (those of `experiment`, of `participant`: None is all)
+    into the zip `out` under `runs/`, with `manifest.json`: format, date, host, filters, counts
+    and each file's SHA-256. Each file is read once, so what is hashed is what is stored."""
+    folder, files = runs_dir(directory), []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        data = path.read_bytes()
+        record = _as_record(data)
+        if record is None or experiment not in (None, record["experiment"]):
+            continue
+        if participant not in (None, (record.get("config") or {}).get("participant", "")):
+            continue
+        files.append({"name": path.name, "sha256": hashlib.sha256(data).hexdigest(),
+                      "bytes": len(data), "run_id": record["run_id"], "rows": len(record["rows"]),
+                      "data": data})
+    manifest = {"format": BUNDLE_FORMAT, "created": now(), "host": socket.gethostname(),
+                "filters": {"experiment": experiment, "participant": participant},
+                "counts": {"files": len(files), "runs": len({f["run_id"] for f in files}),
+                           "rows": sum(f["rows"] for f in files)},
+                "files": [{k: v for k, v in f.items() if k != "data"} for f in files]}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(MANIFEST, json.dumps(manifest, indent=1))
+        for f in files:
+            z.writestr(f"runs/{f['name']}", f["data"])
+    os.replace(tmp, out)
+    return manifest
+
+
+def read_bundle(bundle: str | os.PathLike) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The manifest and the run files (name -> bytes) of `bundle`, every check passed: a zip
+    (CRCs intact), a labkit manifest, exactly the files it lists, each with its SHA-256 and
+    holding a run record. Anything else: one BundleError line."""
+    try:
+        with zipfile.ZipFile(bundle) as z:
+            manifest = json.loads(z.read(MANIFEST))
+            members = {n.removeprefix("runs/"): z.read(n) for n in z.namelist() if n != MANIFEST}
+    except FileNotFoundError:
+        raise BundleError(f"no bundle at {bundle}") from None
+    except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as e:
+        raise BundleError(f"{bundle} is corrupted or not a labkit bundle ({e}); nothing was "
+                          "imported") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{bundle}: not a labkit results bundle (format {BUNDLE_FORMAT} expected)")
+    listed = {e.get("name"): e.get("sha256") for e in manifest.get("files", []) if isinstance(e, dict)}
+    for name in sorted(set(listed) | set(members), key=str):
+        problem = ("is not in the manifest" if name not in listed else "is missing" if name not in members
+                   else "has an unsafe name" if not RUN_FILE_RE.fullmatch(name)
+                   else "does not match its checksum"
+                   if hashlib.sha256(members[name]).hexdigest() != listed[name]
+                   else "holds no run record" if _as_record(members[name]) is None else "")
+        if problem:
+            raise BundleError(f"{bundle} is corrupted: runs/{name} {problem}; nothing was imported")
+    return manifest, members
+
+
+def _continues(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether `new` is the same run as `old`, further along (exported again after more rows)."""
+    if old is None or old["run_id"] != new["run_id"] or len(new["rows"]) < len(old["rows"]):
+        return False
+    finished_before = old.get("status") == "complete" and new.get("status") != "complete"
+    return new["rows"][: len(old["rows"])] == old["rows"] and not finished_before
+
+
+def import_bundle(bundle: str | os.PathLike,
+                  directory: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Add a bundle's run files to the store once it has passed every check (read_bundle).
+    A file already there with the same bytes is skipped; one that the bundle's copy continues
+    (the same run with more rows) is replaced; any other file of the same name is kept, and named
+    in `kept`. Each file is written atomically, so importers and writers can run at once."""
+    manifest, files = read_bundle(bundle)
+    folder = runs_dir(directory)
+    outcome: dict[str, Any] = {"added": 0, "updated": 0, "unchanged": 0, "kept": [],
+                               "source": manifest.get("host"), "created": manifest.get("created")}
+    for name, data in sorted(files.items()):
+        target = folder / name
+        old = target.read_bytes() if target.exists() else None
+        if old == data:
+            outcome["unchanged"] += 1
+        elif old is None or _continues(_as_record(old), _as_record(data)):
+            write_json_atomic(target, data)
+            outcome["added" if old is None else "updated"] += 1
+        else:
+            outcome["kept"].append(name)
+    return outcome
 
 
 def format_value(metric: str | None, value: Any) -> str:

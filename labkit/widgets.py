@@ -53,6 +53,8 @@ def field_widget(f: dataclasses.Field, hint: Any) -> W.Widget | None:
                                "style": {"description_width": "initial"}}
     if meta.get("choices"):
         return W.Dropdown(options=list(meta["choices"]), value=f.default, **label)
+    if meta.get("name"):  # participant, team: filled by load() (their default is $LABKIT_...)
+        return W.Text(value="", placeholder="your name" if f.name == "participant" else "team", **label)
     if hint is bool:
         return W.Checkbox(value=f.default, **label)
     lo, hi = meta.get("min"), meta.get("max")

@@ -492,6 +492,71 @@ interactive = True  # show the panels: pick runs, enter prices, try other fit se
 
 NOTEBOOKS["99_compare.ipynb"] = compare_notebook()
 
+
+def leaderboard_notebook() -> nbformat.NotebookNode:
+    """A workshop's runs side by side and the best per challenge, from a shared folder (or bundles
+    imported into one). labkit.leaderboard holds the logic; every cell copes with an empty store."""
+    parameters = '''runs_dir = None  # the room's shared folder (None: $LABKIT_RUNS_DIR or ./runs)
+# metric: tokens_per_s, useful_tokens_per_s, requests_per_s, tflops, gbps, step_ms, peak_mem_bytes,
+# bubble_fraction
+metric = "tokens_per_s"  # what the side-by-side tables and the bars rank
+preset = None  # only runs at this preset (tiny, small, medium, ...); None: every preset
+interactive = True  # the live panel: choose the metric and grouping, Refresh as the room runs'''
+    look_for = (
+        "## What to look for\n\n"
+        "- **Provenance**: every number names its run (`run_id`: the file in the shared folder), "
+        "who ran it (participant, team: `LABKIT_PARTICIPANT`, `LABKIT_TEAM` or `--set "
+        "participant=...`), the machine (from the run's stored fingerprint, not from what anyone "
+        "typed), the date and the preset. A surprising number is checked by opening that run.\n"
+        "- **Fair comparisons**: runs compete only at the same preset, and the memory challenges "
+        "only at the same batch size and sequence length: less work is not a better technique.\n"
+        "- **Machines differ more than techniques**: the same variant is many times faster on a "
+        "GPU than on a laptop CPU. Compare techniques within one machine column, machines within "
+        "one technique row; memory (bytes of tensors) should agree across machines.\n"
+        "- **Unnamed runs** are shown as (unnamed): set your name before running.")
+    return new_notebook(metadata=KERNEL, cells=[
+        new_markdown_cell(
+            "# 98 · Workshop leaderboard\n\nEvery participant's stored runs, read from the room's "
+            "shared folder: side by side by machine (GPU or CPU, from each run's fingerprint) and "
+            "by technique (experiment/variant), the best configuration for each challenge, and "
+            "each number's provenance. For machines that share no folder, import their bundles "
+            "first: `labkit results import bundle.zip --runs-dir SHARED`. A facilitator's static "
+            "copy: `labkit report --only 98_leaderboard --runs-dir SHARED`."),
+        new_code_cell(parameters, metadata={"tags": ["parameters"]}),
+        new_markdown_cell("## Who has run what"),
+        new_code_cell("import pandas as pd\n\n"
+                      "from labkit import leaderboard as lb\n"
+                      "from labkit.results import runs_dir as store\n\n"
+                      "pd.set_option('display.float_format', '{:,.4g}'.format)\n"
+                      "rows = lb.load_board(runs_dir, preset)\n"
+                      "people, machines = sorted(set(rows['participant'])), rows['machine'].nunique()\n"
+                      'print(f"{rows[\'run_id\'].nunique()} runs, {len(rows)} measurements by "\n'
+                      "      f\"{len(people)} participants ({', '.join(people) or 'none yet'}) on \"\n"
+                      '      f"{machines} machines, read from {store(runs_dir).resolve()}")'),
+        new_markdown_cell("## The challenges and the best configuration for each\n\nOne row per "
+                          "challenge and comparison group (`group`: the preset and the settings held "
+                          "fixed); `entries`: the measurements that competed; `task`: what to try."),
+        new_code_cell("lb.best_per_challenge(rows)"),
+        new_markdown_cell("## Side by side by machine: each technique's best `metric` on each machine"),
+        new_code_cell("lb.side_by_side(rows, metric, by='machine')"),
+        new_markdown_cell("## Side by side by participant"),
+        new_code_cell("lb.side_by_side(rows, metric, by='participant')"),
+        new_markdown_cell("## Every participant's best, with its provenance"),
+        new_code_cell("best = lb.entries(rows, metric)\n"
+                      "if best.empty:\n"
+                      "    print(f'no {metric} measured yet: run an experiment that measures it')\n"
+                      "else:\n"
+                      "    lb.figure(rows, metric).show()\n"
+                      "best"),
+        new_markdown_cell("## Live: refresh as the room runs"),
+        new_code_cell("if interactive:\n"
+                      "    display(lb.leaderboard_panel(runs_dir, metric, preset))"),
+        new_markdown_cell(look_for),
+    ])
+
+
+NOTEBOOKS["98_leaderboard.ipynb"] = leaderboard_notebook()
+
 QUIZ_PARAMETERS = '''topic = "all"  # all, memory, parallelism, distributed, profiling, inference, precision
 n = 10  # questions per quiz
 seed = None  # a number: the same questions every time (a class drawing one quiz)
