@@ -8,10 +8,11 @@ from plotly.subplots import make_subplots
 
 MEMORY_METRICS = ("peak_mem_bytes", "param_bytes", "optimizer_bytes", "activation_bytes",
                   "saved_weight_copy_bytes", "kv_bytes")
-THROUGHPUT_METRICS = ("tokens_per_s", "useful_tokens_per_s", "requests_per_s")
+# The first one a run measured is its throughput; kernels (matmul, copies) measure only rates.
+THROUGHPUT_METRICS = ("tokens_per_s", "useful_tokens_per_s", "requests_per_s", "tflops", "gbps")
 COLORS = dict(zip(MEMORY_METRICS + THROUGHPUT_METRICS,
                   ("#264653", "#e76f51", "#8e7dbe", "#457b9d", "#f4a261", "#e9c46a", "#2a9d8f",
-                   "#2a9d8f", "#2a9d8f")))
+                   "#2a9d8f", "#2a9d8f", "#2a9d8f", "#2a9d8f")))
 MIB = 2**20
 
 

@@ -168,7 +168,7 @@ class Panel:
             W.GridBox(list(self.controls.values()),
                       layout=W.Layout(grid_template_columns="repeat(3, 1fr)")),
             W.HBox([self.run_button, self.stop_button, self.status]),
-            W.HBox([self.figure, self.monitor_figure]), self.output])
+            self.figure, self.monitor_figure, self.output])  # stacked: both at full width
 
     def load(self, overrides: dict[str, Any]) -> None:
         """Fill the controls with the resolved config of the chosen preset (plus `overrides`)."""
