@@ -59,7 +59,10 @@ class Run:
 PRESET = "tiny"
 FAST = {"min_run_time_s": 0.0, "warmup": 0}
 SLOW_STAGE_MS = 40.0  # the troubleshooting lab's injected delay in pipeline stage 0
-DIST = {**FAST, "timed_steps": 2, "seq_len": 16, "num_layers": 2, "timeout_s": 60}
+# Two CPU ranks (gloo) on any machine: the scenarios' per-rank bytes and bubble are the same on
+# every device, and one GPU cannot hold two NCCL ranks. A run's own "device" wins over check()'s.
+DIST = {**FAST, "timed_steps": 2, "seq_len": 16, "num_layers": 2, "timeout_s": 60, "device": "cpu",
+        "nproc": 2}
 RUNS = {
     "mp": Run("mixed_precision", {**FAST, "batch_size": 1, "seq_len": 8, "steps": 1, "num_layers": 2},
               ("fp32", "fp16", "bf16_weights")),
@@ -87,7 +90,7 @@ class Setup:
 
     def __init__(self, run: Run, device: str):
         self.run, self.exp = run, get_experiment(run.experiment)
-        overrides = {**run.overrides, "device": device}
+        overrides = {"device": device, **run.overrides}
         self.points = plan_points(run.experiment, PRESET, overrides, run.sweep or None)
 
     def cfg(self, variant: str | None = None, **point: Any) -> RunConfig:
@@ -236,7 +239,7 @@ def measure(run: Run, device: str = "auto", runs_dir: str | None = None, *,
     if record:
         return Rows(record["rows"], f"stored run {record['run_id']} ({record['timestamp']}, {where}), "
                                     "the same settings on this machine, reused")
-    result = run_experiment(run.experiment, preset=PRESET, overrides={**run.overrides, "device": device},
+    result = run_experiment(run.experiment, preset=PRESET, overrides={"device": device, **run.overrides},
                             sweep=run.sweep or None, variants=list(run.variants),
                             runs_dir=runs_dir, progress=False)
     return Rows(result.rows, f"run {result.run_id} on {where}, measured now")
