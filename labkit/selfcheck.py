@@ -103,15 +103,14 @@ class Check:
     unit: str = ""
 
 
-def value(frame, experiment: str, variant: str, metric: str, column: str = "value",
-          best: str = "max") -> float:
-    """The variant's metric (the best over a sweep); NaN when that row is missing."""
+def value(frame, experiment: str, variant: str, metric: str, column: str = "value") -> float:
+    """The variant's metric (the largest over a sweep); NaN when that row is missing."""
     rows = frame[(frame.experiment == experiment) & (frame.variant == variant)
                  & (frame.metric == metric)]
     values = rows[column].dropna().astype(float)
     if values.empty:
         return math.nan
-    return float(values.max() if best == "max" else values.min())
+    return float(values.max())
 
 
 def ratio(experiment: str, metric: str, top: str, bottom: str) -> Callable[[Any], float]:
@@ -266,7 +265,6 @@ class FamilyOutcome:
     runs: list[dict[str, str]] = field(default_factory=list)
     error: str = ""  # why the process ended badly (its rows still count)
     wall_s: float = 0.0
-    left_out: str = ""
 
 
 def plan(budget_s: float, kind: str) -> tuple[list[str], dict[str, str]]:

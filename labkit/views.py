@@ -167,8 +167,9 @@ def selfcheck_table(mine: dict | None = None, name: str = "h200") -> pd.DataFram
                            f"{name} passed": c.get("passed")} for c in ref["checks"]])
     if mine:
         yours = {(c["experiment"], c["metric"]): c for c in mine["checks"]}
-        table["yours"] = [yours.get(k, {}).get("measured") for k in zip(table.experiment, table.metric)]
-        table["you passed"] = [yours.get(k, {}).get("passed") for k in zip(table.experiment, table.metric)]
+        same = [yours.get(k, {}) for k in zip(table.experiment, table.metric)]
+        table["yours"] = [c.get("measured") for c in same]
+        table["you passed"] = [c.get("passed") for c in same]
     return table
 
 
