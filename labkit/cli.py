@@ -1,7 +1,8 @@
 """The command line: `labkit env | list | run | results | report | plan | selfcheck | ...`.
 
-Bad input is one line on stderr and exit code 2, never a traceback. `--json` prints result rows
-as JSON lines on stdout and nothing else.
+Bad input is one line on stderr and exit code 2, never a traceback: a folder or file to write
+(`--runs-dir`, `--out`, `--trace`) is checked by a write before anything runs. Ctrl-C exits 130.
+`--json` prints result rows as JSON lines on stdout and nothing else.
 """
 from __future__ import annotations
 
@@ -108,8 +109,11 @@ def _add_plan_parser(sub) -> None:
                         description="Exit code: 0 when every check passed or was skipped with a "
                                     "reason, 1 when one failed, 2 on bad input.")
     sc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
-    sc.add_argument("--budget-s", type=float, default=300.0,
-                    help="time for all families; those that do not fit are left out, said so")
+    sc.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for all families (default: 600 on a CPU, which runs a check for "
+                         "every experiment, seven of them multi-process; 300 on a GPU). Runs are "
+                         "sized from the device's measured rates to fit; families that still do "
+                         "not fit are left out, said so")
     sc.add_argument("--out", help="write the checks and the environment as JSON here")
     sc.add_argument("--runs-dir", help="where results are stored (default: $LABKIT_RUNS_DIR or runs/)")
     sc.add_argument("--recheck", metavar="RECORD", help="measure nothing: evaluate today's checks on "
@@ -149,9 +153,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"labkit: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # a path the up-front checks could not foresee (a disk that filled up)
+        print(f"labkit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("labkit: interrupted; rows measured so far are stored", file=sys.stderr)
         return 130
+
+
+def writable_folder(path: str | os.PathLike, option: str, *, named: str | None = None) -> Path:
+    """`path`, created and checked by writing a file in it, before anything runs: a ConfigError
+    line otherwise (a path under /proc, a read-only folder, a file). `named`: the path the user
+    gave, when `path` is its folder."""
+    from labkit.results import probe_folder
+
+    folder = Path(path)
+    try:
+        probe_folder(folder)
+    except OSError as e:
+        where = f"{named}: cannot write in {folder}" if named else f"{folder}: cannot write there"
+        raise ConfigError(f"{option} {where} ({e.strerror or e}); give a path you can write to"
+                          ) from None
+    return folder
+
+
+def writable_file(path: str | os.PathLike, option: str) -> Path:
+    """`path`, a file that can be written: no folder, in a folder that can be written."""
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{option} {target}: it is a folder; give a file name")
+    writable_folder(target.parent, option, named=str(target))
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ConfigError(f"{option} {target}: the file is read-only; give a file you can write")
+    return target
+
+
+def checked_runs_dir(path: str | os.PathLike | None) -> Path:
+    """The runs folder (`--runs-dir`, else $LABKIT_RUNS_DIR, else runs/), checked by a write."""
+    from labkit.results import RunsDirError, writable_runs_dir
+
+    try:
+        return writable_runs_dir(path)
+    except RunsDirError as e:
+        raise ConfigError(str(e)) from None
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -214,11 +258,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         _print_result(e.result, args.json)
         print(f"labkit: error: {e}", file=sys.stderr)
         return 1
+    failed = reference_failure(get_experiment(args.name).REFERENCE, result.rows)
     if os.environ.get("RANK", "0") == "0":
         _print_result(result, args.json)
+        if failed:
+            print(f"labkit: error: {failed}", file=sys.stderr)
+    code = 1 if failed else 0
     if "RANK" in os.environ and getattr(get_experiment(args.name), "DISTRIBUTED", False):
-        distributed.leave(0)  # a torchrun rank, its rows stored: see distributed.leave
-    return 0
+        distributed.leave(code)  # a torchrun rank, its rows stored: see distributed.leave
+    return code
+
+
+def reference_failure(reference: str, rows: list[dict]) -> str:
+    """Why no verdict is possible: the reference's first `error` row (an exception or a failed
+    check), or "" when it has none. `oom` and `skipped` rows are results, the reference's too."""
+    bad = next((r for r in rows if r["variant"] == reference and r["status"] == "error"), None)
+    if bad is None:
+        return ""
+    point = (bad.get("params") or {}).get("sweep") or {}
+    where = f" at {', '.join(f'{k}={v}' for k, v in point.items())}" if point else ""
+    return (f"the reference ({reference}) failed{where}, so no variant can be judged: "
+            f"{bad['message']}")
 
 
 def _check_multiprocess(name: str) -> None:
@@ -262,11 +322,12 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 def _results_bundle(args: argparse.Namespace) -> int:
     """`labkit results export|import`: a corrupted or absent bundle is one line, exit 2."""
-    from labkit.results import BundleError, export_bundle, import_bundle, runs_dir
+    from labkit.results import BundleError, RunsDirError, export_bundle, import_bundle, runs_dir
 
     if args.action == "export":
         if not args.out or args.bundle:
             raise ConfigError("results export writes one bundle: give --out FILE.zip (no other name)")
+        writable_file(args.out, "--out")
         m = export_bundle(args.out, args.runs_dir, experiment=args.experiment,
                           participant=args.participant)
         c = m["counts"]
@@ -275,9 +336,9 @@ def _results_bundle(args: argparse.Namespace) -> int:
         return 0
     if args.action != "import" or not args.bundle or args.out:
         raise ConfigError("give: labkit results export --out FILE.zip, or labkit results import FILE.zip")
-    try:
+    try:  # nothing is written, not even the store, before the bundle has passed its checks
         done = import_bundle(args.bundle, args.runs_dir)
-    except BundleError as e:
+    except (BundleError, RunsDirError) as e:
         raise ConfigError(str(e)) from None
     print(f"imported {args.bundle} into {runs_dir(args.runs_dir)}: {done['added']} added, "
           f"{done['updated']} updated, {done['unchanged']} already there"
@@ -301,6 +362,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs={args.jobs}: give 1 or more")
     overrides = parse_assignments(args.overrides) if args.overrides else {}
     check_settings(list(overrides))  # a setting no experiment takes: exit 2 before anything runs
+    writable_folder(args.out, "--out")
+    checked_runs_dir(args.runs_dir or Path(args.out) / "runs")
     report = run_report(args.out, preset=args.preset, device=args.device, overrides=overrides,
                         runs_dir=args.runs_dir, only=only, jobs=args.jobs,
                         progress=sys.stderr.isatty())
@@ -314,6 +377,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from labkit.experiment import profile_experiment
 
+    writable_file(args.trace, "--trace")
     prof = profile_experiment(args.name, preset=args.preset, variant=args.variant,
                               overrides=_overrides(args), trace_path=args.trace)
     print("\n".join(prof.findings()))
@@ -364,6 +428,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             sizes = [int(v) for v in args.sizes.split(",")]
         except ValueError:
             raise ConfigError(f"--sizes={args.sizes!r}: give integers, e.g. 256,512,1024") from None
+    checked_runs_dir(args.runs_dir)
     print(roofline.summary(roofline.calibrate(args.device or "auto", args.runs_dir, sizes=sizes)))
     return 0
 
@@ -372,11 +437,14 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
     from labkit.config import resolve_device
     from labkit.selfcheck import exit_code, recheck, selfcheck
 
+    if args.out:
+        writable_file(args.out, "--out")
     if args.recheck:
         return exit_code(recheck(args.recheck, args.runs_dir, args.out))
-    if not args.budget_s > 0:
+    if args.budget_s is not None and not args.budget_s > 0:
         raise ConfigError(f"--budget-s={args.budget_s:g}: give a number of seconds above 0")
     resolve_device(args.device)  # an absent device: one line naming the valid ones
+    checked_runs_dir(args.runs_dir)
     return exit_code(selfcheck(args.device, args.budget_s, args.runs_dir, args.out))
 
 
@@ -402,6 +470,7 @@ def cmd_train_reference(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise ConfigError(f"--steps {args.steps} must be at least 1")
         settings["steps"] = args.steps
+    writable_folder(args.out, "--out")
 
     def log(step: int, loss: float) -> None:
         if sys.stderr.isatty() and (step % 100 == 0 or step == settings["steps"] - 1):

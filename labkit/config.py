@@ -113,10 +113,14 @@ _GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "
 PRESET_SIZES: dict[str, dict[str, Any]] = {
     # batch_finder on the CPU searches a virtual budget (there is nothing else to run out of)
     "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1},
-             "batching": {"batch_size": 8},
+             # fp16 and bf16 steps are emulated (15-70x slower than fp32) on a CPU without
+             # AVX-512 FP16/BF16: half the batch keeps the three 16-bit variants to seconds there
+             "mixed_precision": {"batch_size": 2},
+             # a CPU-sized workload; the KV budget holds 5 reserved rows (576 // its longest 104) of 8
+             "batching": {"batch_size": 8, "workload": "short", "kv_budget_tokens": 576},
              # attention's seq_len is its own (no positions); 4096 rows pass the CPU caches
              "attention": {"seq_len": 512}, "fused_kernel": {"rows": 4096},
-             "batch_finder": {"memory_budget_gib": 0.25, "mode": "dynamic"},
+             "batch_finder": {"memory_budget_gib": 0.2, "mode": "dynamic"},
              # 4-way tensor parallel splits the kv heads four ways
              "hybrid": {"num_kv_heads": 4},
              # micro_batches 1, 2, 4 and 8 each split the batch
@@ -157,7 +161,8 @@ class RunConfig:
     attention: str = knob("sdpa", choices=("sdpa", "naive"), help="attention implementation")
     batch_size: int = knob(1, min=1, help="sequences per step")
     seq_len: int = knob(64, min=1, help="tokens per sequence")
-    num_threads: int = knob(1, min=1, help="CPU intra-op threads while timing")
+    num_threads: int = knob(1, min=1, help="CPU intra-op threads while timing (at most the CPU "
+                            "threads this process may use)")
     seed: int = knob(0, min=0, help="seed for weights and data")
     memory_budget_gib: float | None = knob(None, min=0.001,
                                            help="virtual memory budget: OOM past it")
@@ -233,6 +238,25 @@ def _check_range(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
         raise ConfigError(f"{name}={value} is out of range; it must be <= {hi}")
 
 
+def usable_threads() -> int:
+    """The CPU threads this process may run on: its affinity mask where the OS has one (a
+    container or `taskset` may allow fewer than the machine has), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(name: str, value: int) -> int:
+    """`value` if it is 1..usable_threads(), else one ConfigError line naming that range: given
+    far more threads than exist, torch.set_num_threads can crash the process (a segfault)."""
+    limit = usable_threads()
+    if not 1 <= value <= limit:
+        raise ConfigError(f"{name}={value} is out of range; valid: 1..{limit} (the CPU threads "
+                          "this process may use)")
+    return value
+
+
 def resolve_device(name: str) -> str:
     """`auto` -> the default device; refuse unknown or absent devices with the valid choices."""
     present = hardware.available_devices()
@@ -305,6 +329,7 @@ def resolve(config_cls: type[RunConfig], preset: str | None = None,
     cfg = dataclasses.replace(cfg, preset=preset, device=device, model=model,
                               dtype=DTYPE_ALIASES[cfg.dtype])
     _check_lengths(cfg)
+    check_threads("num_threads", cfg.num_threads)
     for f in dataclasses.fields(cfg):  # names from overrides and from the environment
         if f.metadata.get("name"):
             check_name(f.name, getattr(cfg, f.name))

@@ -4,8 +4,12 @@ the rank and the cause.
 
 - Under torchrun (RANK, WORLD_SIZE and MASTER_ADDR are set) this process is one rank: the same
   command runs on one machine, on several (`--nnodes ... --rdzv-endpoint ...`) or under Slurm.
-- Otherwise `launch` starts `nproc` ranks on this machine with `torch.multiprocessing` (spawn):
-  one rank per visible GPU with NCCL, or CPU ranks with gloo, one thread each.
+- Otherwise `spawn` starts `nproc` ranks on this machine with `torch.multiprocessing` (spawn):
+  one rank per visible GPU with NCCL, or CPU ranks with gloo, one thread each. Nothing they open
+  listens beyond the machine: they rendezvous through a file store in a private temporary folder
+  (a TCPStore would listen on every interface), and gloo's and NCCL's sockets bind to the loopback
+  interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) unless the user chose one. Under torchrun the
+  user's rendezvous and interface settings stand.
 
 Every rank writes its rows to its own part file after every variant (`<run_id>.rank<r>.json`), so
 a rank that dies takes nothing measured with it; at the end rank 0 gathers all rows into one
@@ -18,21 +22,30 @@ import dataclasses
 import datetime as dt
 import os
 import re
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from labkit.config import ConfigError, RunConfig, knob
 
-FAULTS = ("none", "crash", "hang")
+FAULTS = ("none", "crash", "hang", "corrupt_reduction")
+# corrupt_reduction: fault_rank's part of the gradient reduction counted twice (a missing average,
+# a double-counted bucket); each experiment that implements it says where (reduction_fault below).
+CORRUPT_SCALE = 2.0
 GRACE_S = 3.0  # after one rank fails, how long the others get to report their own error
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+STORE_VAR = "LABKIT_RENDEZVOUS_FILE"  # set only in the ranks `spawn` starts
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+IFF_LOOPBACK = 0x8  # <linux/if.h>: the flag of the loopback interface in /sys/class/net/*/flags
 
 
 @dataclass(kw_only=True)
@@ -44,8 +57,11 @@ class DistConfig(RunConfig):
     timeout_s: float = knob(60.0, min=1.0, help="a collective or barrier waiting longer ends the run")
     timed_steps: int = knob(5, min=1, help="timed steps, the same count on every rank")
     fault: str = knob("none", choices=FAULTS,
-                      help="inject a failure to watch the run end cleanly: crash (SIGKILL) or hang")
+                      help="inject a failure: crash (SIGKILL) or hang, to watch the run end "
+                           "cleanly; corrupt_reduction (fault_rank's part of the gradient "
+                           "reduction counted twice), to watch the check flag it")
     fault_rank: int = knob(1, min=0, help="the rank that fails when `fault` is set")
+    reduction_fault: ClassVar[bool] = False  # True where the experiment implements corrupt_reduction
 
 
 class RunFailed(RuntimeError):
@@ -89,14 +105,18 @@ def rank_device(device: str, local_rank: int) -> str:
 
 
 def init_rank(device: str, timeout_s: float) -> str:
-    """Join the process group the environment describes; returns this rank's device."""
+    """Join the process group the environment describes (the file store `spawn` made, else
+    torchrun's env://); returns this rank's device."""
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     device = rank_device(device, local_rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s),
-                            **({"device_id": torch.device(device)} if backend == "nccl" else {}))
+    kw: dict[str, Any] = {"device_id": torch.device(device)} if backend == "nccl" else {}
+    if os.environ.get(STORE_VAR):
+        kw.update(init_method=Path(os.environ[STORE_VAR]).as_uri(),
+                  rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s), **kw)
     return device
 
 
@@ -106,13 +126,23 @@ def check_point(timeout_s: float, monitor: Any) -> None:
 
 
 def maybe_inject_fault(cfg: DistConfig) -> None:
-    """`crash`: the chosen rank is killed (as the OOM killer would); `hang`: it stops answering."""
-    if cfg.fault == "none" or rank() != cfg.fault_rank:
+    """`crash`: the chosen rank is killed (as the OOM killer would); `hang`: it stops answering.
+    (`corrupt_reduction` acts inside the experiment's reduction: see `corrupt_scale`.)"""
+    if cfg.fault not in ("crash", "hang") or rank() != cfg.fault_rank:
         return
     if cfg.fault == "crash":
         os.kill(os.getpid(), signal.SIGKILL)
     while True:
         time.sleep(3600)
+
+
+def corrupt_scale(cfg: DistConfig) -> float | None:
+    """The factor this rank multiplies its part of the gradient reduction by under
+    fault=corrupt_reduction: CORRUPT_SCALE on fault_rank, None (untouched) elsewhere and otherwise.
+    An experiment applies it to its variants, never to its reference, which the check holds them to."""
+    if cfg.fault == "corrupt_reduction" and rank() == cfg.fault_rank:
+        return CORRUPT_SCALE
+    return None
 
 
 def clock(device: str) -> float:
@@ -176,14 +206,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def loopback_interface() -> str:
+    """The loopback interface's name ("lo" on Linux, "lo0" on macOS): the one flagged
+    IFF_LOOPBACK where /sys says, else the first named lo*."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            if int(Path(f"/sys/class/net/{name}/flags").read_text(), 16) & IFF_LOOPBACK:
+                return name
+        except (OSError, ValueError):
+            continue
+    return next((name for name in names if name.startswith("lo")), "lo")
+
+
+def local_env(nproc: int, store: str) -> dict[str, str]:
+    """The environment of the ranks `spawn` starts: the file store to rendezvous through, and
+    gloo's and NCCL's sockets on the loopback interface unless the user set one."""
+    env = {"WORLD_SIZE": str(nproc), STORE_VAR: store}
+    lo = loopback_interface()
+    env.update({var: lo for var in SOCKET_IFNAME_VARS if not os.environ.get(var)})
+    return env
+
+
 def spawn(fn: Callable[..., None], args: tuple, nproc: int, *, poll: Callable[[], None] | None = None
           ) -> list["RankExit"]:
     """Start `nproc` ranks of `fn(rank, *args)` with torch.multiprocessing; wait for all of them.
     When one fails, the others get GRACE_S to report their own error, then are stopped; no
-    process outlives this call."""
+    process outlives this call. The ranks rendezvous through a file store in a private folder
+    (mkdtemp: mode 0700), removed afterwards."""
+    folder = tempfile.mkdtemp(prefix="labkit-rendezvous-")
+    try:
+        return _spawn(fn, args, nproc, local_env(nproc, os.path.join(folder, "store")), poll)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _spawn(fn: Callable[..., None], args: tuple, nproc: int, env: dict[str, str],
+           poll: Callable[[], None] | None) -> list["RankExit"]:
     import torch.multiprocessing as mp
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc)}
     ctx = mp.start_processes(_entry, args=(fn, env, args), nprocs=nproc, join=False,
                              start_method="spawn")
     procs = ctx.processes
@@ -287,6 +351,10 @@ def resolve_world(cfg: DistConfig, cpu_ranks: int = 2) -> DistConfig:
 
 
 def _check_fault(cfg: DistConfig) -> DistConfig:
+    if cfg.fault == "corrupt_reduction" and not cfg.reduction_fault:
+        valid = ", ".join(f for f in FAULTS if f != "corrupt_reduction")
+        raise ConfigError(f"fault=corrupt_reduction is not implemented by this experiment; "
+                          f"valid here: {valid}")
     if cfg.fault != "none" and cfg.fault_rank >= cfg.nproc:
         raise ConfigError(f"fault_rank={cfg.fault_rank} but there are {cfg.nproc} ranks; "
                           f"valid: 0..{cfg.nproc - 1}")

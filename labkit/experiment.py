@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
 from labkit import distributed, hardware
 from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
 from labkit.measure.flops import count_flops
-from labkit.measure.memory import ActivationMeter, MemoryMeter, free_device_memory, storage_bytes
+from labkit.measure.memory import (ActivationMeter, MemoryMeter, free_device_memory,
+                                   is_out_of_memory, storage_bytes)
 from labkit.measure.roofline import roofline
 from labkit.measure.timer import Timing, cpu_threads, time_step
-from labkit.results import RunRecord, expand_row, unit_of
+from labkit.results import RunRecord, RunsDirError, expand_row, unit_of, writable_runs_dir
 from labkit.techniques import EXPERIMENTS, get_experiment
 from labkit.workload import Comparison, SkipVariant, Workload
 
@@ -81,6 +80,10 @@ def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str,
     exp = get_experiment(name)
     chosen = choose_variants(exp, variants)
     points = plan_points(name, preset, overrides, sweep)
+    try:
+        writable_runs_dir(runs_dir)  # refused now, not after the first point has been measured
+    except RunsDirError as e:
+        raise ConfigError(str(e)) from None
     if getattr(exp, "DISTRIBUTED", False):
         return distributed.run(name, chosen, points, runs_dir=runs_dir, on_rows=on_rows)
     record = RunRecord(name, hardware.fingerprint(), points[0][1].params(), runs_dir)
@@ -190,18 +193,24 @@ def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] |
             outputs, rows = _measure(exp, cfg, reference, row)
     except SkipVariant as e:
         rows = [row(None, None, status="skipped", message=str(e))]
-    except torch.OutOfMemoryError as e:
-        rows = [row(None, None, status="oom", message=str(e).splitlines()[0])]
     except Mismatch as e:
         rows = [row(m, v, status="error", message=f"does not match {exp.REFERENCE}: {e}")
                 for m, v in e.comparison.metrics.items()]
     except Exception as e:  # any other failure is a result too; the sweep goes on
-        rows = [row(None, None, status="error", message=f"{type(e).__name__}: {e}".splitlines()[0])]
-        if distributed.world_size() > 1:  # this rank's collectives may now be out of step
-            raise distributed.RankAbort(rows[0]["message"], rows) from e
+        rows = [_failure_row(e, row)]
+        if rows[0]["status"] == "error" and distributed.world_size() > 1:
+            raise distributed.RankAbort(rows[0]["message"], rows) from e  # collectives out of step
     # Only here, with the exception and its traceback gone, can the variant's tensors be freed.
     free_device_memory(cfg.device)
     return rows, outputs
+
+
+def _failure_row(e: Exception, row: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """`oom` for an allocation failure (CUDA's, the virtual budget's or the CPU allocator's,
+    which raises a plain RuntimeError), else `error`; the message's first line."""
+    if is_out_of_memory(e):
+        return row(None, None, status="oom", message=(str(e).splitlines() or [""])[0])
+    return row(None, None, status="error", message=f"{type(e).__name__}: {e}".splitlines()[0])
 
 
 def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,

@@ -5,7 +5,9 @@ Three jobs, in order of the file:
 1. Describe the devices: ``available_devices``, ``cpu_info``, ``gpu_info`` (torch properties plus
    NVML readings) and ``nvml_sample`` (one cheap reading for a background monitor).
 2. Give the ceilings every measurement is compared against: ``ceilings`` returns datasheet peaks
-   for a GPU (``data/gpus.json`` via ``gpu_spec``) and a short *measured* calibration for the CPU.
+   for a GPU (``data/gpus.json`` via ``gpu_spec``); for the CPU, its physical ceiling (``cpu_peak``:
+   cores x FMA units x lanes x 2 x clock, from cpuinfo and ``data/cpus.json``) plus a short
+   *measured* calibration and copy bandwidth.
 3. Record the context of a result: ``env_knobs`` and ``fingerprint``.
 
 Importing this module is cheap: no NVML init, no ``torch.cuda`` call, no calibration. NVML is
@@ -26,7 +28,7 @@ import socket
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -322,25 +324,194 @@ def gpu_spec(name: str, *, memory_bytes: int | None = None) -> dict[str, Any] | 
 # ---------------------------------------------------------------- ceilings
 
 
+# ---------------------------------------------------------------- CPU physical peak
+
+# Clock assumed when no source gives one: the fastest boost clock of a shipping x86 CPU (Intel
+# Core i9-14900KS, 6.2 GHz), so that the ceiling errs high rather than low.
+_FALLBACK_GHZ = 6.2
+_MAX_FREQ_PATH = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"  # kHz, max turbo
+_AMX = {"bfloat16": "amx_bf16", "float16": "amx_fp16"}
+_AVX512_16 = {"bfloat16": "avx512_bf16", "float16": "avx512_fp16"}
+_AMX_FLOP_PER_CYCLE = 1024  # one 16x16x32 tile product (16384 FLOPs) per 16 cycles per core
+
+
+@dataclass(frozen=True)
+class CpuPeak:
+    """The physical matmul ceiling of ``num_cores`` cores, term by term, each with its source.
+
+    fp32 FLOP/cycle/core = fma_units x (vector_bits / 32) lanes x 2 (an FMA is a multiply and an
+    add); the 16-bit dtypes follow the instructions the flags name (see ``_flop_per_cycle``).
+    """
+
+    num_cores: int
+    fma_units: int
+    vector_bits: int
+    clock_ghz: float
+    flop_per_cycle: dict[str, int]  # per core, per dtype key
+    sources: dict[str, str]  # "cores", "fma", "clock" and each dtype key -> where it came from
+
+    @property
+    def tflops(self) -> dict[str, float]:
+        return {k: self.num_cores * f * self.clock_ghz * 1e9 / 1e12 for k, f in self.flop_per_cycle.items()}
+
+    def describe(self) -> str:
+        terms = (f"{self.num_cores} core(s) [{self.sources['cores']}] x {self.fma_units} FMA unit(s) "
+                 f"x {self.vector_bits // 32} fp32 lanes [{self.sources['fma']}] x 2 FLOP/FMA x "
+                 f"{self.clock_ghz:.3g} GHz [{self.sources['clock']}]")
+        return "physical ceiling: " + terms + "; " + "; ".join(
+            f"{k} {v} FLOP/cycle/core ({self.sources[k]})" for k, v in self.flop_per_cycle.items())
+
+
+def cpu_peak(num_threads: int, cpuinfo: str | None = None, max_freq_khz: int | None = None,
+             *, num_cpus: int | None = None) -> CpuPeak:
+    """The physical ceiling of ``num_threads`` cores of this CPU (or of the given /proc/cpuinfo
+    text and cpufreq maximum, in kHz: the tests pass synthetic ones)."""
+    if cpuinfo is None:
+        cpuinfo, max_freq_khz = _read_text("/proc/cpuinfo"), _read_max_freq_khz()
+    fields = _cpuinfo_fields(cpuinfo)
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    if not cpuinfo:  # not Linux: the flags torch's kernel capability implies
+        flags = set(_cpu_static()[1])
+    cores = min(num_threads, num_cpus or os.cpu_count() or num_threads)
+    row = _cpu_row(fields)
+    units, bits, fma_source = _fma_layout(row, fields, flags)
+    ghz, clock_source = _clock_ghz(cpuinfo, fields.get("model name", ""), max_freq_khz, row)
+    per_cycle, sources = _flop_per_cycle(units, bits, flags)
+    sources.update(cores=f"{num_threads} torch thread(s) of {num_cpus or os.cpu_count()} logical CPUs; "
+                         "SMT siblings share a core's FMA units, so with SMT this errs high",
+                   fma=fma_source, clock=clock_source)
+    return CpuPeak(cores, units, bits, ghz, per_cycle, sources)
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _read_max_freq_khz() -> int | None:
+    text = _read_text(_MAX_FREQ_PATH).strip()
+    return int(text) if text.isdigit() else None
+
+
+def _cpuinfo_fields(text: str) -> dict[str, str]:
+    """The first processor's "key : value" lines of /proc/cpuinfo (keys as written)."""
+    out: dict[str, str] = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out.setdefault(key.strip(), value.strip())
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_table() -> list[dict[str, Any]]:
+    """Rows of ``data/cpus.json``: FMA units and width per microarchitecture."""
+    with open(DATA_DIR / "cpus.json", encoding="utf-8") as f:
+        return json.load(f)["cpus"]
+
+
+def _cpu_row(fields: dict[str, str]) -> dict[str, Any] | None:
+    """The data/cpus.json row of this vendor / cpu family / model, or None."""
+    vendor, family, model = fields.get("vendor_id"), fields.get("cpu family"), fields.get("model")
+    if not (family and family.isdigit() and model and model.isdigit()):
+        return None
+    return next((row for row in cpu_table() if (row["vendor"], row["family"]) == (vendor, int(family))
+                 and any(lo <= int(model) <= hi for lo, hi in row["models"])), None)
+
+
+def _fma_layout(row: dict[str, Any] | None, fields: dict[str, str],
+                flags: set[str]) -> tuple[int, int, str]:
+    """(FMA units per core, their width in bits, source): the table row's, else 2 units (4 on
+    ARM) at the widest vector width the flags give."""
+    if row is not None:
+        return row["fma_units"], row["fma_bits"], f"data/cpus.json {row['name']}: {row['source']}"
+    vendor = fields.get("vendor_id")
+    where = (f"{vendor} family {fields.get('cpu family')} model {fields.get('model')}"
+             if vendor else "this CPU")
+    if "sve" in flags:
+        return 2, 512, f"no data/cpus.json row for {where}: assumed 2 x 512-bit SVE FMA units (errs high)"
+    if "asimd" in flags or platform.machine().lower() in ("arm64", "aarch64"):
+        return 4, 128, f"no data/cpus.json row for {where}: assumed 4 x 128-bit NEON FMA units (errs high)"
+    bits = 512 if "avx512f" in flags else 256 if flags & {"avx2", "fma", "avx"} else 128
+    return 2, bits, (f"no data/cpus.json row for {where}: assumed 2 FMA units at the widest vector "
+                     f"width of its flags ({bits} bits); an upper bound, up to 2x high")
+
+
+def _clock_ghz(cpuinfo: str, model_name: str, max_freq_khz: int | None,
+               row: dict[str, Any] | None) -> tuple[float, str]:
+    """The clock of the ceiling, and its source: cpufreq's maximum (turbo) where the machine
+    exposes it; otherwise (a VM) the highest boost of any part of the table row (else
+    _FALLBACK_GHZ), since the reported clock ("cpu MHz", the model name's "@ x.xxGHz") is a
+    nominal one a core boosts past. Never below any reported clock."""
+    mhz = [float(m) for m in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", cpuinfo, re.MULTILINE)]
+    reported = [(max(mhz) / 1e3, "highest 'cpu MHz' in /proc/cpuinfo")] if mhz else []
+    named = re.search(r"@\s*([\d.]+)\s*GHz", model_name)
+    if named:
+        reported.append((float(named.group(1)), "the model name's clock"))
+    if max_freq_khz:
+        return max([(max_freq_khz / 1e6, f"{_MAX_FREQ_PATH} (max turbo)"), *reported])
+    if row is not None:
+        bound = (row["max_boost_ghz"], f"the highest boost of any {row['name']} part ({row['boost_source']})")
+    else:
+        bound = (_FALLBACK_GHZ, f"{_FALLBACK_GHZ} GHz, the fastest boost of any shipping x86 CPU")
+    seen = ", ".join(f"{g:.3g} GHz from the {src.removeprefix('the ')}" for g, src in reported) or "none"
+    ghz, source = max([bound, *reported])
+    return ghz, (f"{source}: this machine does not expose its maximum clock (as in most VMs; "
+                 f"reported: {seen}), so the ceiling takes the highest it could be")
+
+
+def _flop_per_cycle(units: int, bits: int, flags: set[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """FLOP/cycle/core per dtype, with sources. fp32: units x lanes x 2. bf16/fp16: AMX tiles
+    (1024), else AVX-512 16-bit instructions (twice the lanes: 2x fp32), else converted to fp32
+    and multiplied there, so fp32's rate bounds them."""
+    fp32 = units * (bits // 32) * 2
+    out, sources = {"float32": fp32}, {"float32": f"{units} x {bits // 32} lanes x 2"}
+    for dtype in ("bfloat16", "float16"):
+        if _AMX[dtype] in flags:
+            out[dtype] = _AMX_FLOP_PER_CYCLE
+            sources[dtype] = f"{_AMX[dtype]}: one 16x16x32 tile per 16 cycles"
+        elif _AVX512_16[dtype] in flags:
+            out[dtype], sources[dtype] = 2 * fp32, f"{_AVX512_16[dtype]}: twice fp32's lanes"
+        else:
+            out[dtype] = fp32
+            sources[dtype] = ("no native instructions: emulated via fp32, so bounded by fp32's "
+                              "rate (an upper bound, not a datasheet figure)")
+    return out, sources
+
+
+# ---------------------------------------------------------------- ceilings
+
+
 @dataclass(frozen=True)
 class Ceilings:
-    """The limits a measurement is reported against. Treat as read-only: CPU results are cached."""
+    """The limits a measurement is reported against. Treat as read-only: CPU results are cached.
+
+    ``peak_tflops`` is an upper bound: a GPU's datasheet, or the CPU's physical ceiling
+    (``cpu_peak``). ``calibrated_tflops`` is the best a quick matmul measured here (the CPU's,
+    per dtype; empty on a GPU), drawn as the best measured point below the roof.
+    """
 
     device: str  # "cuda:0" or "cpu"
     name: str
     peak_tflops: dict[str, float]  # dense peak per dtype key; int8 in TOPS; only known keys
-    bandwidth_gbps: float | None  # memory bandwidth, GB/s (1e9 bytes/s)
+    bandwidth_gbps: float | None  # memory bandwidth, GB/s (1e9 bytes/s); measured on the CPU
     memory_bytes: int | None
-    source: str  # the datasheet URL, or how the CPU numbers were measured
-    measured: bool  # True for the CPU calibration, False for datasheet numbers
+    source: str  # the datasheet URL, or each CPU term's source and how the calibration ran
+    measured: bool  # True when bandwidth and calibrated_tflops were measured here (the CPU)
+    calibrated_tflops: dict[str, float] = field(default_factory=dict)  # measured, per dtype key
+    notes: tuple[str, ...] = ()  # e.g. a calibration above its ceiling: the ceiling is wrong
+    sources: dict[str, str] = field(default_factory=dict)  # CPU: each term of the ceiling -> source
 
 
 def ceilings(device: str | torch.device = "auto", *, num_threads: int = 1) -> Ceilings:
     """Peak compute and bandwidth of ``device`` ("auto", "cpu", "cuda", "cuda:N").
 
     GPU: datasheet numbers from ``data/gpus.json`` (empty peaks for an unknown GPU).
-    CPU: a measured ceiling, not a datasheet: a <1 s calibration with ``num_threads`` torch
-    threads, cached per ``num_threads`` for the life of the process.
+    CPU: the physical ceiling of ``num_threads`` cores (``cpu_peak``), a measured bandwidth and a
+    <1 s matmul calibration (``calibrated_tflops``) with ``num_threads`` torch threads, cached per
+    ``num_threads`` for the life of the process.
     """
     resolved = _resolve_device(device)
     if resolved == "cpu":
@@ -382,11 +553,12 @@ def _gpu_ceilings(index: int) -> Ceilings:
 
 @functools.lru_cache(maxsize=None)
 def _cpu_ceilings(num_threads: int) -> Ceilings:
-    """Calibrate the CPU with ``num_threads`` threads, restoring torch's thread count after."""
+    """The physical ceiling of ``num_threads`` cores, and a calibration with that many threads
+    (torch's thread count restored after)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        peaks = {
+        calibrated = {
             "float32": _matmul_tflops(1024, torch.float32),
             # small: without avx512_bf16/amx bf16 (avx512_fp16 for fp16) is emulated, ~50x slower
             "bfloat16": _matmul_tflops(256, torch.bfloat16),
@@ -395,10 +567,32 @@ def _cpu_ceilings(num_threads: int) -> Ceilings:
         bandwidth = _copy_gbps(64 * 2**20)
     finally:
         torch.set_num_threads(previous)
+    peak = cpu_peak(num_threads)
     model = cpu_info().model
-    source = (f"measured on this CPU: {model}, {num_threads} thread(s); fp32 matmul 1024^3, "
-              "bf16 and fp16 matmuls 256^3, 64 MiB copy; median of 3 after warm-up")
-    return Ceilings("cpu", model, peaks, bandwidth, _memory_total_bytes(), source, measured=True)
+    measured = (f"measured on this CPU ({model}, {num_threads} thread(s)), median of 3 after "
+                "warm-up: ")
+    sources = {**peak.sources,
+               **{k: f"{peak.num_cores} core(s) x {f} FLOP/cycle ({peak.sources[k]}) x "
+                     f"{peak.clock_ghz:.3g} GHz" for k, f in peak.flop_per_cycle.items()},
+               "calibration": measured + "fp32 matmul 1024^3, bf16 and fp16 256^3",
+               "bandwidth": measured + "a 64 MiB copy (read + write); a VM gives no DRAM spec"}
+    source = f"{peak.describe()}. {sources['calibration']}; bandwidth {sources['bandwidth']}"
+    return Ceilings("cpu", model, peak.tflops, bandwidth, _memory_total_bytes(), source,
+                    measured=True, calibrated_tflops=calibrated,
+                    notes=over_ceiling(calibrated, peak.tflops), sources=sources)
+
+
+def percent(share: float) -> str:
+    """A percentage to two significant figures, whole above 10: "0.48%", "9.1%", "55%", "100%"."""
+    return f"{share:.0f}%" if share >= 10 else f"{share:.2g}%"
+
+
+def over_ceiling(measured: dict[str, float], peaks: dict[str, float]) -> tuple[str, ...]:
+    """One note per dtype whose measured rate beats its ceiling: a bug in the ceiling (usually a
+    clock below the turbo the core ran at), never clamped."""
+    return tuple(f"{k}: measured {v:.4g} TFLOP/s is {percent(100 * v / peaks[k])} of its "
+                 f"ceiling {peaks[k]:.4g}: the ceiling is too low (a clock below the turbo clock?)"
+                 for k, v in measured.items() if peaks.get(k) and v > peaks[k])
 
 
 def _median_seconds(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> float:
@@ -528,20 +722,34 @@ def _git(repo: Path, *args: str) -> str | None:
 
 def describe() -> str:
     """A few readable lines about this machine: devices, ceilings, software, knobs."""
-    fp, ceil = fingerprint(), vars(ceilings("auto"))
+    fp, ceil = fingerprint(), ceilings("auto")
     cpu = fp["cpu"]
-    lines = [f"device      {ceil['device']} ({ceil['name']})",
+    lines = [f"device      {ceil.device} ({ceil.name})",
              f"cpu         {cpu['model']}, {cpu['num_cores']} cores, flags: {', '.join(cpu['flags']) or '-'}"]
     for g in fp["gpus"]:
         lines.append(f"gpu         {g['name']}, cc {g['compute_capability']}, "
                      f"{g['memory_total_bytes'] / 2**30:.1f} GiB, driver {g.get('driver')}")
-    peaks = ", ".join(f"{k} {v:.3g}" for k, v in ceil["peak_tflops"].items())
-    lines.append(f"ceilings    {peaks or 'unknown'} TFLOP/s; {ceil['bandwidth_gbps'] or 0:.0f} GB/s "
-                 f"({ceil['source']})")
+    lines += _ceiling_lines(ceil)
     lines.append(f"torch       {fp['torch']} (CUDA {fp['cuda']}), python {fp['python']}")
     knobs = ", ".join(f"{k}={v}" for k, v in fp["env"].items())
     lines.append(f"env knobs   {knobs or 'none set'}")
     return "\n".join(lines)
+
+
+def _ceiling_lines(ceil: Ceilings) -> list[str]:
+    """The ceilings, then (on a CPU) each term's source, the calibration as % of the ceiling,
+    and any note."""
+    peaks = ", ".join(f"{k} {v:.3g}" for k, v in ceil.peak_tflops.items()) or "unknown"
+    bandwidth = f"{ceil.bandwidth_gbps:.0f} GB/s" if ceil.bandwidth_gbps else "unknown GB/s"
+    if not ceil.calibrated_tflops:
+        return [f"ceilings    {peaks} TFLOP/s; {bandwidth} ({ceil.source})"]
+    lines = [f"ceilings    {peaks} TFLOP/s physical (cores x FMA units x lanes x 2 x clock); "
+             f"{bandwidth} measured"]
+    lines += [f"  {term:<11} {source}" for term, source in ceil.sources.items()]
+    calibrated = ", ".join(f"{k} {v:.3g} ({percent(100 * v / ceil.peak_tflops[k])})"
+                           for k, v in ceil.calibrated_tflops.items() if ceil.peak_tflops.get(k))
+    lines.append(f"calibrated  {calibrated} TFLOP/s (% of the ceiling)")
+    return lines + [f"note        {note}" for note in ceil.notes]
 
 
 def architecture() -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from labkit.config import check_choice
-from labkit.results import load_results
+from labkit.results import format_value, load_results
 from labkit.views import machine_name
 
 # The metrics the leaderboard ranks by (one vocabulary: the unit is in the name).
@@ -28,6 +28,7 @@ METRICS = ("tokens_per_s", "useful_tokens_per_s", "requests_per_s", "tflops", "g
            "peak_mem_bytes", "bubble_fraction")
 LOWER_IS_BETTER = ("_ms", "_bytes", "_fraction", "loss")  # metric name endings
 PROVENANCE = ["run_id", "participant", "team", "machine", "date", "preset"]
+HOVER_FIELDS = ("team", "machine", "preset", "settings", "run_id", "date")  # a bar's provenance
 UNNAMED = "(unnamed)"
 
 
@@ -165,10 +166,14 @@ def figure(rows: pd.DataFrame, metric: str = "tokens_per_s") -> Any:
 
     best = entries(rows, metric)
     best = best.assign(technique=best["experiment"] + "/" + best["variant"])
+    from labkit.viz import legend_above
+
+    best = best.assign(shown=[format_value(metric, v) for v in best["value"]])
     fig = px.bar(best, x="technique", y="value", color="participant", barmode="group",
-                 hover_data=["team", "machine", "preset", "settings", "run_id", "date"],
-                 title=f"best {metric} per participant ({better(metric)} is better)")
-    return fig.update_layout(yaxis_title=metric, xaxis_title=None, legend_title="participant")
+                 hover_data={"value": False, "shown": True, **dict.fromkeys(HOVER_FIELDS, True)},
+                 labels={"shown": metric}, title=f"best {metric} per participant ({better(metric)} is better)")
+    fig.update_layout(yaxis_title=metric, xaxis_title=None, legend_title="participant")
+    return legend_above(fig, 460)
 
 
 def leaderboard_panel(runs_dir: str | os.PathLike | None = None, metric: str = "tokens_per_s",
@@ -185,11 +190,13 @@ def leaderboard_panel(runs_dir: str | os.PathLike | None = None, metric: str = "
     output = W.Output()
 
     def redraw(_=None) -> None:
+        from labkit.viz import readable
+
         rows = load_board(runs_dir, preset)
         with output:
             output.clear_output(wait=True)
-            display(side_by_side(rows, pick.value, by.value), best_per_challenge(rows),
-                    figure(rows, pick.value))
+            display(readable(side_by_side(rows, pick.value, by.value), metric=pick.value),
+                    readable(best_per_challenge(rows)), figure(rows, pick.value))
 
     for control in (pick, by):
         control.observe(redraw, names="value")

@@ -112,6 +112,8 @@ def stacked_terms(reports: dict[str, dict], *, title: str = "") -> Any:
     memory as a dashed line."""
     import plotly.graph_objects as go
 
+    from labkit import viz
+
     names = list(reports)
     fig = go.Figure()
     for term in TERMS:
@@ -120,9 +122,8 @@ def stacked_terms(reports: dict[str, dict], *, title: str = "") -> Any:
         fig.add_bar(x=names, y=values, name=LABELS[term], marker_color=COLORS[term])
     fig.add_scatter(x=names, y=[gib(r["gpu_mem_bytes"]) for r in reports.values()],
                     mode="lines+markers", name="GPU memory", line={"dash": "dash", "color": "black"})
-    fig.update_layout(barmode="stack", title=title, yaxis_title="GiB per GPU (predicted peak)",
-                      height=460, legend={"orientation": "h", "y": -0.25})
-    return fig
+    fig.update_layout(barmode="stack", title=title, yaxis_title="GiB per GPU (predicted peak)")
+    return viz.legend_above(fig, 480)
 
 
 def summary_row(label: str, report: dict) -> dict:
@@ -261,8 +262,10 @@ def plan_items(values: dict) -> list[dict]:
                                       "zero_stage": rec["zero_stage"], "batch_size": rec["micro_batch"]})
     except planner.ConfigError as e:  # bad input: say it in the panel, as the CLI would
         return [{"text/plain": f"error: {e}"}]
+    from labkit import viz
+
     figure = json.loads(stacked_terms({"your plan": report, "recommended": best}).to_json())
-    table = plan_frame(report)
+    table = viz.readable(plan_frame(report))
     return [{"application/vnd.plotly.v1+json": {**figure, "config": {}}, "text/plain": "figure"},
             {"text/html": table.to_html(index=False), "text/plain": table.to_string(index=False)},
             {"text/plain": _fits_line(report) + "\n" + _recommendation_line(rec)}]

@@ -16,7 +16,8 @@ The report folder holds:
 
 Report mode gives each notebook `interactive=False` (no widget panel: the default sweep and
 static figures) and `preset`, `device`, `runs_dir`, `overrides` where set, each only to notebooks
-that have that parameter (papermill's `inspect_notebook`). Kernels are `python3`, widget state
+that have that parameter (papermill's `inspect_notebook`); on a CPU, a few notebooks also get the
+lighter sweeps of `CPU_REPORT_PARAMETERS`. Kernels are `python3`, widget state
 is not stored, and the kernels' working directory is the report folder (a trace a notebook
 writes lands beside its page).
 
@@ -52,6 +53,15 @@ from labkit.results import now
 
 NOTEBOOKS_DIR = hardware.REPO_DIR / "notebooks"
 LAST_FROM = 90  # 99_compare and later read the runs the others store
+# Report mode on a CPU: lighter sweeps than the notebooks' interactive defaults, each still showing
+# its technique against its reference, so that every notebook at the tiny preset runs within 10
+# minutes on 2 cores (two at a time). A notebook's own `parameters` (run_report's) replace these.
+CPU_REPORT_PARAMETERS: dict[str, dict[str, Any]] = {
+    "07_batch_finder": {"seq_lens": [16, 64]},  # a search per length and variant: the endpoints
+    "13_pipeline_parallel": {"sweep": {"micro_batches": [1, 2, 4]}},
+    "17_attention": {"sweep": {"seq_len": [256, 1024]}},  # naive at 1024 is the costly point
+    "21_memory_access": {"sweep": {"stride": [2, 16]}},
+}
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 # nbconvert's lab page without network scripts; a link back to the index on every page.
@@ -164,10 +174,11 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
               "overrides": overrides or {}}
     known = {s: papermill.inspect_notebook(str(found[s])) for s in stems}
     report = Report(out, [NotebookRun(s, notebook_title(found[s])) for s in stems])
+    own = {**(CPU_REPORT_PARAMETERS if _on_cpu(device) else {}), **(parameters or {})}
     params = {}
     for run in report.notebooks:
         params[run.stem], left_out = notebook_parameters(
-            known[run.stem], common, (parameters or {}).get(run.stem, {}), experiment_settings(run.stem))
+            known[run.stem], common, own.get(run.stem, {}), experiment_settings(run.stem))
         run.note = f"not given (its experiment does not take them): {', '.join(left_out)}" if left_out else ""
     heavy = {s for s in stems if "nproc" in known[s]}
     started, t0 = now(), time.perf_counter()
@@ -181,10 +192,18 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
     return report
 
 
+def _on_cpu(device: str | None) -> bool:
+    from labkit.config import resolve_device
+
+    return resolve_device(device or "auto") == "cpu"
+
+
 def execute_all(paths: dict[str, Path], params: dict[str, dict], heavy: set[str], out: Path,
                 jobs: int, progress: bool) -> dict[str, tuple[str, str, float]]:
-    """Run the notebooks in `jobs` processes; returns (status, error, seconds) by stem."""
-    pending, running, done = list(paths), {}, {}
+    """Run the notebooks in `jobs` processes; returns (status, error, seconds) by stem. The
+    multi-process notebooks go first: they run one at a time, so starting them early keeps one
+    worker on them while the others take the rest, instead of leaving them to the end in a row."""
+    pending, running, done = sorted(paths, key=lambda s: s not in heavy), {}, {}
 
     def ready(stem: str) -> bool:
         active = list(running.values())

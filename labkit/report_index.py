@@ -31,11 +31,6 @@ def report_frames(runs_dir: Path, since: str) -> dict[str, pd.DataFrame]:
             for name, rec in sorted(main.items())}
 
 
-def _formatted(metric: str, value: Any, unit: str) -> str:
-    unit = "" if metric.endswith(("_bytes", "flops", "_per_token")) else unit
-    return f"{format_value(metric, value)} {unit}".strip()
-
-
 def headline_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Rank 0's measured values that have a prediction, beside it, one line per variant, sweep
     point and metric."""
@@ -44,14 +39,12 @@ def headline_table(frame: pd.DataFrame) -> pd.DataFrame:
     rows = frame[(frame["status"] == "ok") & frame["metric"].notna() & frame["predicted"].notna()
                  & (frame["rank"].fillna(0) == 0)]
     ratio = rows["value"] / rows["predicted"].where(rows["predicted"] != 0)
-    keys = list(zip(rows["metric"], rows["unit"]))
-    return pd.DataFrame({
-        "variant": viz.point_labels(rows) if len(rows) else [],
-        "metric": rows["metric"],
-        "measured": [_formatted(m, v, u) for (m, u), v in zip(keys, rows["value"])],
-        "predicted": [_formatted(m, v, u) for (m, u), v in zip(keys, rows["predicted"])],
-        "measured / predicted": ratio.map(lambda r: "" if pd.isna(r) else f"{r:.3g}"),
-    }).reset_index(drop=True)
+    table = pd.DataFrame({"variant": viz.point_labels(rows) if len(rows) else [],
+                          "metric": rows["metric"], "measured": rows["value"],
+                          "predicted": rows["predicted"], "unit": rows["unit"],
+                          "measured_over_predicted": ratio})
+    shown = viz.readable(table.reset_index(drop=True))
+    return shown.rename(columns={"measured_over_predicted": "measured / predicted"})
 
 
 def ratio_figure(frames: dict[str, pd.DataFrame]):
@@ -63,8 +56,11 @@ def ratio_figure(frames: dict[str, pd.DataFrame]):
         rows = frame[(frame["status"] == "ok") & frame["predicted"].notna()
                      & (frame["predicted"] != 0) & (frame["rank"].fillna(0) == 0)]
         rows = rows[rows["value"] / rows["predicted"] > 0]
+        text = [f"{v} {m}: {format_value(m, a, u)} measured, {format_value(m, b, u)} predicted"
+                for v, m, a, b, u in zip(rows["variant"], rows["metric"], rows["value"],
+                                         rows["predicted"], rows["unit"])]
         fig.add_scatter(x=[name] * len(rows), y=rows["value"] / rows["predicted"], mode="markers",
-                        name=name, hovertext=rows["variant"] + " " + rows["metric"], showlegend=False)
+                        name=name, hovertext=text, showlegend=False)
     fig.add_hline(y=1, line_dash="dash", line_color="grey")
     fig.update_layout(title="measured / predicted (1: as predicted)", yaxis_type="log", height=420)
     return fig

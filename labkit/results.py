@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import numbers
 import os
 import re
 import secrets
@@ -32,6 +33,32 @@ STATUSES = ("ok", "oom", "error", "skipped")
 def runs_dir(path: str | os.PathLike | None = None) -> Path:
     """The store's folder: `path`, else `$LABKIT_RUNS_DIR`, else `./runs`."""
     return Path(path or os.environ.get("LABKIT_RUNS_DIR") or "runs")
+
+
+class RunsDirError(ValueError):
+    """A runs folder that cannot be created or written; the message is one line naming it."""
+
+
+def probe_folder(folder: Path) -> None:
+    """Create `folder` (and its parents) and write and remove a file in it; OSError if it fails."""
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(20, "it is a file, not a folder", str(folder))
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe-", suffix=".tmp")
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def writable_runs_dir(path: str | os.PathLike | None = None) -> Path:
+    """`runs_dir(path)`, created and checked by a write, so that a run is refused before it
+    measures anything rather than when it stores its first rows (RunsDirError otherwise)."""
+    folder = runs_dir(path)
+    try:
+        probe_folder(folder)
+    except OSError as e:
+        raise RunsDirError(f"cannot store results in {folder}: {e.strerror or e}; give --runs-dir "
+                           "(or $LABKIT_RUNS_DIR) a folder you can write to") from None
+    return folder
 
 
 def now() -> str:
@@ -286,9 +313,10 @@ def import_bundle(bundle: str | os.PathLike,
     """Add a bundle's run files to the store once it has passed every check (read_bundle).
     A file already there with the same bytes is skipped; one that the bundle's copy continues
     (the same run with more rows) is replaced; any other file of the same name is kept, and named
-    in `kept`. Each file is written atomically, so importers and writers can run at once."""
+    in `kept`. Each file is written atomically, so importers and writers can run at once. The
+    store is created (and checked, RunsDirError) only once the bundle has passed."""
     manifest, files = read_bundle(bundle)
-    folder = runs_dir(directory)
+    folder = writable_runs_dir(directory)
     outcome: dict[str, Any] = {"added": 0, "updated": 0, "unchanged": 0, "kept": [],
                                "source": manifest.get("host"), "created": manifest.get("created")}
     for name, data in sorted(files.items()):
@@ -304,30 +332,71 @@ def import_bundle(bundle: str | os.PathLike,
     return outcome
 
 
-def format_value(metric: str | None, value: Any) -> str:
-    if value is None or value != value:  # None or NaN
+# --- Numbers as people read them: one formatter for the CLI, notebooks, panels and report pages
+
+BINARY_PREFIXES = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+SI_PREFIXES = ("", "k", "M", "G", "T", "P", "E")
+RATIO_ENDINGS = ("_ratio", "speedup", "_over_predicted")  # dimensionless "x times" metrics
+DIGITS = 4  # significant digits shown
+
+
+def format_number(x: float, digits: int = DIGITS) -> str:
+    """`digits` significant digits, thousands separated, no exponent between 1e-3 and 1e12:
+    60.03, 58,752, 0.004213; outside that a short exponent (8.324e-9, 1.2e15)."""
+    if x == 0:
+        return "0"
+    if abs(x) < 1e-3 or abs(x) >= 1e12:
+        mantissa, exponent = f"{x:.{digits - 1}e}".split("e")
+        return f"{float(mantissa):g}e{int(exponent)}"
+    text = f"{x:,.{digits}g}"
+    return f"{x:,.0f}" if "e" in text else text  # 9999.7 rounds to 1e+04 in g format
+
+
+def _scaled(x: float, base: int, prefixes: tuple[str, ...], unit: str) -> str:
+    """`x` in the largest prefix of `base` that keeps it at or above 1: 1.5 KiB, 3.875 TFLOP."""
+    power = 0  # 0.99995 of the next prefix shows as 1 of it, not as 1,024 of this one
+    while abs(x) >= 0.99995 * base ** (power + 1) and power < len(prefixes) - 1:
+        power += 1
+    return f"{format_number(x / base ** power)} {prefixes[power]}{unit}"
+
+
+def format_value(metric: str | None, value: Any, unit: str | None = None) -> str:
+    """One measured or predicted value with its unit, as every table and page shows it: bytes in
+    B/KiB/MiB/GiB (powers of 2), FLOPs with SI prefixes (GFLOP, TFLOP), fractions and `_pct` as
+    %, ratios as "x", otherwise the metric's unit (`unit_of`, or `unit` when given): 139.4 ms,
+    58,752 tokens/s, 5.454 TFLOP/s. None and NaN: ""; text and flags as they are."""
+    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return "" if value is None else str(value)
+    value = float(value)
+    if value != value:  # NaN
         return ""
-    if metric and metric.endswith("_bytes"):
-        return f"{value / 2**20:,.2f} MiB"
-    if metric and metric.endswith("_bytes_per_token"):
-        return f"{value:,.0f} B"
-    if metric == "flops":
-        return f"{value / 1e9:,.3f} GFLOP"
-    return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    unit = unit or (unit_of(metric) if metric else "")
+    if unit == "bytes" or unit.startswith("bytes/"):
+        return _scaled(value, 1024, BINARY_PREFIXES, unit.removeprefix("bytes").removeprefix("B"))
+    if unit == "FLOP":
+        return _scaled(value, 1000, SI_PREFIXES, "FLOP")
+    if unit == "fraction":
+        return f"{format_number(value * 100)}%"
+    if unit == "%":
+        return f"{format_number(value)}%"
+    if metric and metric.endswith(RATIO_ENDINGS):
+        return f"{format_number(value, 3)}x"
+    return f"{format_number(value)} {unit}".strip()
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """A plain text table: variant, (rank, in multi-process runs), metric, measured, predicted,
-    status, note."""
+    """A plain text table: variant, (rank, in multi-process runs), metric, measured, predicted
+    (each with its unit, `format_value`), status, note."""
     ranks = any(r.get("rank") not in (None, 0) for r in rows)
     rank_head = f"{'rank':>4} " if ranks else ""
-    lines = [f"{'variant':<14} {rank_head}{'metric':<26} {'measured':>16} {'predicted':>16}  {'status':<8} note"]
+    lines = [f"{'variant':<14} {rank_head}{'metric':<26} {'measured':>18} {'predicted':>18}  "
+             f"{'status':<8} note"]
     for r in rows:
         metric = r["metric"] if isinstance(r["metric"], str) else None  # NaN from a DataFrame
-        unit = "" if (metric or "").endswith(("_bytes", "flops", "_per_token")) else r["unit"]
-        measured = format_value(metric, r["value"])
+        unit = r.get("unit") if isinstance(r.get("unit"), str) else None
         rank = f"{r.get('rank', 0):>4} " if ranks else ""
-        lines.append(f"{r['variant']:<14} {rank}{metric or '-':<26} {measured + ' ' + unit:>16} "
-                     f"{format_value(metric, r['predicted']):>16}  {r['status']:<8} "
+        lines.append(f"{r['variant']:<14} {rank}{metric or '-':<26} "
+                     f"{format_value(metric, r['value'], unit):>18} "
+                     f"{format_value(metric, r['predicted'], unit):>18}  {r['status']:<8} "
                      f"{r['message'] if isinstance(r['message'], str) else ''}")
     return "\n".join(lines)

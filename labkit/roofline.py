@@ -2,16 +2,20 @@
 
 A step that does F FLOPs while moving B bytes has intensity I = F / B (FLOP per byte). It can run
 no faster than min(peak, I x bandwidth): below the ridge point I* = peak / bandwidth it is bound
-by memory, above it by compute. The ceilings come, in order of preference, from
+by memory, above it by compute. A ceiling is an upper bound, so
 
-1. this device's stored results (`load_results`, rows whose params and fingerprint match it):
-   the best `tflops` of the `matmul` experiment per dtype, and the best `gbps` of a
-   `memory_access` contiguous copy past the caches (at least its default size; a copy that fits
-   in cache would beat memory); `calibrate()` runs both over a few sizes to store them;
-2. `hardware.ceilings()`: a GPU's datasheet, or the CPU's quick (< 1 s) calibration,
+- the compute roofs are `hardware.ceilings()`'s peaks: a GPU's datasheet, or the CPU's physical
+  ceiling (cores x FMA units x lanes x 2 x clock); never a measurement;
+- the best measured matmul per dtype (the CPU's quick calibration, or the best `tflops` of the
+  `matmul` rows stored for this device, whichever is higher) is drawn below its roof;
+- the bandwidth slope is a GPU's datasheet or, on a CPU (no reliable DRAM spec in a VM), the best
+  measured copy: the quick calibration or a stored `memory_access` contiguous copy past the caches
+  (at least its default size), whichever is higher; a point faster than it (data in cache) gets a
+  slope of its own, labelled as measured;
 
-and every ceiling says which (`sources`). Points are the result groups (one run, variant and sweep
-point) that have both a `tflops` row and a `*gbps` row: intensity = tflops x 1e12 / (gbps x 1e9).
+and every ceiling says where it comes from (`sources`). A measurement above its roof is a bug in
+the roof: nothing is clamped, and `notes` says so. Points are the result groups (one run, variant
+and sweep point) with both a `tflops` row and a `*gbps` row: intensity = tflops x 1e12 / (gbps x 1e9).
 """
 from __future__ import annotations
 
@@ -37,9 +41,11 @@ COPY_MIB = {"cpu": 256, "cuda": 2048}
 class RooflineCeilings:
     device: str
     name: str
-    peak_tflops: dict[str, float]  # per dtype key
-    bandwidth_gbps: float | None
-    sources: dict[str, str] = field(default_factory=dict)  # dtype key or "bandwidth" -> where from
+    peak_tflops: dict[str, float]  # the roofs, per dtype key: a datasheet or a physical ceiling
+    bandwidth_gbps: float | None  # the slope: a datasheet, or the best measured copy (a CPU)
+    sources: dict[str, str] = field(default_factory=dict)  # dtype key, "bandwidth", "best <dtype>"
+    best_tflops: dict[str, float] = field(default_factory=dict)  # best measured matmul per dtype
+    notes: tuple[str, ...] = ()  # measurements above their roof: a bug in the roof
 
     def ridge(self, dtype: str) -> float | None:
         return ridge_point(self.peak_tflops[dtype], self.bandwidth_gbps)
@@ -125,34 +131,53 @@ def best_measured(frame: pd.DataFrame, min_copy_mib: float = 0.0) -> dict[str, t
 
 def ceilings_for(device: str = "auto", runs_dir: str | None = None, *,
                  num_threads: int = 1) -> RooflineCeilings:
-    """This device's ceilings: measured ones from stored results where they exist, else
-    `hardware.ceilings()` (a GPU's datasheet, the CPU's quick calibration), each with its source."""
+    """This device's roofs (`hardware.ceilings()`: a datasheet or the CPU's physical ceiling), its
+    best measured matmul per dtype and its bandwidth, each with its source (see the module doc)."""
     base = hardware.ceilings(device, num_threads=num_threads)
-    fallback = ("datasheet: " if not base.measured else "quick calibration: ") + base.source
     kind = "cpu" if base.device == "cpu" else "cuda"
-    measured = best_measured(on_device(load_results(runs_dir), base.device, num_threads),
-                             min_copy_mib=memory_access.DEFAULT_MIB[kind])
-    peaks = {k: float(v) for k, v in base.peak_tflops.items()}
-    sources = {k: fallback for k in peaks}
-    bandwidth = base.bandwidth_gbps
-    if bandwidth:
-        sources["bandwidth"] = fallback
-    for key, (value, source) in measured.items():
-        if key == "bandwidth":
-            bandwidth = float(value)
-        else:
-            peaks[key] = float(value)
-        sources[key] = source
-    return RooflineCeilings(base.device, base.name, peaks, bandwidth, sources)
+    stored = best_measured(on_device(load_results(runs_dir), base.device, num_threads),
+                           min_copy_mib=memory_access.DEFAULT_MIB[kind])
+    sources = {k: f"physical: {base.sources[k]}" if k in base.sources else f"datasheet: {base.source}"
+               for k in base.peak_tflops}
+    best = {k: (v, f"quick calibration: {base.sources.get('calibration', base.source)}")
+            for k, v in base.calibrated_tflops.items()}
+    for key, (value, source) in stored.items():
+        if key != "bandwidth" and value > best.get(key, (0.0, ""))[0]:
+            best[key] = (float(value), source)
+    sources.update({f"best {k}": source for k, (_, source) in best.items()})
+    bandwidth, sources["bandwidth"] = _bandwidth(base, stored.get("bandwidth"))
+    best_tflops = {k: v for k, (v, _) in best.items()}
+    notes = tuple(dict.fromkeys(base.notes + hardware.over_ceiling(best_tflops, base.peak_tflops)))
+    return RooflineCeilings(base.device, base.name, dict(base.peak_tflops), bandwidth, sources,
+                            best_tflops, notes)
+
+
+def _bandwidth(base: hardware.Ceilings, stored: tuple[float, str] | None) -> tuple[float | None, str]:
+    """(GB/s, source) of the slope: the higher of the base's (a datasheet, or the CPU's quick
+    copy) and the best stored copy; a GPU's datasheet stays unless a copy beats it."""
+    label = "quick calibration: " if base.measured else "datasheet: "
+    own = (base.bandwidth_gbps, label + base.sources.get("bandwidth", base.source))
+    if stored is None or (own[0] and own[0] >= stored[0]):
+        return own if own[0] else (None, "")
+    return float(stored[0]), stored[1]
 
 
 def ceilings_table(ceilings: RooflineCeilings) -> pd.DataFrame:
-    """One line per ceiling: value, unit, ridge point and source."""
-    rows = [{"ceiling": k, "value": v, "unit": "TFLOP/s", "ridge_flop_per_byte": ceilings.ridge(k),
-             "source": ceilings.sources.get(k, "")} for k, v in ceilings.peak_tflops.items()]
+    """One line per roof, per best measured matmul (with its % of the roof) and for the
+    bandwidth: value, unit, ridge point, source."""
+    rows = []
+    for k, v in ceilings.peak_tflops.items():
+        rows.append({"ceiling": k, "value": v, "unit": "TFLOP/s", "pct_of_roof": None,
+                     "ridge_flop_per_byte": ceilings.ridge(k), "source": ceilings.sources.get(k, "")})
+        if k in ceilings.best_tflops:
+            best = ceilings.best_tflops[k]
+            rows.append({"ceiling": f"{k} best measured", "value": best, "unit": "TFLOP/s",
+                         "pct_of_roof": 100 * best / v, "ridge_flop_per_byte": None,
+                         "source": ceilings.sources.get(f"best {k}", "")})
     if ceilings.bandwidth_gbps:
         rows.append({"ceiling": "bandwidth", "value": ceilings.bandwidth_gbps, "unit": "GB/s",
-                     "ridge_flop_per_byte": None, "source": ceilings.sources.get("bandwidth", "")})
+                     "pct_of_roof": None, "ridge_flop_per_byte": None,
+                     "source": ceilings.sources.get("bandwidth", "")})
     return pd.DataFrame(rows)
 
 
@@ -222,14 +247,35 @@ def _x_range(pts: pd.DataFrame, ceilings: RooflineCeilings) -> tuple[float, floa
     return min(xs) / 4, max(xs) * 4
 
 
-def roofline_figure(pts: pd.DataFrame, ceilings: RooflineCeilings, *, title: str = ""):
-    """Log-log: one roof per dtype (min(peak, I x bandwidth)) with its ridge point, and the points
-    coloured by experiment."""
-    import plotly.graph_objects as go
+def point_roof(point: pd.Series, ceilings: RooflineCeilings, bandwidth: float | None) -> float | None:
+    """The roof above one point: its matmul dtype's, else the highest roof, at its intensity."""
+    peaks = ceilings.peak_tflops
+    peak = peaks.get(MATMUL_DTYPES.get(point["variant"], "")) if point["experiment"] == "matmul" else None
+    peak = peak or max(peaks.values(), default=None)
+    return attainable_tflops(point["intensity"], peak, bandwidth) if peak else None
 
-    fig = go.Figure()
-    lo, hi = _x_range(pts, ceilings)
-    xs = [lo * (hi / lo) ** (i / 199) for i in range(200)]
+
+def over_roof(pts: pd.DataFrame, ceilings: RooflineCeilings, bandwidth: float | None) -> list[str]:
+    """One note per point above its roof (compute roof and slope `bandwidth`): a bug in the roof."""
+    notes = []
+    for _, point in pts.iterrows():
+        roof = point_roof(point, ceilings, bandwidth)
+        if roof and point["tflops"] > roof:
+            notes.append(f"{point['label']}: {point['tflops']:.3g} TFLOP/s is above its roof "
+                         f"{roof:.3g}: the roof is wrong")
+    return notes
+
+
+def _cache_slope(pts: pd.DataFrame, bandwidth: float | None) -> tuple[float, str] | None:
+    """(GB/s, label) of the fastest point when it outruns the memory slope (its data was in cache)."""
+    if pts.empty or (bandwidth and pts["gbps"].max() <= bandwidth):
+        return None
+    fastest = pts.loc[pts["gbps"].idxmax()]
+    return float(fastest["gbps"]), f"measured: {fastest['label']} (faster than memory: in cache)"
+
+
+def _add_roofs(fig, xs: list[float], ceilings: RooflineCeilings) -> None:
+    """Per dtype: the roof (dotted) with its ridge point, and the best measured (solid) below it."""
     bw = ceilings.bandwidth_gbps
     for i, dtype in enumerate(d for d in ROOF_DTYPES if d in ceilings.peak_tflops):
         peak, color = ceilings.peak_tflops[dtype], PALETTE[i % len(PALETTE)]
@@ -242,11 +288,38 @@ def roofline_figure(pts: pd.DataFrame, ceilings: RooflineCeilings, *, title: str
             fig.add_scatter(x=[ridge], y=[peak], mode="markers+text", text=[f"ridge {ridge:.3g}"],
                             textposition="bottom right", marker={"color": color, "symbol": "x"},
                             legendgroup=dtype, showlegend=False)
+        best = ceilings.best_tflops.get(dtype)
+        if best:
+            fig.add_scatter(x=xs, y=[attainable_tflops(x, best, bw) for x in xs], mode="lines",
+                            name=f"{dtype} best measured {best:.3g} TFLOP/s "
+                                 f"({hardware.percent(100 * best / peak)} of the roof)",
+                            legendgroup=dtype, line={"color": color, "width": 1})
+
+
+def roofline_figure(pts: pd.DataFrame, ceilings: RooflineCeilings, *, title: str = ""):
+    """Log-log: one roof per dtype (min(peak, I x bandwidth)) with its ridge point and the best
+    measured matmul below it, the points coloured by experiment, and a note per point above
+    its roof (none unless a roof is wrong)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    lo, hi = _x_range(pts, ceilings)
+    xs = [lo * (hi / lo) ** (i / 199) for i in range(200)]
+    _add_roofs(fig, xs, ceilings)
+    bw, cache = ceilings.bandwidth_gbps, _cache_slope(pts, ceilings.bandwidth_gbps)
+    if cache:
+        peak = max(ceilings.peak_tflops.values(), default=float("inf"))
+        fig.add_scatter(x=xs, y=[attainable_tflops(x, peak, cache[0]) for x in xs], mode="lines",
+                        name=f"{cache[0]:.3g} GB/s ({cache[1]})", line={"color": "#999", "dash": "dash"})
     for i, (experiment, rows) in enumerate(pts.groupby("experiment", sort=True)):
         fig.add_scatter(x=rows["intensity"], y=rows["tflops"], mode="markers", name=experiment,
                         text=rows["label"], hovertemplate="%{text}<br>%{x:.3g} FLOP/B, %{y:.3g} "
                         "TFLOP/s<extra></extra>",
                         marker={"size": 10, "color": POINT_COLORS[i % len(POINT_COLORS)]})
+    notes = list(ceilings.notes) + over_roof(pts, ceilings, cache[0] if cache else bw)
+    for j, note in enumerate(notes):
+        fig.add_annotation(text=note, xref="paper", yref="paper", x=0, y=1 - 0.06 * j,
+                           showarrow=False, xanchor="left", font={"color": "#b00020"})
     slope = f"{bw:.3g} GB/s ({ceilings.sources.get('bandwidth', '').split(':')[0]})" if bw else "unknown"
     fig.update_layout(title=title or f"Roofline: {ceilings.name} ({ceilings.device}); bandwidth {slope}",
                       xaxis={"type": "log", "title": "arithmetic intensity (FLOP/byte)"},
@@ -263,13 +336,19 @@ def figure_for(device: str = "auto", runs_dir: str | None = None, *, num_threads
 
 
 def summary(ceilings: RooflineCeilings) -> str:
-    """One line per dtype: peak, ridge point, source."""
+    """One line per dtype: roof, ridge point, source; the best measured and its % of the roof;
+    then the bandwidth and any note."""
     lines = []
     for dtype, peak in ceilings.peak_tflops.items():
         ridge = ceilings.ridge(dtype)
         ridge_text = f", ridge {ridge:.3g} FLOP/B" if ridge and math.isfinite(ridge) else ""
         lines.append(f"{dtype}: {peak:.4g} TFLOP/s{ridge_text} [{ceilings.sources.get(dtype, '')}]")
+        if dtype in ceilings.best_tflops:
+            best = ceilings.best_tflops[dtype]
+            share = hardware.percent(100 * best / peak)
+            lines.append(f"  best measured {best:.4g} TFLOP/s, {share} of the roof "
+                         f"[{ceilings.sources.get(f'best {dtype}', '')}]")
     if ceilings.bandwidth_gbps:
         lines.append(f"bandwidth: {ceilings.bandwidth_gbps:.4g} GB/s "
                      f"[{ceilings.sources.get('bandwidth', '')}]")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"note: {n}" for n in ceilings.notes])

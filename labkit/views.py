@@ -113,21 +113,26 @@ def compare_runs(frame: pd.DataFrame, run_ids: list[str], *, memory: str = "peak
     throughput = throughput or next((m for m in viz.THROUGHPUT_METRICS if m in measured), None)
     metrics = [m for m in (memory, throughput) if m]
     points = list(dict.fromkeys(p for rows in chosen.values() for p in rows["point"]))
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[
-        f"{m} (MiB)" if m.endswith("_bytes") else f"{m} (higher is better)" for m in metrics])
+    fig = make_subplots(rows=1, cols=len(metrics), horizontal_spacing=0.12)
+    scales = {m: viz.byte_unit(pd.concat([r.loc[r["metric"] == m, "value"] for r in chosen.values()]))
+              if m.endswith("_bytes") else (1, "") for m in metrics}
     for i, (run_id, rows) in enumerate(chosen.items()):
         first = rows.iloc[0] if not rows.empty else None
         label = run_label(run_id, first["env"] if first is not None else {},
                           _row_device(first["params"]) if first is not None else None)
         for col, metric in enumerate(metrics, start=1):
             sel = rows[rows["metric"] == metric].drop_duplicates("point").set_index("point")
-            scale = viz.MIB if metric.endswith("_bytes") else 1
-            fig.add_bar(x=points, y=sel["value"].reindex(points) / scale, name=label,
+            values = sel["value"].reindex(points)
+            fig.add_bar(x=points, y=values / scales[metric][0], name=label,
                         legendgroup=label, showlegend=col == 1, offsetgroup=str(i),
+                        hovertext=viz.hover_values(metric, values), hovertemplate=viz.HOVER,
                         marker_color=RUN_COLORS[i % len(RUN_COLORS)], row=1, col=col)
-    fig.update_layout(barmode="group", height=440, title=title or "stored runs compared",
-                      legend={"orientation": "h", "y": -0.25})
-    return fig
+    for col, metric in enumerate(metrics, start=1):
+        unit = scales[metric][1]
+        fig.update_yaxes(title_text=f"{metric} ({unit})" if unit else f"{metric} (higher is better)",
+                         side="right" if col == 2 else "left", row=1, col=col)
+    fig.update_layout(barmode="group", title=title or "stored runs compared")
+    return viz.legend_above(fig, 460)
 
 
 # --- Your device against the reference results (data/reference/, from `labkit selfcheck`) --------
@@ -267,8 +272,8 @@ def fit_figure(table: pd.DataFrame, *, title: str = "") -> Any:
     fig.add_scatter(x=table["gpu"], y=table["memory_gib"], mode="markers", name="GPU memory (GiB)",
                     marker={"symbol": "line-ew-open", "size": 24, "color": "black", "line": {"width": 3}})
     fig.update_layout(title=title or "fewest GPUs that fit, and the predicted peak per GPU there",
-                      yaxis_title="GiB per GPU", height=460, legend={"orientation": "h", "y": -0.35})
-    return fig
+                      yaxis_title="GiB per GPU")
+    return viz.legend_above(fig, 480)
 
 
 # --- 4. Panels: thin front-ends over the functions above ------------------------------------------
@@ -277,6 +282,7 @@ def _bundle(item: Any) -> dict:
     """A mime bundle for an Output widget (figures and frames set directly: `with output:`
     breaks nbclient without stored widget state, see plan_view.build_plan_panel)."""
     if isinstance(item, pd.DataFrame):
+        item = viz.readable(item)
         return {"text/html": item.to_html(index=False), "text/plain": item.to_string(index=False)}
     if isinstance(item, str):
         return {"text/plain": item}

@@ -6,6 +6,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from labkit.results import BINARY_PREFIXES, format_value
+
 MEMORY_METRICS = ("peak_mem_bytes", "param_bytes", "optimizer_bytes", "activation_bytes",
                   "saved_weight_copy_bytes", "kv_bytes")
 # The first one a run measured is its throughput; kernels (matmul, copies) measure only rates.
@@ -14,6 +16,73 @@ COLORS = dict(zip(MEMORY_METRICS + THROUGHPUT_METRICS,
                   ("#264653", "#e76f51", "#8e7dbe", "#457b9d", "#f4a261", "#e9c46a", "#2a9d8f",
                    "#2a9d8f", "#2a9d8f", "#2a9d8f", "#2a9d8f")))
 MIB = 2**20
+
+
+# --- Readable numbers and legends that stay off the data ------------------------------------------
+
+TITLE_PX, LEGEND_GAP_PX = 44, 8  # the title's line at the top of a figure; space below the legend
+
+
+def legend_above(fig: go.Figure, height: int) -> go.Figure:
+    """The title on the first line, the legend in rows under it, the plot area below both.
+    The legend is placed relative to the figure, not to the plot area, so plotly grows the top
+    margin to the legend's height (however many rows it wraps into at the figure's width) and the
+    legend never covers the data. Subplot titles would sit under the legend's last row: name each
+    panel on its axis instead. `height`: the figure's, in px."""
+    return fig.update_layout(
+        height=height, margin={"t": TITLE_PX + LEGEND_GAP_PX},
+        title={"yref": "container", "y": 1 - 12 / height, "yanchor": "top", "x": 0.01,
+               "xanchor": "left"},
+        legend={"orientation": "h", "yref": "container", "y": 1 - TITLE_PX / height,
+                "yanchor": "top", "x": 0, "xanchor": "left", "borderwidth": LEGEND_GAP_PX,
+                "bordercolor": "rgba(0,0,0,0)"})
+
+
+def byte_unit(values: pd.Series) -> tuple[int, str]:
+    """The binary unit an axis of bytes reads best in (its largest value at or above 1 of it):
+    (2**20, "MiB") for a tiny run, (2**30, "GiB") for a GPU's."""
+    largest = pd.to_numeric(values, errors="coerce").abs().max()
+    power = 1
+    while power < len(BINARY_PREFIXES) - 1 and largest >= 1024 ** (power + 1):
+        power += 1
+    return 1024**power, BINARY_PREFIXES[power]
+
+
+def hover_values(metric: str, values: pd.Series) -> list[str]:
+    """Each value as the tables show it (`format_value`), for a trace's hover text."""
+    return [format_value(metric, v) for v in values]
+
+
+HOVER = "%{x}<br>%{hovertext}<extra>%{fullData.name}</extra>"
+VALUE_COLUMNS = ("value", "measured", "predicted")  # columns in the unit of each row's metric
+
+
+def readable(table: pd.DataFrame, *, metric: str | None = None,
+             by_metric: tuple[str, ...] = VALUE_COLUMNS) -> pd.DataFrame:
+    """A copy of `table` to show people: every number as text with its unit (`format_value`,
+    as the CLI prints it); the frame the caller computed stays numeric. Each cell's metric is
+    `metric` when given; else, in the `by_metric` columns (and everywhere in a table with metrics
+    as its index, `metric_table`), its row's `metric`; else its column's name
+    (`measured_tokens_per_s`, `rank`). A `unit` column is dropped once the values carry theirs."""
+    out = table.copy()
+    rows = _row_metrics(table, metric)
+    units = [u if isinstance(u, str) else None for u in table["unit"]] if "unit" in table \
+        else [None] * len(table)
+    for column in out.columns:
+        by_row = rows is not None and (metric is not None or "metric" in table.index.names
+                                       or column in by_metric)
+        names, unit = (rows, units) if by_row else ([str(column)] * len(out), [None] * len(out))
+        out[column] = [format_value(m, v, u) for m, v, u in zip(names, table[column], unit)]
+    carried = metric is not None or rows is not None and any(c in table.columns for c in by_metric)
+    return out.drop(columns="unit") if carried and "unit" in out.columns else out
+
+
+def _row_metrics(table: pd.DataFrame, metric: str | None) -> list | None:
+    if metric is not None:
+        return [metric] * len(table)
+    if "metric" in table.index.names:
+        return list(table.index.get_level_values("metric"))
+    return list(table["metric"]) if "metric" in table.columns else None
 
 
 def ok_rows(frame: pd.DataFrame) -> pd.DataFrame:
@@ -44,39 +113,50 @@ def point_labels(frame: pd.DataFrame) -> pd.Series:
 
 
 def variant_comparison(frame: pd.DataFrame, *, title: str = "") -> go.Figure:
-    """Memory (MiB, by kind) and throughput of each variant (and sweep point); predictions as
-    open diamonds. Multi-process runs show rank 0 here; `rank_comparison` shows every rank."""
+    """Memory (by kind, in MiB or GiB) and throughput of each variant (and sweep point);
+    predictions as open diamonds. Multi-process runs show rank 0 here; `rank_comparison` shows
+    every rank."""
     rows = ok_rows(rank0(frame))
     rows = rows.assign(variant=point_labels(rows))
     variants = list(dict.fromkeys(rows["variant"]))
     throughput = next((m for m in THROUGHPUT_METRICS if (rows["metric"] == m).any()), None)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(
-        "memory (MiB)", f"{throughput or 'throughput'} (higher is better)"))
+    memory = rows[rows["metric"].isin(MEMORY_METRICS)]
+    scale, unit = byte_unit(pd.concat([memory["value"], memory["predicted"]]))
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
     for metric in MEMORY_METRICS:
         sel = rows[rows["metric"] == metric].set_index("variant").reindex(variants)
         if sel["value"].notna().any():
-            fig.add_bar(x=variants, y=sel["value"] / MIB, name=metric, legendgroup=metric,
-                        offsetgroup=metric, marker_color=COLORS[metric], row=1, col=1)
-            _add_predicted(fig, variants, sel["predicted"] / MIB, metric, col=1)
+            _add_bars(fig, variants, sel, metric, scale, col=1)
     if throughput:
         sel = rows[rows["metric"] == throughput].set_index("variant").reindex(variants)
-        fig.add_bar(x=variants, y=sel["value"], name=throughput, offsetgroup=throughput,
-                    marker_color=COLORS[throughput], row=1, col=2)
-        _add_predicted(fig, variants, sel["predicted"], throughput, col=2)
-    skipped = not_run(frame)
-    note = "; ".join(f"{r.variant}: {r.status}" for r in skipped.itertuples())
-    fig.update_layout(barmode="group", scattermode="group", height=420,
-                      title=title + (f"  (not run: {note})" if note else ""),
-                      legend={"orientation": "h", "y": -0.2})
-    return fig
+        _add_bars(fig, variants, sel, throughput, 1, col=2)
+    fig.update_yaxes(title_text=f"memory ({unit})", row=1, col=1)
+    fig.update_yaxes(title_text=f"{throughput or 'throughput'} (higher is better)", side="right",
+                     row=1, col=2)  # its title at the figure's edge, not over the memory panel
+    fig.update_layout(barmode="group", scattermode="group", title=title + _not_run_note(frame))
+    return legend_above(fig, 440)
 
 
-def _add_predicted(fig: go.Figure, variants: list[str], predicted: pd.Series, metric: str, col: int) -> None:
-    if predicted.notna().any():
-        fig.add_scatter(x=variants, y=predicted, mode="markers", name=f"{metric} predicted",
-                        legendgroup=metric, offsetgroup=metric, row=1, col=col,
-                        marker={"symbol": "diamond-open", "size": 13, "color": "black",
-                                "line": {"width": 2}})
+def _add_bars(fig: go.Figure, x: list[str], sel: pd.DataFrame, metric: str, scale: float,
+              col: int) -> None:
+    """A bar per variant of `metric` (values divided by `scale`), its prediction as a diamond;
+    hover shows both as the tables do. One legend entry for every prediction."""
+    fig.add_bar(x=x, y=sel["value"] / scale, name=metric, offsetgroup=metric,
+                marker_color=COLORS[metric], hovertext=hover_values(metric, sel["value"]),
+                hovertemplate=HOVER, row=1, col=col)
+    if sel["predicted"].notna().any():
+        first = not any(t.name == "predicted" for t in fig.data)
+        fig.add_scatter(x=x, y=sel["predicted"] / scale, mode="markers", name="predicted",
+                        legendgroup="predicted", showlegend=first, offsetgroup=metric, legendrank=2000,
+                        hovertext=hover_values(metric, sel["predicted"]),
+                        hovertemplate=HOVER.replace("%{fullData.name}", f"{metric} predicted"),
+                        row=1, col=col, marker={"symbol": "diamond-open", "size": 13,
+                                                "color": "black", "line": {"width": 2}})
+
+
+def _not_run_note(frame: pd.DataFrame) -> str:
+    note = "; ".join(f"{r.variant}: {r.status}" for r in not_run(frame).itertuples())
+    return f"  (not run: {note})" if note else ""
 
 
 RANK_COLORS = ("#264653", "#e76f51", "#2a9d8f", "#f4a261", "#8e7dbe", "#457b9d", "#e9c46a", "#6d597a")
@@ -84,33 +164,36 @@ RANK_COLORS = ("#264653", "#e76f51", "#2a9d8f", "#f4a261", "#8e7dbe", "#457b9d",
 
 def rank_comparison(frame: pd.DataFrame, *, title: str = "",
                     metrics: tuple[str, ...] = ("peak_mem_bytes", "step_ms")) -> go.Figure:
-    """One panel per metric (bytes in MiB): a bar per rank for each variant (and sweep point),
-    the prediction for that rank as an open diamond."""
+    """One panel per metric (bytes in MiB or GiB): a bar per rank for each variant (and sweep
+    point), the prediction for that rank as an open diamond."""
     rows = ok_rows(frame)
     rows = rows.assign(variant=point_labels(rows))
     metrics = tuple(m for m in metrics if (rows["metric"] == m).any())
     variants = list(dict.fromkeys(rows["variant"]))
-    fig = make_subplots(rows=1, cols=max(1, len(metrics)), subplot_titles=[
-        f"{m} (MiB)" if m.endswith("_bytes") else m for m in metrics])
+    fig = make_subplots(rows=1, cols=max(1, len(metrics)), horizontal_spacing=0.12)
     for col, metric in enumerate(metrics, start=1):
-        scale = MIB if metric.endswith("_bytes") else 1
-        for rank, sel in rows[rows["metric"] == metric].groupby("rank"):
+        mine = rows[rows["metric"] == metric]
+        scale, unit = byte_unit(mine["value"]) if metric.endswith("_bytes") else (1, "")
+        for rank, sel in mine.groupby("rank"):
             sel = sel.drop_duplicates("variant").set_index("variant").reindex(variants)
-            color = RANK_COLORS[int(rank) % len(RANK_COLORS)]
-            fig.add_bar(x=variants, y=sel["value"] / scale, name=f"rank {rank}", marker_color=color,
+            fig.add_bar(x=variants, y=sel["value"] / scale, name=f"rank {rank}",
+                        marker_color=RANK_COLORS[int(rank) % len(RANK_COLORS)],
                         offsetgroup=str(rank), legendgroup=str(rank), showlegend=col == 1,
+                        hovertext=hover_values(metric, sel["value"]), hovertemplate=HOVER,
                         row=1, col=col)
             if sel["predicted"].notna().any():
                 fig.add_scatter(x=variants, y=sel["predicted"] / scale, mode="markers",
-                                name=f"rank {rank} predicted", offsetgroup=str(rank),
-                                legendgroup=str(rank), showlegend=col == 1, row=1, col=col,
+                                name="predicted", legendgroup="predicted", offsetgroup=str(rank),
+                                legendrank=2000,
+                                showlegend=not any(t.name == "predicted" for t in fig.data),
+                                hovertext=hover_values(metric, sel["predicted"]),
+                                hovertemplate=HOVER, row=1, col=col,
                                 marker={"symbol": "diamond-open", "size": 12, "color": "black"})
-    skipped = not_run(frame)
-    note = "; ".join(f"{r.variant}: {r.status}" for r in skipped.itertuples())
-    fig.update_layout(barmode="group", scattermode="group", height=420,
-                      title=(title or "per rank") + (f"  (not run: {note})" if note else ""),
-                      legend={"orientation": "h", "y": -0.2})
-    return fig
+        fig.update_yaxes(title_text=f"{metric} ({unit})" if unit else metric, row=1, col=col,
+                         side="right" if col == 2 == len(metrics) else "left")
+    fig.update_layout(barmode="group", scattermode="group",
+                      title=(title or "per rank") + _not_run_note(frame))
+    return legend_above(fig, 440)
 
 
 def block_table_figure(table: pd.DataFrame) -> go.Figure:
@@ -134,10 +217,11 @@ def latency_bars(frame: pd.DataFrame, name: str = "ttft") -> go.Figure:
     rows = rows[rows["metric"].str.fullmatch(rf"{name}_p\d+(_\w+)?_ms")]
     fig = go.Figure()
     for metric, part in rows.groupby("metric", sort=False):
-        fig.add_bar(x=part["variant"], y=part["value"], name=metric.removesuffix("_ms"))
-    fig.update_layout(barmode="group", title=f"{name} by variant (ms; lower is better)", height=380,
-                      yaxis_title="ms", legend={"orientation": "h", "y": -0.2})
-    return fig
+        fig.add_bar(x=part["variant"], y=part["value"], name=metric.removesuffix("_ms"),
+                    hovertext=hover_values(metric, part["value"]), hovertemplate=HOVER)
+    fig.update_layout(barmode="group", title=f"{name} by variant (ms; lower is better)",
+                      yaxis_title="ms")
+    return legend_above(fig, 400)
 
 
 SEGMENT_COLORS = {"served": None, "held": "lightgrey", "preempted": "crimson"}
@@ -149,7 +233,7 @@ def schedule_figure(segments: pd.DataFrame, steps: pd.DataFrame, *, title: str =
     short by a preemption); below, the rows each decode step computed for a request, against
     the rows it computed (the difference is padding)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.7, 0.3],
-                        vertical_spacing=0.06, subplot_titles=("slots", "rows per decode step"))
+                        vertical_spacing=0.06)
     classes = sorted(segments["priority"].unique())
     palette = dict(zip(classes, ("royalblue", "darkorange", "seagreen", "purple")))
     for state, color in SEGMENT_COLORS.items():
@@ -167,11 +251,11 @@ def schedule_figure(segments: pd.DataFrame, steps: pd.DataFrame, *, title: str =
                              line={"shape": "hv", "color": "grey"}), row=2, col=1)
     fig.add_trace(go.Scatter(x=decode.start_ms, y=decode.live, name="rows serving a request",
                              line={"shape": "hv", "color": "royalblue"}), row=2, col=1)
-    fig.update_layout(title=title or "schedule", barmode="overlay", height=560, bargap=0.15)
+    fig.update_layout(title=title or "schedule", barmode="overlay", bargap=0.15)
     fig.update_yaxes(title_text="slot", autorange="reversed", dtick=1, row=1, col=1)
-    fig.update_yaxes(title_text="rows", row=2, col=1)
+    fig.update_yaxes(title_text="rows per decode step", row=2, col=1)
     fig.update_xaxes(title_text="ms since the replay began (arrival times count from it)", row=2, col=1)
-    return fig
+    return legend_above(fig, 580)
 
 
 def sweep_lines(frame: pd.DataFrame, x: str, metric: str) -> go.Figure:
@@ -181,9 +265,10 @@ def sweep_lines(frame: pd.DataFrame, x: str, metric: str) -> go.Figure:
     fig = go.Figure()
     for variant, sel in rows.groupby("variant", sort=False):
         sel = sel.sort_values(x)
-        fig.add_scatter(x=sel[x], y=sel["value"], mode="lines+markers", name=variant)
-    fig.update_layout(xaxis_title=x, yaxis_title=metric, height=380)
-    return fig
+        fig.add_scatter(x=sel[x], y=sel["value"], mode="lines+markers", name=variant,
+                        hovertext=hover_values(metric, sel["value"]), hovertemplate=HOVER)
+    fig.update_layout(xaxis_title=x, yaxis_title=metric)
+    return legend_above(fig, 400)
 
 
 def predicted_table(frame: pd.DataFrame) -> pd.DataFrame:
@@ -219,15 +304,14 @@ def frontier(frame: pd.DataFrame) -> go.Figure:
     for i, (variant, sel) in enumerate(rows.groupby("variant", sort=False)):
         sel, color = sel.sort_values(x), PALETTE[i % len(PALETTE)]
         fig.add_scatter(x=sel[x], y=sel["value"], mode="lines+markers", name=f"{variant} measured",
-                        line={"color": color}, legendgroup=variant)
+                        line={"color": color}, legendgroup=variant,
+                        hovertext=hover_values(metric, sel["value"]), hovertemplate=HOVER)
         if sel["predicted"].notna().any():
             fig.add_scatter(x=sel[x], y=sel["predicted"], mode="lines+markers",
                             name=f"{variant} predicted", legendgroup=variant,
+                            hovertext=hover_values(metric, sel["predicted"]), hovertemplate=HOVER,
                             line={"color": color, "dash": "dash"}, marker={"symbol": "diamond-open"})
-    skipped = not_run(frame)
-    note = "; ".join(f"{r.variant}: {r.status}" for r in skipped.itertuples())
-    fig.update_layout(title="OOM frontier: fits below the line" + (f"  (not run: {note})" if note else ""),
-                      xaxis_title=x, yaxis_title=f"{metric} (fits)", height=420,
-                      legend={"orientation": "h", "y": -0.2})
-    return fig
+    fig.update_layout(title="OOM frontier: fits below the line" + _not_run_note(frame),
+                      xaxis_title=x, yaxis_title=f"{metric} (fits)")
+    return legend_above(fig, 440)
 

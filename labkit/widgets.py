@@ -96,7 +96,7 @@ def replace_figure(target: go.FigureWidget, source: go.Figure) -> None:
     with target.batch_update():
         if same:
             for old, new in zip(target.data, source.data):
-                old.x, old.y = new.x, new.y
+                old.x, old.y, old.hovertext = new.x, new.y, new.hovertext
         else:
             target.data = ()
             target.add_traces(list(source.data))
@@ -156,7 +156,7 @@ class Panel:
         self.stop_button.on_click(lambda _: self.stop())
         self.status = W.HTML()
         self.output = W.Output()
-        self.figure = go.FigureWidget(layout={"height": 420, "title": f"{name}: press Run"})
+        self.figure = go.FigureWidget(layout={"height": 440, "title": f"{name}: press Run"})
         self.monitor_figure = go.FigureWidget(layout={"height": 230, "title": "device monitor"})
         self.frame, self.error = None, None  # the last run's rows, or why it could not run
         self.stopped, self.points_done, self.points_total = False, 0, 0
@@ -285,7 +285,7 @@ class Panel:
         try:
             self._draw(force=True)
             if self.frame is not None and not self.frame.empty:
-                self.output.append_display_data(viz.predicted_table(self.frame))
+                self.output.append_display_data(viz.readable(viz.predicted_table(self.frame)))
                 skipped = viz.not_run(self.frame)
                 if not skipped.empty:
                     self.output.append_display_data(skipped)
@@ -306,11 +306,12 @@ class Panel:
 
 
 def show_result(frame, title: str) -> None:
-    """The comparison figure (a static plotly figure) and predicted-beside-measured table."""
+    """The comparison figure (a static plotly figure) and predicted-beside-measured table (its
+    numbers with their units)."""
     go.Figure(viz.variant_comparison(frame, title=title)).show()
     if viz.multi_rank(frame):
         go.Figure(viz.rank_comparison(frame, title=f"{title}: every rank")).show()
-    display(viz.predicted_table(frame))
+    display(viz.readable(viz.predicted_table(frame)))
     skipped = viz.not_run(frame)
     if not skipped.empty:
         display(skipped)

@@ -47,7 +47,8 @@ def experiment_notebook(name: str, title: str, intro: str, look_for: str,
             "frame = result.frame()\n"
             f'show_result(frame, "{name}")'),
         new_markdown_cell("## Every measured number"),
-        new_code_cell("from labkit import viz\n\nviz.metric_table(frame)"),
+        new_code_cell("from labkit import viz\n\nviz.readable(viz.metric_table(frame))  # numbers with units; "
+                      "viz.metric_table(frame) holds them as numbers"),
         *extra,
         new_markdown_cell("## Your device against the H200 reference\n\nThe same experiment from "
                           "`labkit selfcheck` on an H200 (`data/reference/`), on the same axes: "
@@ -72,15 +73,18 @@ ENVIRONMENT = new_notebook(metadata=KERNEL, cells=[
                   metadata={"tags": ["parameters"]}),
     new_code_cell("import pandas as pd\n\nfrom labkit import hardware\n\nprint(hardware.describe())"),
     new_markdown_cell("## Devices"),
-    new_code_cell("pd.DataFrame(hardware.architecture())"),
+    new_code_cell("from labkit import viz\n\nviz.readable(pd.DataFrame(hardware.architecture()))"),
     new_markdown_cell("## Ceilings\n\nGPUs: datasheet peaks from `data/gpus.json` (dense, no sparsity). "
-                      "CPU: measured here by a short calibration, not a datasheet."),
+                      "CPU: the physical ceiling from its features (cores x FMA units x vector lanes x 2 "
+                      "x clock, each term's source below), beside a short calibration: the best a plain "
+                      "matmul reached here."),
     new_code_cell("from labkit.config import resolve_device\n\n"
                   "ceil = hardware.ceilings(resolve_device(device))\n"
                   "print(ceil.name, '|', ceil.source)\n"
-                  "pd.DataFrame({'peak TFLOP/s': ceil.peak_tflops}).assign(\n"
+                  "viz.readable(pd.DataFrame({'peak TFLOP/s': ceil.peak_tflops,\n"
+                  "                           'calibrated TFLOP/s': ceil.calibrated_tflops}).assign(\n"
                   "    **{'bandwidth GB/s': ceil.bandwidth_gbps,\n"
-                  "       'ridge FLOP/byte': lambda t: t['peak TFLOP/s'] * 1e12 / ((ceil.bandwidth_gbps or float('nan')) * 1e9)})"),
+                  "       'ridge FLOP/byte': lambda t: t['peak TFLOP/s'] * 1e12 / ((ceil.bandwidth_gbps or float('nan')) * 1e9)}))"),
     new_markdown_cell("## Environment knobs that change measurements"),
     new_code_cell("hardware.env_knobs() or 'none set'"),
     new_code_cell("import torch\n\nprint(torch.__config__.parallel_info())  # thread pools, OpenMP/MKL, their knobs"),
@@ -152,38 +156,42 @@ NOTEBOOKS = {
             new_code_cell('bf16 = run_experiment("kv_cache", preset=preset, variants=["static", "quantized"],\n'
                           '                      overrides={**overrides, "device": device, "kv_dtype": "bfloat16"},\n'
                           "                      runs_dir=runs_dir, progress=False).frame()\n"
-                          'viz.metric_table(bf16).loc[["kv_bytes", "kv_bytes_per_token", "attn_output_rel_error",\n'
-                          '                            "token_agreement"]]'),
+                          'viz.readable(viz.metric_table(bf16).loc[["kv_bytes", "kv_bytes_per_token",\n'
+                          '                                         "attn_output_rel_error", "token_agreement"]])'),
         )),
     "16_batching.ipynb": experiment_notebook(
         "batching", "16 · Batching: static, dynamic, continuous and priority scheduling",
-        "One workload of requests (`data/workloads/default.json`: 64 requests arriving as a "
-        "Poisson process at 20 per second, prompts of 8 to 32 tokens, outputs of 8 to 256, a "
-        "quarter of them high priority) replayed in real time against the real model by five "
-        "schedulers: one request at a time (`sequential`, the reference), `static` batches that "
-        "wait to fill and run until their longest output is done, `dynamic` batches per "
-        "prompt-length bucket started when full or after a timeout, `continuous` batching that "
-        "refills a slot as soon as its sequence ends (with the paged KV cache), and `priority`, "
-        "which lets the urgent class go first and preempts low-priority work for it. The KV pool "
-        "holds `kv_budget_tokens` positions: reserving schedulers must keep the longest possible "
-        "sequence for every request, paging ones only what is used. Before anything is timed, "
-        "each scheduler replays the workload with every continuation forced and must compute "
-        "the reference's log-probability for every token.",
+        "One workload of requests replayed in real time against the real model by five "
+        "schedulers (the `tiny` preset serves `data/workloads/short.json`: 32 requests arriving "
+        "as a Poisson process at 320 per second, prompts of 8 to 32 tokens, outputs of 4 to 80, a "
+        "quarter of them high priority; the GPU presets serve `default.json`, 64 requests with "
+        "outputs of 8 to 256): one request at a time (`sequential`, the reference), `static` "
+        "batches that wait to fill and run until their longest output is done, `dynamic` batches "
+        "per prompt-length bucket started when full or after a timeout, `continuous` batching "
+        "that refills a slot as soon as its sequence ends (with the paged KV cache), and "
+        "`priority`, which lets the urgent class go first and preempts low-priority work for it. "
+        "The KV pool holds `kv_budget_tokens` positions: reserving schedulers must keep the "
+        "longest possible sequence for every request, paging ones only what is used. Before "
+        "anything is timed, each scheduler replays the workload with every continuation forced "
+        "and must compute the reference's log-probability for every token.",
         "- `useful_tokens_per_s`: output tokens over the time to the last one. `continuous` "
         "against `static` is the point of iteration-level scheduling: static's batches wait "
-        "for their longest output (uniform on 8..256, so most rows sit finished) and for "
-        "the batch to fill. On one thread of a 2-core CPU at the tiny preset: 1077 against 645 "
-        "tokens/s (1.67x; sequential 313). `dynamic` (570) buckets prompts, but here the outputs "
-        "make the padding, and its timeouts start partial batches.\n"
+        "for their longest output (so most rows sit finished) and for the batch to fill; "
+        "`dynamic` buckets prompts, but the outputs make most of the padding, and its timeouts "
+        "start partial batches. The predicted value is a bound: every decode step reading each "
+        "weight once at the bandwidth; `decode_step_ms` against its bound and the replay's "
+        "`decode_time_pct`, `prefill_time_pct`, `host_time_pct` and `idle_time_pct` say where "
+        "the rest goes (on a CPU, mostly the fixed cost of each of a forward's few hundred "
+        "operators).\n"
         "- `padding_waste_pct`: the positions computed for nobody: static pads prompts and "
-        "carries finished rows (40.5% of its positions on the default workload, predicted "
-        "exactly: its batches are consecutive groups in arrival order); continuous none.\n"
+        "carries finished rows, predicted exactly (its batches are consecutive groups in arrival "
+        "order); continuous none.\n"
         "- `max_concurrent`: the budget caps a reserving scheduler at kv_budget_tokens // "
-        "(longest prompt + longest output) = 2048 // 286 = 7 rows; paging runs all 8 and "
-        "preempts (`preemptions`, `recomputed_pct`) when the pool runs dry.\n"
+        "(longest prompt + longest output) rows (the predicted value); paging runs all "
+        "`batch_size` and preempts (`preemptions`, `recomputed_pct`) when the pool runs dry.\n"
         "- `ttft_p99_high_ms` under `priority` against `continuous` (first come, first "
-        "served): the urgent class no longer waits behind the queue (15 ms against 3.1 s in "
-        "the run above); the low class pays with preemptions and a longer `tpot_p99_low_ms`.\n"
+        "served): the urgent class no longer waits behind the queue; the low class pays with "
+        "preemptions and a longer `tpot_p99_low_ms`.\n"
         "- `tpot`: larger batches cost each token a little more time; the Gantt charts show "
         "where the time goes.\n"
         "- `logprob_max_abs_diff` ~1e-6: batching, padding and preemption change only the order "
@@ -234,9 +242,9 @@ def batch_finder_notebook(name: str, title: str, intro: str, look_for: str) -> n
         new_markdown_cell("## The frontier"),
         new_code_cell("from labkit import viz\n\nviz.frontier(frame).show()"),
         new_markdown_cell("## Measured beside predicted, and what did not run"),
-        new_code_cell("display(viz.predicted_table(frame))\nviz.not_run(frame)"),
+        new_code_cell("display(viz.readable(viz.predicted_table(frame)))\nviz.not_run(frame)"),
         new_markdown_cell("## Every measured number (averaged over the lengths)"),
-        new_code_cell("viz.metric_table(frame)"),
+        new_code_cell("viz.readable(viz.metric_table(frame))"),
         new_markdown_cell("## Try other settings\n\nOn a CPU, give the panel a `memory_budget_gib`: the "
                           "search needs a budget to run out of."),
         new_code_cell("if interactive:\n"
@@ -383,10 +391,10 @@ runs_dir = None  # where the check's results are stored (None: $LABKIT_RUNS_DIR 
         new_code_cell("from labkit import hardware\n\nprint(hardware.describe())"),
         new_markdown_cell("## The worked example: a big model on a few small GPUs, one change per row "
                           "(the last row is the planner's recommendation)"),
-        new_code_cell("from labkit import plan_view\n\n"
+        new_code_cell("from labkit import plan_view, viz\n\n"
                       "steps = plan_view.worked_example(model=model, gpus=gpus, gpu_mem_gib=gpu_mem_gib,\n"
                       "                                 seq_len=seq_len, effective_batch=effective_batch)\n"
-                      "plan_view.worked_table(steps)"),
+                      "viz.readable(plan_view.worked_table(steps))"),
         new_code_cell('plan_view.stacked_terms(steps, title=f"{model}: predicted peak per GPU").show()'),
         new_markdown_cell("## The recommended plan, term by term, with the formula of each"),
         new_code_cell('print(plan_view.format_plan(steps["recommended"]))'),
@@ -396,7 +404,7 @@ runs_dir = None  # where the check's results are stored (None: $LABKIT_RUNS_DIR 
                       'check = run_experiment("mixed_precision", preset="tiny", variants=["fp32"],\n'
                       '                       overrides={**check_overrides, "device": device},\n'
                       "                       runs_dir=runs_dir, progress=False)\n"
-                      "plan_view.measured_vs_predicted(check.frame())"),
+                      "viz.readable(plan_view.measured_vs_predicted(check.frame()))"),
         new_markdown_cell("## Try other inputs"),
         new_code_cell("if interactive:\n"
                       "    display(plan_view.build_plan_panel(model=model, gpus=gpus, gpu_mem_gib=gpu_mem_gib,\n"
@@ -447,7 +455,7 @@ interactive = True  # show the panels: pick runs, enter prices, try other fit se
         new_markdown_cell("## The machine"),
         new_code_cell("from labkit import hardware\n\nprint(hardware.describe())"),
         new_markdown_cell("## Stored runs (newest first)"),
-        new_code_cell("from labkit import views\n"
+        new_code_cell("from labkit import views, viz\n"
                       "from labkit.results import load_results, runs_dir as store\n\n"
                       "frame = load_results(runs_dir)\n"
                       "runs = views.run_table(runs_dir)\n"
@@ -468,19 +476,19 @@ interactive = True  # show the panels: pick runs, enter prices, try other fit se
                       "if cost.empty:\n"
                       "    print('no measured tokens_per_s rows yet: nothing to price')\n"
                       "else:\n"
-                      "    display(cost.drop(columns='run_id'))"),
+                      "    display(viz.readable(cost.drop(columns='run_id')))"),
         new_markdown_cell("## Which GPUs, and how many, the model fits on (bf16, ZeRO-3, full "
                           "checkpointing; predicted by the planner)"),
         new_code_cell("fit = views.fit_table(model, precision='bf16', zero_stage=3, checkpointing='full')\n"
                       "views.fit_figure(fit, title=f'{model}: fewest GPUs that fit').show()\n"
-                      "fit"),
+                      "viz.readable(fit)"),
         new_markdown_cell("## Your device against the H200 reference\n\nWhat `labkit selfcheck` "
                           "measured on an H200 (`data/reference/h200.json`), check by check; with "
                           "your own `labkit selfcheck --out selfcheck.json` given as `selfcheck`, "
                           "yours beside it."),
         new_code_cell("import json\nfrom pathlib import Path\n\n"
                       "mine = json.loads(Path(selfcheck).read_text()) if selfcheck else None\n"
-                      "views.selfcheck_table(mine)"),
+                      "viz.readable(views.selfcheck_table(mine), by_metric=('h200', 'yours'))"),
         new_markdown_cell("## Try other runs, prices and settings"),
         new_code_cell("if interactive:\n"
                       "    display(views.comparison_panel(runs_dir))\n"
@@ -524,10 +532,9 @@ interactive = True  # the live panel: choose the metric and grouping, Refresh as
             "copy: `labkit report --only 98_leaderboard --runs-dir SHARED`."),
         new_code_cell(parameters, metadata={"tags": ["parameters"]}),
         new_markdown_cell("## Who has run what"),
-        new_code_cell("import pandas as pd\n\n"
-                      "from labkit import leaderboard as lb\n"
-                      "from labkit.results import runs_dir as store\n\n"
-                      "pd.set_option('display.float_format', '{:,.4g}'.format)\n"
+        new_code_cell("from labkit import leaderboard as lb\n"
+                      "from labkit.results import runs_dir as store\n"
+                      "from labkit.viz import readable\n\n"
                       "rows = lb.load_board(runs_dir, preset)\n"
                       "people, machines = sorted(set(rows['participant'])), rows['machine'].nunique()\n"
                       'print(f"{rows[\'run_id\'].nunique()} runs, {len(rows)} measurements by "\n'
@@ -536,18 +543,18 @@ interactive = True  # the live panel: choose the metric and grouping, Refresh as
         new_markdown_cell("## The challenges and the best configuration for each\n\nOne row per "
                           "challenge and comparison group (`group`: the preset and the settings held "
                           "fixed); `entries`: the measurements that competed; `task`: what to try."),
-        new_code_cell("lb.best_per_challenge(rows)"),
+        new_code_cell("readable(lb.best_per_challenge(rows))"),
         new_markdown_cell("## Side by side by machine: each technique's best `metric` on each machine"),
-        new_code_cell("lb.side_by_side(rows, metric, by='machine')"),
+        new_code_cell("readable(lb.side_by_side(rows, metric, by='machine'), metric=metric)"),
         new_markdown_cell("## Side by side by participant"),
-        new_code_cell("lb.side_by_side(rows, metric, by='participant')"),
+        new_code_cell("readable(lb.side_by_side(rows, metric, by='participant'), metric=metric)"),
         new_markdown_cell("## Every participant's best, with its provenance"),
         new_code_cell("best = lb.entries(rows, metric)\n"
                       "if best.empty:\n"
                       "    print(f'no {metric} measured yet: run an experiment that measures it')\n"
                       "else:\n"
                       "    lb.figure(rows, metric).show()\n"
-                      "best"),
+                      "readable(best, metric=metric)"),
         new_markdown_cell("## Live: refresh as the room runs"),
         new_code_cell("if interactive:\n"
                       "    display(lb.leaderboard_panel(runs_dir, metric, preset))"),
@@ -691,22 +698,32 @@ DISTRIBUTED = {
         "makes the slowest stage fastest wins (the vocabulary head weighs as much as a block). "
         "The loss and every gradient must equal the plain model's. Then the bubble, the idle "
         "share of each rank's step, is measured from timestamps of every forward and backward "
-        "each stage computes, beside the textbook (p-1)/(m+p-1).",
-        "- `bubble_fraction` falls with m, as (p-1)/(m+p-1) says: 0.50, 0.33, 0.20, 0.11 for m = "
-        "1, 2, 4, 8 on 2 stages. Measured with balanced stages here (3 layers, vocabulary 3072, "
-        "batch 8 x 128 tokens): GPipe 0.50, 0.35, 0.22, 0.17; 1F1B 0.34, 0.22, 0.14. The excess "
-        "grows with m: every micro-batch adds a send and a receive the formula counts as free.\n"
-        "- With the tiny defaults the cut is uneven (3 blocks | 1 block + head): the lighter stage "
-        "waits more, so its bubble sits above the formula and the other's below; "
-        "`stage_cost_ms` and the notes show the cut and the measured costs.\n"
-        "- `delay_stage` and `stage_delay_ms` make one stage sleep in every forward: the other "
-        "stages' bubbles rise, as a slow GPU in a pipeline would make them.\n"
+        "each stage computes. Its prediction is the schedule replayed on durations timed apart "
+        "from the measured steps: each stage's forward and backward of one micro-batch, timed "
+        "alone, and one activation's send and receive; the textbook (p-1)/(m+p-1) stands beside "
+        "it as `ideal_bubble_fraction`.",
+        "- `ideal_bubble_fraction` falls with m, as (p-1)/(m+p-1) says: 0.50, 0.33, 0.20, 0.11 "
+        "for m = 1, 2, 4, 8 on 2 stages. It assumes equal stages and free sends.\n"
+        "- `bubble_fraction`'s `predicted` is the GPipe or 1F1B schedule replayed on this run's "
+        "`stage_fwd_ms`, `stage_bwd_ms` and `handoff_ms`: where it departs from the ideal, the "
+        "stages' unequal compute and the handoffs are why. With the tiny defaults the cut is "
+        "uneven (the vocabulary head weighs about as much as a block), so the lighter stage "
+        "waits more and its bubble sits above the ideal, the other's below; `stage_cost_ms` and "
+        "the notes show the cut and the measured costs.\n"
+        "- Measured against predicted: what remains is what the calibration does not hold, the "
+        "schedule's own host time between ops and a waiting rank's wake-ups, and other "
+        "processes on the cores. `stall_fraction` is the share of a stage's compute its thread "
+        "spent off the CPU; above a few percent the bubble measures a busy host, not the "
+        "schedule.\n"
+        "- `delay_stage` and `stage_delay_ms` make one stage sleep in every forward: its "
+        "`stage_fwd_ms` grows by the sleep, the other stages' bubbles rise, and the replay "
+        "predicts by how much, as it would for a slow GPU in a pipeline.\n"
         "- `loss_rel_diff` ~0 and `grad_max_rel_diff` ~1e-7: the mean of m micro-batch losses is "
-        "the batch's loss, and m partial gradient sums equal one.\n"
+        "the batch's loss, and m partial gradient sums equal one. `corrupt` shifts every "
+        "activation, or scales every gradient, a stage sends by 0.1%: the check fails on every "
+        "rank and the variant is an error row, untimed.\n"
         "- `param_bytes` per rank: its stage's parameters, equal to `planner.stage_params` for the "
-        "chosen cut; 1F1B's peak holds fewer micro-batches' activations than GPipe's.\n"
-        "- `stall_fraction`: the share of a stage's compute its thread spent off the CPU; above a "
-        "few percent the bubble measures a busy host, not the schedule.",
+        "chosen cut; 1F1B's peak holds fewer micro-batches' activations than GPipe's.",
         '{"micro_batches": [1, 2, 4, 8]}', 2),
     "14_hybrid.ipynb": ("hybrid", "14 · Hybrid parallel: a 2-D device mesh",
         "Four ranks laid out four ways: the plain model on each (`single`, the reference), 1-D "
@@ -810,8 +827,8 @@ KERNELS = {
         "One C = A @ B in fp32 (the reference), TF32, fp16, bf16 and fp8 (per-tensor scales, "
         "`torch._scaled_mm`), each checked against fp32 within its dtype's tolerance, then timed. "
         "The `alignment` knob takes 1 (`off_by_one`) or 8 (`mult8`) off every dimension. The best "
-        "`tflops` over sizes is this device's achievable ceiling: the roofline below prefers it to "
-        "the datasheet (GPU) or the quick calibration (CPU) and says which it used.",
+        "`tflops` over sizes is this device's best measured rate, drawn below its roof (the "
+        "datasheet on a GPU, the physical ceiling on a CPU): no point sits above its roof.",
         "- `flops` = 2mnk exactly; `gbps` is the least traffic ((mk + kn) inputs + mn outputs) over "
         "the step, so `tflops` / `gbps` is the intensity: 2n/3 x 1/4 FLOP per byte for fp32 "
         "squares (85 at 512), far right of the ridge: compute-bound.\n"
@@ -887,7 +904,7 @@ KERNELS = {
                           "prof = profiling.profile_once(cfg)\n"
                           'print("\\n".join(prof.findings()))\n'
                           'print("Chrome trace (open in https://ui.perfetto.dev):", prof.trace_path)\n'
-                          "prof.operators.head(12)"),
+                          "viz.readable(prof.operators.head(12))"),
             new_markdown_cell("## The memory timeline: bytes live by category during the step"),
             new_code_cell("import plotly.express as px\n\n"
                           "mem = prof.memory.iloc[::max(1, len(prof.memory) // 300)]\n"

@@ -28,3 +28,28 @@ def by(rows, variant, metric):
     hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]
     assert len(hits) == 1, (variant, metric, hits)
     return hits[0]
+
+
+FAULTS = {"fault": ["none", "corrupt_reduction"]}  # one launch: the clean run and the corrupted one
+
+
+def fault_fixtures(experiment: str, overrides: dict):
+    """Module-scoped fixtures of one launch of `experiment` swept over FAULTS: `run` (every row),
+    `rows` (the clean ones) and `corrupted` (fault_rank's gradient reduction spoiled). Bind them
+    at module level: `run, rows, corrupted = fault_fixtures(...)`."""
+    from labkit.experiment import run_experiment
+
+    @pytest.fixture(scope="module")
+    def run(tmp_path_factory):
+        return run_experiment(experiment, preset="tiny", overrides=overrides, sweep=FAULTS,
+                              runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
+
+    @pytest.fixture(scope="module")
+    def rows(run):
+        return [r for r in run if r["params"]["fault"] == "none"]
+
+    @pytest.fixture(scope="module")
+    def corrupted(run):
+        return [r for r in run if r["params"]["fault"] == "corrupt_reduction"]
+
+    return run, rows, corrupted

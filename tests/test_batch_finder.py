@@ -16,11 +16,12 @@ from labkit.techniques import batch_finder
 from labkit.techniques.training import Trainer, optimizer_state
 
 BUDGET_GIB = 0.07  # 2-layer tiny model: ~62 MiB of weights, AdamW state and step temporaries
-SIZES = {**FAST, "num_layers": 2, "seq_len": 8, "memory_budget_gib": BUDGET_GIB, "mode": "grow"}
+SIZES = {**FAST, "num_layers": 2, "seq_len": 8, "memory_budget_gib": BUDGET_GIB, "mode": "grow",
+         "device": "cpu"}
 
 
 def config(**overrides):
-    return resolve(batch_finder.Config, "tiny", {**SIZES, "device": "cpu", **overrides},
+    return resolve(batch_finder.Config, "tiny", {**SIZES, **overrides},
                    experiment="batch_finder")
 
 

@@ -4,10 +4,12 @@ Playwright's own download) driven by Playwright's Python package.
 - JupyterLab: a cheap notebook (20_matmul with the tiny parameters its papermill test uses) is
   opened in JupyterLab started as `labkit lab` starts it (127.0.0.1, a token), run with
   Run > Run All Cells; the widget panel and the plotly figures render; a click on the panel's Run
-  makes the panel's figure gain points. The page is saved as a screenshot (on failure too).
+  makes the panel's figure gain points, and no chart's legend covers its plot area or title.
+  The page is saved as a screenshot (on failure too).
 - The report: the page `labkit report` writes for a notebook is opened from disk with every
   request that is not a local file aborted (and recorded: none may be attempted); each plotly
-  output of the executed notebook is a rendered chart (`div.js-plotly-plot` with `svg.main-svg`).
+  output of the executed notebook is a rendered chart (`div.js-plotly-plot` with `svg.main-svg`)
+  whose legend stays off its plot area.
 
 Screenshots go to `test-artifacts/browser/` at the repository root (ignored by git).
 Skipped only where no browser can be had: no `playwright` package, or no Chromium binary
@@ -57,6 +59,22 @@ PANEL_POINTS_JS = """() => {
   if (!run) return null;
   const plots = run.closest('.jp-OutputArea-output').querySelectorAll('.js-plotly-plot');
   return [...plots].map(gd => (gd.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0));
+}"""
+# Every drawn chart's legend box against its plot areas (plotly's drag rectangles, one per
+# subplot) and its title: {legends: how many charts had a legend, overlaps: [[chart, what], ...]}.
+LEGEND_CLEAR_JS = """() => {
+  const hit = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+  const charts = [...document.querySelectorAll('div.js-plotly-plot')];
+  const overlaps = [], legends = charts.filter(gd => gd.querySelector('g.legend'));
+  legends.forEach(gd => {
+    const legend = gd.querySelector('g.legend').getBoundingClientRect();
+    const parts = [...gd.querySelectorAll('.nsewdrag')].map(e => ['plot area', e]);
+    const title = gd.querySelector('.g-gtitle text');
+    if (title) parts.push(['title', title]);
+    parts.filter(([, e]) => hit(legend, e.getBoundingClientRect()))
+      .forEach(([what]) => overlaps.push([charts.indexOf(gd), what]));
+  });
+  return {legends: legends.length, overlaps};
 }"""
 
 
@@ -207,10 +225,14 @@ def test_notebook_panel_in_jupyterlab_gains_points_on_run(browser, lab):
         page.locator('.jp-OutputArea-output:has-text("done:")').wait_for(
             timeout=PANEL_RUN_S * 1000)
         assert page.evaluate(DRAWN_JS) >= 3  # the panel's two and the static comparison figure
-        assert not run.is_disabled()  # the button came back after the run
+        # the button comes back once the last draw and the tables are in (just after "done:")
+        playwright_api.expect(run).to_be_enabled(timeout=PANEL_RUN_S * 1000)
+        legends = page.evaluate(LEGEND_CLEAR_JS)
     finally:
         screenshot(page, Path(NOTEBOOK).stem)
         page.close()
+    # the panel's figure and the static comparison figure, at the panel's default width
+    assert legends["legends"] >= 2 and not legends["overlaps"], legends
     assert not errors, errors
     assert not refused, f"JupyterLab asked for non-local addresses: {refused}"
 
@@ -234,9 +256,11 @@ def test_report_page_renders_its_plots_with_the_network_blocked(browser, tmp_pat
             pytest.fail(f"{num_plots} plots not drawn; refused requests: {refused}; errors: {errors}")
         traces = page.evaluate("() => [...document.querySelectorAll('div.js-plotly-plot')]"
                                ".map(gd => gd.data.length)")
+        legends = page.evaluate(LEGEND_CLEAR_JS)
     finally:
         screenshot(page, f"report_{stem}", full_page=True)
         page.close()
     assert len(traces) == num_plots and all(n > 0 for n in traces), traces
+    assert legends["legends"] >= 1 and not legends["overlaps"], legends
     assert not refused, f"the page asked for network addresses: {refused}"
     assert not errors, errors

@@ -13,7 +13,7 @@ from labkit.measure.memory import LiveTensorTracker
 from labkit.techniques import checkpointing as ckpt
 from labkit.techniques.training import Trainer
 
-TINY = {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2}
+TINY = {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2, "device": "cpu"}
 # The tiny preset's own sizes: the backward's start (activations) sets the peak, not the step.
 ACTIVATION_BOUND = {**FAST, "batch_size": 4, "seq_len": 64, "num_layers": 4}
 

@@ -20,8 +20,12 @@ import pytest
 from labkit.techniques import EXPERIMENTS, kv_cache
 import torch
 
+from labkit import cli
 from labkit.cli import main
+from labkit.config import usable_threads
+from labkit.measure.memory import CPU_ALLOCATOR_OOM
 from labkit.results import ROW_FIELDS
+from labkit.workload import SkipVariant
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU-only behaviour")
@@ -271,6 +275,18 @@ BAD_INPUT = [
     pytest.param("float-nan-model", ["run", "kv_cache", *KV_TINY, "--variant", "none", "--set",
                                      "rope_theta=nan"], ["rope_theta"],
                  id="float-nan-model"),
+    # torch given far more threads than exist crashed the process (a segmentation fault)
+    ("num-threads-past-the-machine", ["run", "kv_cache", "--set", "num_threads=100000"],
+     ["num_threads=100000", f"valid: 1..{usable_threads()}"]),
+    ("num-threads-zero", ["run", "kv_cache", "--set", "num_threads=0"], ["num_threads=0", ">= 1"]),
+    ("threads-experiment-past-the-machine", ["run", "threads", "--set", "threads=100000"],
+     ["threads=100000", "valid: 0"]),
+    ("timeout-zero", ["run", "data_parallel", "--set", "timeout_s=0"], ["timeout_s=0", ">= 1"]),
+    ("plan-seq-len-zero", ["plan", "--seq-len", "0"], ["seq_len=0"]),
+    ("prompt-past-context", ["run", "kv_cache", "--set", "prompt_len=100000000"],
+     ["prompt_len + new_tokens = 100000128", "context (2048)"]),
+    ("report-jobs-zero", ["report", "--jobs", "0"], ["--jobs=0", "1 or more"]),
+    ("train-reference-steps-zero", ["train-reference", "--steps", "0"], ["--steps 0", "at least 1"]),
 ]
 
 
@@ -279,7 +295,8 @@ def _case(case):
 
 
 @pytest.mark.parametrize("name, argv, mentions", [_case(c) for c in BAD_INPUT])
-def test_bad_input_is_one_error_line_and_exit_2(name, argv, mentions, tmp_path):
+def test_bad_input_is_one_error_line_and_exit_2(name, argv, mentions, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a default output folder (report's lab-report/) would land here
     runs = tmp_path / "runs"
     if argv and argv[0] == "run":
         argv = [*argv, "--runs-dir", str(runs)]
@@ -306,6 +323,136 @@ def test_python_m_labkit_refuses_bad_input_without_a_traceback(tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("labkit: error: unknown experiment 'nope'")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- paths that cannot be written, interrupts, exit codes ------------------------------------
+
+def one_line_error(rc: int, out: str, err: str, *mentions: str) -> None:
+    assert rc == 2 and out == "" and "Traceback" not in err, (rc, out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("labkit: error: "), err
+    for text in mentions:
+        assert text in lines[0], f"{text!r} not in {lines[0]!r}"
+
+
+def unwritable(kind: str, tmp_path: Path, monkeypatch) -> Path:
+    """A folder that cannot be written: under /proc (it cannot be created), a path that is a
+    file, or a read-only folder (as root, who may write anyway, the OS's refusal is simulated)."""
+    if kind == "proc":
+        return Path("/proc/labkit-absent/runs")
+    if kind == "file":
+        (tmp_path / "a-file").write_text("x")
+        return tmp_path / "a-file"
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):
+        import tempfile
+
+        real = tempfile.mkstemp
+
+        def mkstemp(*args, dir=None, **kwargs):
+            if dir is not None and Path(dir) == folder:
+                raise PermissionError(13, "Permission denied", str(folder))
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    return folder
+
+
+def forbid(monkeypatch, target, name: str, calls: list) -> None:
+    monkeypatch.setattr(target, name, lambda *a, **k: calls.append(name))
+
+
+@pytest.mark.parametrize("kind", ["proc", "file", "read-only"])
+def test_a_runs_folder_that_cannot_be_written_is_refused_before_anything_runs(kind, tmp_path,
+                                                                              monkeypatch):
+    from labkit import report, roofline, selfcheck
+
+    calls: list = []
+    forbid(monkeypatch, kv_cache, "build", calls)
+    forbid(monkeypatch, report, "run_report", calls)
+    forbid(monkeypatch, selfcheck, "selfcheck", calls)
+    forbid(monkeypatch, roofline, "calibrate", calls)
+    from labkit.results import export_bundle
+
+    bundle = tmp_path / "bundle.zip"  # a sound bundle: the store is the only thing wrong
+    export_bundle(bundle, tmp_path / "empty-store")
+    folder = str(unwritable(kind, tmp_path, monkeypatch))
+    for argv in (["run", "kv_cache", *KV_TINY], ["report", "--out", str(tmp_path / "report")],
+                 ["selfcheck", "--device", "cpu"], ["calibrate", "--device", "cpu"],
+                 ["results", "import", str(bundle)]):
+        one_line_error(*call([*argv, "--runs-dir", folder]), "cannot store results in", folder)
+    monkeypatch.setenv("LABKIT_RUNS_DIR", folder)
+    one_line_error(*call(["run", "kv_cache", *KV_TINY]), folder)
+    assert calls == []
+
+
+@pytest.mark.parametrize("kind", ["proc", "file", "read-only"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_anything_runs(kind, tmp_path,
+                                                                               monkeypatch):
+    from labkit import experiment, reference, report, selfcheck
+
+    calls: list = []
+    for target, name in ((selfcheck, "selfcheck"), (report, "run_report"), (reference,
+                         "train_reference"), (experiment, "profile_experiment")):
+        forbid(monkeypatch, target, name, calls)
+    folder = unwritable(kind, tmp_path, monkeypatch)
+    file = str(folder / "out.json")
+    for argv, option in ((["selfcheck", "--device", "cpu", "--out", file], "--out"),
+                         (["results", "export", "--out", file], "--out"),
+                         (["profile", "kv_cache", "--trace", file], "--trace"),
+                         (["train-reference", "--quick", "--out", str(folder)], "--out"),
+                         (["report", "--out", str(folder)], "--out")):
+        one_line_error(*call(argv), option, str(folder))  # runs: conftest's $LABKIT_RUNS_DIR
+    one_line_error(*call(["profile", "kv_cache", "--trace", str(tmp_path)]), "is a folder")
+    assert calls == []
+
+
+def test_an_os_error_is_one_line_and_ctrl_c_exits_130(monkeypatch):
+    def disk_full(args):
+        raise OSError(28, "No space left on device", "/data/runs/x.json")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "env", disk_full)
+    one_line_error(*call(["env"]), "No space left on device", "/data/runs/x.json")
+    monkeypatch.setitem(cli.COMMANDS, "env", interrupted)
+    rc, out, err = call(["env"])
+    assert rc == 130 and out == "" and err == "labkit: interrupted; rows measured so far are stored\n"
+
+
+CPU_OOM = RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. {CPU_ALLOCATOR_OOM}: you "
+                       "tried to allocate 800000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("failing, raised, code, status", [
+    ("none", RuntimeError("boom"), 1, "error"),  # the reference failed: no verdict is possible
+    ("none", CPU_OOM, 0, "oom"),
+    ("none", SkipVariant("not here"), 0, "skipped"),
+    ("dynamic", RuntimeError("boom"), 0, "error"),  # a variant's error is a result
+])
+def test_run_exits_1_only_when_the_reference_row_is_an_error(failing, raised, code, status,
+                                                            tmp_path, monkeypatch):
+    real_build = kv_cache.build
+
+    def build(cfg):
+        if cfg.variant == failing:
+            raise raised
+        return real_build(cfg)
+
+    monkeypatch.setattr(kv_cache, "build", build)
+    rc, out, err = call(["run", "kv_cache", *KV_TINY, "--variant", "dynamic", "--json",
+                         "--runs-dir", str(tmp_path)])
+    rows = json_lines(out)
+    assert rc == code, err
+    assert [r["status"] for r in rows if r["variant"] == failing] == [status]
+    if code:
+        (line,) = err.splitlines()
+        assert line.startswith("labkit: error: the reference (none) failed") and "boom" in line
+    else:
+        assert "error" not in err
 
 
 def test_calibrate_stores_ceilings_the_roofline_then_prefers(tmp_path, monkeypatch):

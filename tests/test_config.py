@@ -1,21 +1,32 @@
-import pytest
+import os
 
+import pytest
+import torch
+
+from labkit import config
 from labkit.config import (DTYPE_ALIASES, MODELS, PRESETS, ConfigError, RunConfig, expand_sweep,
-                           parse_assignments, resolve)
+                           parse_assignments, resolve, usable_threads)
 from labkit.techniques import kv_cache, mixed_precision
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU-only behaviour")
+ONE_GPU_AT_MOST = pytest.mark.skipif(torch.cuda.device_count() > 1, reason="cuda:1 is present")
 
 
 def test_defaults_follow_the_preset_then_the_experiment_then_overrides():
-    cfg = resolve(kv_cache.Config, "tiny", experiment="kv_cache")
+    cfg = resolve(kv_cache.Config, "tiny", {"device": "cpu"}, experiment="kv_cache")
     assert (cfg.batch_size, cfg.prompt_len, cfg.new_tokens, cfg.num_threads) == (1, 16, 128, 1)
     assert cfg.device == "cpu" and cfg.model == MODELS["tiny"]
-    cfg = resolve(kv_cache.Config, "tiny", {"batch_size": "3", "num_layers": "2"}, experiment="kv_cache")
+    cfg = resolve(kv_cache.Config, "tiny", {"batch_size": "3", "num_layers": "2", "device": "cpu"},
+                  experiment="kv_cache")
     assert cfg.batch_size == 3 and cfg.model.num_layers == 2 and cfg.model.hidden_size == 256
 
 
-def test_auto_device_and_preset_resolve_to_the_cpu_here():
+def test_auto_device_and_preset_follow_the_machine():
     cfg = resolve(mixed_precision.Config)
-    assert cfg.device == "cpu" and cfg.preset == "tiny"
+    if torch.cuda.is_available():
+        assert cfg.device == "cuda" and cfg.preset in ("small", "medium")
+    else:
+        assert cfg.device == "cpu" and cfg.preset == "tiny"
 
 
 def test_typed_values_and_strings_both_work():
@@ -35,8 +46,8 @@ def test_typed_values_and_strings_both_work():
     ({"seq_len": 4096}, ["seq_len=4096", "context (2048)"]),
     ({"dtype": "float64"}, ["unknown dtype 'float64'", "bfloat16"]),
     ({"device": "tpu"}, ["unknown device 'tpu'", "cpu"]),
-    ({"device": "cuda"}, ["'cuda' is not present", "available: cpu"]),
-    ({"device": "cuda:1"}, ["not present"]),
+    pytest.param({"device": "cuda"}, ["'cuda' is not present", "available: cpu"], marks=NO_GPU),
+    pytest.param({"device": "cuda:1"}, ["not present"], marks=ONE_GPU_AT_MOST),
     ({"attention": "flash3"}, ["unknown attention", "sdpa, naive"]),
     ({"num_heads": 3}, ["multiple of num_heads"]),
     ({"memory_budget_gib": 0}, ["memory_budget_gib=0"]),
@@ -48,6 +59,19 @@ def test_bad_values_are_one_clear_error(overrides, words):
     assert "\n" not in message
     for word in words:
         assert word in message
+
+
+def test_usable_threads_are_those_the_process_may_run_on():
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert usable_threads() == expected >= 1
+
+
+def test_num_threads_past_the_usable_threads_is_refused_naming_the_range(monkeypatch):
+    monkeypatch.setattr(config, "usable_threads", lambda: 3)
+    assert resolve(RunConfig, "tiny", {"num_threads": 3, "device": "cpu"}).num_threads == 3
+    for value in (4, 100000):
+        with pytest.raises(ConfigError, match=f"^num_threads={value} is out of range; valid: 1..3 "):
+            resolve(RunConfig, "tiny", {"num_threads": str(value), "device": "cpu"})
 
 
 def test_unknown_preset_names_the_valid_ones():

@@ -83,14 +83,21 @@ TINY = ["--device", "cpu", "--preset", "tiny", "--set", "new_tokens=4", "--set",
 def test_core_runs_without_notebook_packages(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "LABKIT_RUNS_DIR": str(tmp_path / "runs")}
     reference = REPO / "data" / "reference"  # the H200 selfcheck, evaluated again: no notebook packages
+    again = tmp_path / "recheck" / "h200.json"
     recheck = ["selfcheck", "--recheck", str(reference / "h200.json"), "--runs-dir",
-               str(reference / "h200-runs"), "--out", os.devnull]
+               str(reference / "h200-runs"), "--out", str(again)]
+    committed_runs = sorted(p.name for p in (reference / "h200-runs").iterdir())
     script = SCRIPT.format(blocked=BLOCKED, tiny=TINY, recheck=recheck)
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     report = json.loads(proc.stdout.splitlines()[-1])
-    # exit 1 from the recheck: the H200 record holds checks that failed there (evaluated, no crash)
-    assert proc.returncode == 1 and report["codes"] == [0, 0, 0, 1], (report["errors"], proc.stderr[-4000:])
+    # the recheck's exit code is its record's verdict (1 when a check failed there), not a crash;
+    # and it measured nothing: the H200's runs are as committed, and no run was stored here
+    rechecked = json.loads(again.read_text())
+    failed = any(c["passed"] is False for c in rechecked["checks"])
+    assert report["codes"] == [0, 0, 0, int(failed)], (report["errors"], proc.stderr[-4000:])
+    assert proc.returncode == int(failed) and rechecked["rechecked"] and rechecked["checks"]
+    assert sorted(p.name for p in (reference / "h200-runs").iterdir()) == committed_runs
 
     assert report["preloaded"] == []  # the blocker was in place before anything was imported
     assert report["loaded"] == []  # none of the notebook-side packages got in
@@ -108,4 +115,4 @@ def test_core_runs_without_notebook_packages(tmp_path):
     stored = list((tmp_path / "runs").glob("*.json"))
     assert [p.stem for p in stored] == [rows[0]["run_id"]]
     assert not (tmp_path / "runs" / "runs").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recheck", "runs"]

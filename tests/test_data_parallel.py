@@ -1,18 +1,25 @@
 """Data parallelism: DDP's averaged gradients equal one process's on the global batch, and the
 bytes each rank hands to all-reduce follow the gradient bytes (x k without no_sync, / 2 in 16
-bits, PowerSGD's P and Q). One launch (6-12 s here) is shared by every test that reads it."""
-import math
+bits, PowerSGD's P and Q), and a corrupted reduction fails the check. One launch (6-12 s here)
+is shared by every test that reads it: every variant as it is, then with rank 1's buckets doubled
+before the all-reduce (fault=corrupt_reduction)."""
+import re
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from conftest import TINY_DIST
+from conftest import FAULTS, TINY_DIST, fault_fixtures
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
 from labkit.techniques import data_parallel as dp
 
 # 1 MiB buckets: the tiny model's gradients (13.5 MiB) span several, so every hook sees many.
-OVERRIDES = {**TINY_DIST, "steps": 2, "micro_batches": 2, "bucket_cap_mb": 1}
+OVERRIDES = {**TINY_DIST, "device": "cpu", "steps": 2, "micro_batches": 2, "bucket_cap_mb": 1}
 DDP_VARIANTS = [v for v in dp.VARIANTS if v != dp.REFERENCE]
+CHECKED = [v for v in DDP_VARIANTS if dp.TOLERANCE.get(v, dp.FP32_TOLERANCE) is not None]
+needs_nccl = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()),
+                                reason="needs CUDA (>= 1 GPU) with NCCL; CPU ranks use gloo")
 
 
 def by(rows, variant, metric, rank=0):
@@ -21,11 +28,7 @@ def by(rows, variant, metric, rank=0):
     return hits[0]
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    result = run_experiment("data_parallel", preset="tiny", overrides=OVERRIDES,
-                            runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False)
-    return result.rows
+run, rows, corrupted = fault_fixtures("data_parallel", OVERRIDES)
 
 
 def config(variant="single", **overrides):
@@ -82,12 +85,44 @@ def test_buckets_follow_bucket_cap_mb(rows):
         assert row["value"] == 1 if variant == "powersgd" else row["value"] > 1, variant
 
 
-def test_communication_share_is_measured_for_every_ddp_variant(rows):
+def test_communication_share_is_the_synced_backward_less_the_local_one_over_the_step(rows):
     for variant in DDP_VARIANTS:
         for rank in (0, 1):
+            ms = {m: by(rows, variant, m, rank)["value"]
+                  for m in ("fwd_bwd_ms", "fwd_bwd_no_sync_ms", "synced_step_ms", "comm_ms")}
+            # each repeat's synced forward and backward is part of its step: so are the medians
+            assert 0 < ms["fwd_bwd_no_sync_ms"] and 0 < ms["fwd_bwd_ms"] <= ms["synced_step_ms"]
+            assert ms["comm_ms"] == pytest.approx(ms["fwd_bwd_ms"] - ms["fwd_bwd_no_sync_ms"])
             fraction = by(rows, variant, "comm_fraction", rank)["value"]
-            assert fraction is not None and math.isfinite(fraction) and -1 < fraction < 1
-    assert by(rows, "single", "comm_fraction")["value"] == 0
+            assert fraction == pytest.approx(ms["comm_ms"] / ms["synced_step_ms"]) and fraction < 1
+    assert by(rows, "single", "comm_fraction")["value"] == by(rows, "single", "comm_ms")["value"] == 0
+
+
+def test_a_corrupted_reduction_fails_every_checked_variant_on_every_rank(corrupted):
+    for rank in (0, 1):
+        assert {r["status"] for r in corrupted if r["variant"] == "single" and r["rank"] == rank} == {"ok"}
+        for variant in CHECKED:
+            mine = [r for r in corrupted if r["variant"] == variant and r["rank"] == rank]
+            assert {r["status"] for r in mine} == {"error"}, variant
+            # the first failing rank's reason, on every rank (distributed.agree)
+            assert all(re.match(r"does not match single: (rank 0: )?gradients or loss differ",
+                                r["message"]) for r in mine), mine[0]["message"]
+            # (g0 + 2 g1) / 2 against (g0 + g1) / 2: far beyond any variant's tolerance
+            assert by(corrupted, variant, "grad_max_rel_diff", rank)["value"] > 0.1, variant
+        # PowerSGD is lossy and unchecked: its deltas are reported, the run goes on
+        assert by(corrupted, "powersgd", "step_ms", rank)["status"] == "ok"
+
+
+@needs_nccl
+def test_nccl_ranks_match_one_process_and_flag_a_corrupted_reduction(tmp_path):
+    n = torch.cuda.device_count()
+    overrides = {**OVERRIDES, "device": "cuda", "nproc": n, "fault_rank": n - 1}
+    rows = run_experiment("data_parallel", preset="tiny", overrides=overrides, sweep=FAULTS,
+                          variants=["ddp", "accumulate_no_sync"], runs_dir=str(tmp_path),
+                          progress=False).rows
+    for r in rows:
+        fine = r["params"]["fault"] == "none" or r["variant"] == dp.REFERENCE
+        assert r["status"] == ("ok" if fine else "error"), (r["variant"], r["params"]["fault"], r["message"])
 
 
 def test_sequences_per_forward_and_one_bucket_when_the_cap_holds_everything():

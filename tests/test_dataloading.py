@@ -9,7 +9,8 @@ from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
 from labkit.techniques import dataloading
 
-SIZES = {**TINY_TRAIN, "batch_size": 2, "steps": 3, "epoch_steps": 6, "sample_cost_us": 300.0}
+SIZES = {**TINY_TRAIN, "batch_size": 2, "steps": 3, "epoch_steps": 6, "sample_cost_us": 300.0,
+         "device": "cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def rows(tmp_path_factory):
 
 
 def _cfg(variant="baseline", **kw):
-    cfg = resolve(dataloading.Config, "tiny", {**SIZES, "device": "cpu", **kw}, experiment="dataloading")
+    cfg = resolve(dataloading.Config, "tiny", {**SIZES, **kw}, experiment="dataloading")
     return dataclasses.replace(cfg, variant=variant)
 
 

@@ -1,12 +1,14 @@
 import gc
+import weakref
 
 import pytest
+import torch
 
 from conftest import FAST, TINY_DECODE, TINY_TRAIN
 from labkit import planner
 from labkit.config import ConfigError
 from labkit.experiment import lab_plan, run_experiment
-from labkit.measure.memory import LiveTensorTracker
+from labkit.measure.memory import CPU_ALLOCATOR_OOM, LiveTensorTracker
 from labkit.results import load_results
 from labkit.techniques import kv_cache, mixed_precision
 
@@ -19,7 +21,8 @@ def by(rows, variant, metric, sweep=None):
 
 
 def test_kv_cache_tokens_identical_and_bytes_measured_equal_the_formula():
-    result = run_experiment("kv_cache", preset="tiny", overrides=TINY_DECODE, progress=False)
+    result = run_experiment("kv_cache", preset="tiny", overrides={**TINY_DECODE, "device": "cpu"},
+                            progress=False)
     rows = result.rows
     assert [r["variant"] for r in rows][0] == "none"  # the reference runs first
     assert by(rows, "none", "token_agreement")["value"] == 1.0
@@ -37,8 +40,8 @@ def test_kv_cache_tokens_identical_and_bytes_measured_equal_the_formula():
 
 def test_mixed_precision_bytes_and_precision_rows():
     variants = ["fp16", "bf16", "bf16_weights", "tf32"]
-    rows = run_experiment("mixed_precision", preset="tiny", overrides=TINY_TRAIN, variants=variants,
-                          progress=False).rows
+    rows = run_experiment("mixed_precision", preset="tiny", overrides={**TINY_TRAIN, "device": "cpu"},
+                          variants=variants, progress=False).rows
     fp32 = by(rows, "fp32", "param_bytes")["value"]
     assert by(rows, "bf16_weights", "param_bytes")["value"] * 2 == fp32  # exactly half
     assert by(rows, "bf16_weights", "param_bytes")["predicted"] * 2 == fp32
@@ -69,7 +72,7 @@ def test_oom_under_the_virtual_budget_is_a_row_memory_is_freed_and_the_sweep_goe
     outer = LiveTensorTracker()
     with outer:
         result = run_experiment("mixed_precision", preset="tiny", variants=["fp32"], progress=False,
-                                overrides={**TINY_TRAIN, "memory_budget_gib": 0.1},
+                                overrides={**TINY_TRAIN, "memory_budget_gib": 0.1, "device": "cpu"},
                                 sweep={"batch_size": [1, 512, 2]})
         gc.collect()
     assert outer.current_bytes == 0  # every tensor of every point, the OOM one too, is gone
@@ -80,10 +83,33 @@ def test_oom_under_the_virtual_budget_is_a_row_memory_is_freed_and_the_sweep_goe
     assert by(result.rows, "fp32", "peak_mem_bytes", {"batch_size": 2})["value"] < 0.1 * 2**30
 
 
+def test_a_cpu_allocation_failure_is_an_oom_row_its_memory_freed_and_the_sweep_goes_on(monkeypatch):
+    """torch's CPU allocator raises a RuntimeError, not torch.OutOfMemoryError: still an `oom`."""
+    real_build, held = kv_cache.build, []
+
+    def build(cfg):
+        if cfg.variant == "dynamic" and cfg.batch_size == 1:
+            tensor = torch.ones(2**16)  # what the variant had allocated when the next one failed
+            held.append(weakref.ref(tensor))
+            raise RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. {CPU_ALLOCATOR_OOM}: "
+                               "you tried to allocate 800000000000 bytes. Error code 12")
+        return real_build(cfg)
+
+    monkeypatch.setattr(kv_cache, "build", build)
+    rows = run_experiment("kv_cache", preset="tiny", overrides={**TINY_DECODE, "device": "cpu"},
+                          sweep={"batch_size": [1, 2]}, variants=["dynamic"], progress=False).rows
+    dynamic = {r["params"]["sweep"]["batch_size"]: r for r in rows if r["variant"] == "dynamic"}
+    assert dynamic[1]["status"] == "oom" and CPU_ALLOCATOR_OOM in dynamic[1]["message"]
+    assert dynamic[1]["metric"] is None
+    assert by(rows, "dynamic", "token_agreement", {"batch_size": 2})["status"] == "ok"
+    assert held and held[0]() is None  # freed with the exception's traceback
+    assert {r["status"] for r in rows if r["variant"] == "none"} == {"ok"}
+
+
 def test_a_variant_that_disagrees_with_the_reference_is_an_error_and_is_not_timed(monkeypatch):
     monkeypatch.setitem(mixed_precision.TOLERANCE, "bf16", 0.0)
-    rows = run_experiment("mixed_precision", preset="tiny", overrides=TINY_TRAIN, variants=["bf16"],
-                          progress=False).rows
+    rows = run_experiment("mixed_precision", preset="tiny", overrides={**TINY_TRAIN, "device": "cpu"},
+                          variants=["bf16"], progress=False).rows
     bf16 = [r for r in rows if r["variant"] == "bf16"]
     assert {r["status"] for r in bf16} == {"error"}
     assert {r["metric"] for r in bf16} == {"loss", "loss_delta"}  # the quality delta, no timing
@@ -99,8 +125,8 @@ def test_an_exception_is_an_error_row_and_the_other_variants_still_run(monkeypat
         return real_build(cfg)
 
     monkeypatch.setattr(kv_cache, "build", build)
-    rows = run_experiment("kv_cache", preset="tiny", overrides=TINY_DECODE, sweep={"batch_size": [1, 2]},
-                          progress=False).rows
+    rows = run_experiment("kv_cache", preset="tiny", overrides={**TINY_DECODE, "device": "cpu"},
+                          sweep={"batch_size": [1, 2]}, progress=False).rows
     errors = [r for r in rows if r["status"] == "error"]
     assert len(errors) == 2 and errors[0]["message"] == "RuntimeError: boom"
     assert len([r for r in rows if r["variant"] == "none" and r["metric"] == "step_ms"]) == 2
@@ -114,6 +140,9 @@ def test_bad_input_fails_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match="dtype must be float32"):
         run_experiment("mixed_precision", overrides={"dtype": "bf16"}, runs_dir=str(tmp_path))
     assert not list(tmp_path.iterdir())  # nothing stored, nothing measured
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="cannot store results in .*a-file: it is a file"):
+        run_experiment("kv_cache", overrides={"device": "cpu"}, runs_dir=str(tmp_path / "a-file"))
 
 
 def test_rows_are_stored_after_every_point_even_when_the_run_is_interrupted(monkeypatch):
@@ -128,8 +157,8 @@ def test_rows_are_stored_after_every_point_even_when_the_run_is_interrupted(monk
 
     monkeypatch.setattr(kv_cache, "build", build)
     with pytest.raises(KeyboardInterrupt):
-        run_experiment("kv_cache", preset="tiny", overrides=TINY_DECODE, sweep={"batch_size": [1, 2]},
-                       variants=["dynamic"], progress=False)
+        run_experiment("kv_cache", preset="tiny", overrides={**TINY_DECODE, "device": "cpu"},
+                       sweep={"batch_size": [1, 2]}, variants=["dynamic"], progress=False)
     frame = load_results(experiment="kv_cache")
     assert set(frame["variant"]) == {"none", "dynamic"} and (frame["status"] == "ok").all()
 
@@ -143,7 +172,7 @@ def test_lab_plan_says_what_will_be_skipped_here():
 def test_a_variant_whose_reference_did_not_run_says_it_is_unchecked():
     # a budget between the peaks of no checkpointing (the reference) and full checkpointing
     rows = run_experiment("checkpointing", preset="tiny", variants=["full"], progress=False,
-                          overrides={**FAST, "memory_budget_gib": 0.085}).rows
+                          overrides={**FAST, "memory_budget_gib": 0.085, "device": "cpu"}).rows
     assert [r["status"] for r in rows if r["variant"] == "none"] == ["oom"]
     step = by(rows, "full", "step_ms")
     assert step["status"] == "ok" and "NOT CHECKED" in step["message"]

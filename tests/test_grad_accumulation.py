@@ -8,7 +8,7 @@ from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
 from labkit.techniques import grad_accumulation as ga
 
-TINY = {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2}
+TINY = {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2, "device": "cpu"}
 
 
 def config(variant="one_batch", **overrides):

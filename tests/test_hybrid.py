@@ -11,7 +11,8 @@ from labkit.techniques import hybrid
 N = 4
 # 4-way 1-D tensor parallel needs 4 kv heads (the tiny preset has 2); one layer keeps 4 ranks on
 # 2 cores fast.
-OVERRIDES = {**TINY_DIST, "num_layers": 1, "batch_size": 4, "num_kv_heads": 4, "timed_steps": 1}
+OVERRIDES = {**TINY_DIST, "num_layers": 1, "batch_size": 4, "num_kv_heads": 4, "timed_steps": 1,
+             "device": "cpu"}  # four gloo ranks on the CPU
 VARIANTS = ("single", "fsdp", "tp", "fsdp_tp")
 
 

@@ -29,12 +29,33 @@ def rows(tmp_path_factory):
                           runs_dir=str(tmp_path_factory.mktemp("runs"))).rows
 
 
+def run_keeping_tokens(monkeypatch, **kw) -> tuple[list, dict]:
+    """`run_experiment("kv_cache", ...)`'s rows, and the greedy tokens each variant was compared
+    on, (reference's, its own) by variant, so agreement can be computed here from the tokens."""
+    tokens, real = {}, kv_cache.compare
+
+    def keep(reference, outputs, cfg):
+        tokens[cfg.variant] = (reference["tokens"], outputs["tokens"])
+        return real(reference, outputs, cfg)
+
+    monkeypatch.setattr(kv_cache, "compare", keep)
+    return run_experiment("kv_cache", progress=False, **kw).rows, tokens
+
+
+def agreement(pair) -> float:
+    """The share of generated positions where the two (B, new_tokens) token tensors agree."""
+    reference, got = pair
+    assert reference.shape == got.shape
+    return sum(a == b for a, b in zip(reference.flatten().tolist(), got.flatten().tolist())) / got.numel()
+
+
 @pytest.fixture(scope="module")
-def bf16_rows(tmp_path_factory):
-    """The acceptance comparison: int8 against a bf16 static cache (bf16 scales)."""
-    return run_experiment("kv_cache", preset="tiny", variants=["static", "quantized"],
-                          overrides={**SIZES, "kv_dtype": "bfloat16"}, progress=False,
-                          runs_dir=str(tmp_path_factory.mktemp("runs"))).rows
+def bf16_run(tmp_path_factory):
+    """The acceptance comparison: int8 against a bf16 static cache (bf16 scales); and its tokens."""
+    with pytest.MonkeyPatch.context() as mp:
+        return run_keeping_tokens(mp, preset="tiny", variants=["static", "quantized"],
+                                  overrides={**SIZES, "kv_dtype": "bfloat16"},
+                                  runs_dir=str(tmp_path_factory.mktemp("runs")))
 
 
 def test_every_lossless_cache_generates_the_reference_tokens_in_fp32(rows):
@@ -66,13 +87,30 @@ def test_paged_wastes_at_most_one_block_per_sequence_and_static_waste_is_reporte
     assert by(rows, "dynamic", "kv_waste_pct")["value"] == 0.0
 
 
-def test_int8_halves_bf16_bytes_within_two_percent_attention_error(bf16_rows):
+def test_int8_halves_bf16_bytes_within_two_percent_attention_error(bf16_run):
+    bf16_rows, tokens = bf16_run
     static, quant = (by(bf16_rows, v, "kv_bytes")["value"] for v in ("static", "quantized"))
     assert quant <= 0.52 * static
     assert 0 < by(bf16_rows, "quantized", "attn_output_rel_error")["value"] <= kv_cache.ATTN_TARGET
-    assert 0 <= by(bf16_rows, "quantized", "token_agreement")["value"] <= 1
+    # each lossy cache's agreement is its tokens' against the uncached reference's own tokens
+    for variant in ("static", "quantized"):
+        assert tokens[variant][0] is tokens["none"][1]
+        assert by(bf16_rows, variant, "token_agreement")["value"] == agreement(tokens[variant])
     assert by(bf16_rows, "static", "attn_output_rel_error")["value"] <= 0.02  # bf16 is lossy too
     assert all(r["status"] == "ok" for r in bf16_rows)
+
+
+def test_token_agreement_is_the_share_of_generated_positions_that_match():
+    reference = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    got = reference.clone()
+    got[0, 1], got[1, 0], got[1, 3] = 0, 9, 0  # 3 of 8 positions differ
+    lossy = kv_cache.compare({"tokens": reference},
+                             {"tokens": got, "lossy": True, "attn_output_rel_error": 0.01}, _cfg())
+    assert lossy.metrics["token_agreement"] == 5 / 8 and lossy.ok  # lossy: judged on attention
+    lossless = kv_cache.compare({"tokens": reference}, {"tokens": got, "lossy": False}, _cfg())
+    assert not lossless.ok and "only 62.5% of generated tokens agree" in lossless.message
+    same = kv_cache.compare({"tokens": reference}, {"tokens": reference.clone()}, _cfg())
+    assert same.metrics["token_agreement"] == 1.0 and same.ok
 
 
 def test_a_lossy_cache_past_the_tolerance_is_an_error(monkeypatch):
@@ -85,7 +123,7 @@ def test_a_lossy_cache_past_the_tolerance_is_an_error(monkeypatch):
 
 def test_fp8_is_skipped_without_a_gpu_and_bad_lengths_are_refused():
     rows = run_experiment("kv_cache", preset="tiny", variants=["quantized"], progress=False,
-                          overrides={**SIZES, "quant_dtype": "fp8"}).rows
+                          overrides={**SIZES, "quant_dtype": "fp8", "device": "cpu"}).rows
     assert [r["status"] for r in rows if r["variant"] == "quantized"] == ["skipped"]
     with pytest.raises(ConfigError, match="max_cache_len=8"):
         run_experiment("kv_cache", overrides={**SIZES, "max_cache_len": 8})
@@ -135,17 +173,19 @@ def test_paged_block_table_frame_covers_every_held_token():
     assert sorted(frame["physical_block"]) == list(range(8))  # the pool, every block used once
 
 
-def test_on_the_reference_model_quantized_reports_agreement_and_perplexity_delta():
+def test_on_the_reference_model_quantized_reports_agreement_and_perplexity_delta(monkeypatch):
     """The trained model (data/reference) at the default lengths (16 + 128 tokens): held-out
     prompts, so agreement and perplexity mean something; a lossless layout's perplexity delta is
     0 up to bf16 rounding."""
-    rows = run_experiment("kv_cache", preset="reference", variants=["static", "paged", "quantized"],
-                          overrides={**FAST, "kv_dtype": "bfloat16"}, progress=False).rows
+    rows, tokens = run_keeping_tokens(monkeypatch, preset="reference",
+                                      variants=["static", "paged", "quantized"],
+                                      overrides={**FAST, "kv_dtype": "bfloat16"})
     assert all(r["status"] == "ok" for r in rows)
     assert by(rows, "none", "perplexity_delta")["value"] == 0.0
     assert abs(by(rows, "paged", "perplexity_delta")["value"]) < 0.05
     assert abs(by(rows, "quantized", "perplexity_delta")["value"]) < 0.05
     assert by(rows, "quantized", "attn_output_rel_error")["value"] <= kv_cache.ATTN_TARGET
-    assert 0 <= by(rows, "quantized", "token_agreement")["value"] <= 1
+    assert tokens["quantized"][1].shape[1] == 128
+    assert by(rows, "quantized", "token_agreement")["value"] == agreement(tokens["quantized"])
     ratio = by(rows, "quantized", "kv_bytes")["value"] / by(rows, "static", "kv_bytes")["value"]
     assert ratio <= 0.52

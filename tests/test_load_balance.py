@@ -9,7 +9,7 @@ from labkit.experiment import run_experiment
 from labkit.techniques import load_balance as lb
 
 # G = 2 x 4 sequences; rank 1 sleeps 3 x its compute time: about 4 x slower, robust to noise.
-OVERRIDES = {**TINY_DIST, "batch_size": 4, "slowdown": 4.0, "slow_rank": 1}
+OVERRIDES = {**TINY_DIST, "batch_size": 4, "slowdown": 4.0, "slow_rank": 1, "device": "cpu"}  # gloo ranks
 
 
 def by(rows, variant, metric, rank):

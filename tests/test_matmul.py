@@ -48,19 +48,41 @@ def test_every_dtype_matches_fp32_within_its_tolerance(rows):
     assert by(rows, "bf16", "rel_error")["value"] > by(rows, "fp16", "rel_error")["value"]  # 8 vs 11 bits
 
 
-def test_gbps_and_tflops_share_the_step_time_so_their_ratio_is_the_intensity(rows):
-    for variant, itemsize in (("fp32", 4), ("bf16", 2)):
-        tflops, gbps = by(rows, variant, "tflops")["value"], by(rows, variant, "gbps")["value"]
-        intensity = 2 * 128**3 / (3 * 128 * 128 * itemsize)
-        assert tflops * 1e12 / (gbps * 1e9) == pytest.approx(intensity, rel=1e-9)
+def test_min_bytes_are_the_operands_and_output_the_step_touches():
+    for variant in ("fp32", "bf16"):
+        for alignment in ("aligned", "off_by_one"):
+            cfg = _cfg(variant=variant, alignment=alignment)
+            wl = matmul.build(cfg)
+            operands = wl.tensors["input_bytes"]()
+            out = wl.step()
+            touched = sum(t.untyped_storage().nbytes() for t in (*operands, out))
+            assert touched == matmul.min_bytes(cfg), (variant, alignment)
 
 
-def test_predicted_step_is_the_roofline_of_the_dtype_peak():
-    cfg = _cfg(variant="fp32")
-    ceil = hardware.ceilings("cpu", num_threads=1)
-    seconds = max(2 * 128**3 / (ceil.peak_tflops["float32"] * 1e12),
-                  (2 * 128 * 128 + 128 * 128) * 4 / (ceil.bandwidth_gbps * 1e9))
-    assert matmul.expected(cfg)["step_ms"] == pytest.approx(seconds * 1e3)
+def test_no_measured_rate_is_above_the_ceiling(rows):
+    """peak_flops_pct is the measured rate over the physical ceiling: over 100 means a wrong ceiling."""
+    for variant in ("fp32", "fp16", "bf16"):
+        for alignment in ("aligned", "off_by_one"):
+            pct = by(rows, variant, "peak_flops_pct", alignment)["value"]
+            assert 0 < pct <= 100, (variant, alignment, pct)
+
+
+def _fake_ceilings(monkeypatch, peak_tflops, bandwidth_gbps):
+    fake = hardware.Ceilings("cpu", "test cpu", {"float32": peak_tflops}, bandwidth_gbps, None,
+                             "test", measured=False)
+    monkeypatch.setattr(hardware, "ceilings", lambda *a, **k: fake)
+
+
+@pytest.mark.parametrize("peak_tflops, bandwidth_gbps, bound_ms", [
+    (1.0, 100.0, 2 * 128**3 / 1e12 * 1e3),  # compute-bound: 4.19 us of FLOPs vs 1.97 us of bytes
+    (1.0, 10.0, 3 * 128 * 128 * 4 / 10e9 * 1e3),  # memory-bound: 19.7 us of bytes
+    (1.0, None, 2 * 128**3 / 1e12 * 1e3),  # unknown bandwidth: the FLOPs alone
+])
+def test_predicted_step_is_the_roofline_bound(monkeypatch, peak_tflops, bandwidth_gbps, bound_ms):
+    _fake_ceilings(monkeypatch, peak_tflops, bandwidth_gbps)
+    predicted = matmul.expected(_cfg(variant="fp32"))
+    assert predicted["step_ms"] == pytest.approx(bound_ms, rel=1e-12)
+    assert predicted["tflops"] <= peak_tflops * (1 + 1e-12)
 
 
 def test_tf32_and_fp8_are_skipped_on_the_cpu_with_the_reason(rows):

@@ -47,14 +47,29 @@ def test_bytes_held_are_measured_from_storage_and_match_the_layout(copies):
             assert row["value"] == row["predicted"]
 
 
-def test_gbps_counts_bytes_read_and_written_over_the_step(copies, sums):
-    for variant, moved in (("contiguous", 2 * N * 4), ("gather", 2 * N * 4 + N * 8)):
-        row = by(copies, variant, "gbps")
-        assert row["value"] == pytest.approx(moved / 1e9 / (by(copies, variant, "step_ms")["value"] / 1e3))
-    rows = 512  # 1 MiB as a 512 x 512 matrix: one fp32 sum written per row
-    step_s = by(sums, "contiguous", "step_ms")["value"] / 1e3
-    assert by(sums, "contiguous", "gbps")["value"] == pytest.approx((N + rows) * 4 / 1e9 / step_s)
-    assert by(sums, "contiguous", "tflops")["value"] == pytest.approx(N / 1e12 / step_s)
+def step_bytes(cfg) -> tuple[int, int]:
+    """Bytes of what one step reads (the values, the gather's index) and writes (its result),
+    from the tensors themselves, and the values summed (one add each, `op=sum`)."""
+    values = torch.zeros(memory_access.matrix_shape(cfg))
+    source = memory_access.make_source(cfg, values)
+    read = values.nbytes + (source["index"].nbytes if "index" in source else 0)
+    out = memory_access.build(cfg).step()
+    return read + out.nbytes, values.numel()
+
+
+def test_gbps_and_tflops_count_the_bytes_and_adds_of_the_tensors(sums):
+    for variant, moved in (("contiguous", 2 * N * 4), ("gather", 2 * N * 4 + N * 8),
+                           ("strided", 2 * N * 4), ("transposed", 2 * N * 4)):
+        cfg = _cfg(variant=variant)
+        assert step_bytes(cfg) == (moved, N)
+        assert memory_access.build(cfg).per_second == {"gbps": moved / 1e9}
+    cfg = _cfg(op="sum")
+    moved = (N + 512) * 4  # 1 MiB as a 512 x 512 matrix: one fp32 sum written per row
+    assert step_bytes(cfg) == (moved, N)
+    assert memory_access.build(cfg).per_second == {"gbps": moved / 1e9, "tflops": N / 1e12}
+    # the rows' rates share one step time: their ratio is bytes per add, whatever the time
+    row = {m: by(sums, "contiguous", m)["value"] for m in ("gbps", "tflops")}
+    assert row["gbps"] / row["tflops"] == pytest.approx(1e3 * moved / N)
 
 
 def test_the_prediction_counts_whole_lines():

@@ -158,3 +158,36 @@ def test_interactive_mode_shows_the_panel(tmp_path):
     path = tmp_path / "20_matmul.ipynb"
     assert "application/vnd.jupyter.widget-view+json" in json.dumps(outputs_of(json.loads(path.read_text())))
     assert path.stat().st_size < 1_000_000
+
+
+def _built(names: dict) -> dict[str, str]:
+    """What a rebuild writes (stable cell ids, as the builder's __main__ sets them), by file name."""
+    import nbformat
+
+    out = {}
+    for filename, nb in names.items():
+        for i, cell in enumerate(nb.cells):
+            cell.id = f"cell-{i:02d}"
+        out[filename] = nbformat.writes(nb) + "\n"
+    return out
+
+
+@pytest.mark.parametrize("folder", ["", "exercises"])
+def test_committed_notebooks_are_what_their_builder_writes(folder, monkeypatch):
+    """The prose and cells live in the builders: a notebook edited by hand, or a builder edited
+    without a rebuild, is drift."""
+    import importlib.util
+
+    root = NOTEBOOKS / folder
+    builder = root / ("build_exercises.py" if folder else "build_notebooks.py")
+    monkeypatch.syspath_prepend(str(root))
+    spec = importlib.util.spec_from_file_location(f"_builder_{folder or 'main'}", builder)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    names = module.notebook_names() if folder else module.NOTEBOOKS
+    if folder:
+        names = {f: module.exercise_notebook(ex) for f, ex in names.items()}
+    built = _built(names)
+    assert sorted(built) == sorted(p.name for p in root.glob("*.ipynb"))
+    stale = [f for f, text in built.items() if (root / f).read_text() != text]
+    assert not stale, f"rebuild with python {builder.relative_to(NOTEBOOKS.parent)}: {stale}"

@@ -14,7 +14,7 @@ from labkit.techniques.kv_cache import DynamicCache, generate_cached
 from labkit.techniques.training import Trainer
 from labkit.model import build_model
 
-POOL_SIZES = {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 6, "batch_size": 2}
+POOL_SIZES = {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 6, "batch_size": 2, "device": "cpu"}
 
 
 def rows_of(rows, variant):
@@ -28,7 +28,8 @@ def value(rows, variant, metric):
 
 
 def test_offload_on_the_cpu_runs_the_reference_and_skips_the_rest_with_the_reason():
-    rows = run_experiment("offload", preset="tiny", overrides=TINY_TRAIN, progress=False).rows
+    rows = run_experiment("offload", preset="tiny", overrides={**TINY_TRAIN, "device": "cpu"},
+                          progress=False).rows
     assert {r["status"] for r in rows_of(rows, "none")} == {"ok"}
     peak = value(rows, "none", "peak_mem_bytes")
     assert peak["predicted"] and 0.9 < peak["value"] / peak["predicted"] < 1.1
@@ -93,7 +94,7 @@ def test_memory_pool_on_the_cpu_runs_the_reference_and_skips_the_rest_with_the_r
 
 
 def test_the_buffer_pool_gives_the_same_tokens_and_allocates_no_cache():
-    cfg = resolve(memory_pool.Config, "tiny", {**POOL_SIZES, "device": "cpu"})
+    cfg = resolve(memory_pool.Config, "tiny", POOL_SIZES)
     model = build_model(cfg.model, seed=0).eval()
     prompts = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.prompt_len))
     pool = memory_pool.KVPool(cfg)

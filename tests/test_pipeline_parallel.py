@@ -1,45 +1,33 @@
-"""pipeline_parallel on two gloo ranks: the pipeline's loss and gradients are one process's, the
-measured bubble follows (p-1)/(m+p-1), and a slow stage raises it. One launch for all of it."""
+"""pipeline_parallel on two gloo ranks: the pipeline's loss and gradients are one process's, a
+corrupted handoff between the stages fails that check, and the bubble's prediction is the schedule
+replayed on the run's own calibration. One launch for all of it; the replay itself is checked on
+known durations. No test reads a wall-clock bubble: speed is for benchmarks and `selfcheck`."""
+from fractions import Fraction
+
 import pytest
 from conftest import TINY_DIST
 
 from labkit.config import ConfigError
 from labkit.experiment import run_experiment
-from labkit.techniques.pipeline_parallel import balance, bubble_metrics
+from labkit.techniques.pipeline_parallel import (CORRUPTION, GRAD_TOLERANCE, LOSS_TOLERANCE,
+                                                 SCHEDULES, VARIANTS, Config, balance,
+                                                 bubble_metrics, skip_reason)
+from labkit.techniques.pipeline_schedule import replay, replayed_bubbles, schedule_order
 
-# Not m = 8: a micro-batch of one sequence computes for ~3 ms, and on a 2-core host a rank's wake-up
-# after a receive (outside the compute spans that `stall_fraction` watches) can then double the bubble.
-MICRO_BATCHES = [1, 2, 4]
-DELAY_MS = 30.0  # per micro-batch forward of stage 1
-# Three blocks and a 3072-word head: the measured split is embedding + 2 blocks | 1 block + head,
-# two stages within ~10% of each other (the formula assumes equal stages); 8 sequences of 128
-# tokens keep a stage's compute per micro-batch (>= 15 ms) far above a handoff (~0.3 ms).
-# The bubble is read from the fastest of 10 timed steps (the least disturbed by other processes).
-SIZES = {**TINY_DIST, "num_layers": 3, "vocab_size": 3072, "seq_len": 128, "batch_size": 8,
-         "warmup": 1, "timed_steps": 10, "delay_stage": 1}
-BUBBLE_TOLERANCE = 0.10
-QUIET_STALL = 0.05  # compute spans off the CPU at most 5% of their time (an idle host: ~1%)
-
-
-def launch(tmp_path_factory, overrides, sweep, variants=None):
-    result = run_experiment("pipeline_parallel", preset="tiny", overrides=overrides, sweep=sweep,
-                            variants=variants, runs_dir=str(tmp_path_factory.mktemp("runs")),
-                            progress=False)
-    df = result.frame()
-    df["m"] = df["params"].map(lambda p: p["micro_batches"])
-    return df
+M = 2  # micro-batches of one sequence each
+CORRUPT = ["none", "activation", "gradient"]
+DELAY_MS = 1.0  # stage 1 sleeps in every forward: its calibrated forward holds the sleep
+SIZES = {**TINY_DIST, "micro_batches": M, "delay_stage": 1, "stage_delay_ms": DELAY_MS}
 
 
 @pytest.fixture(scope="module")
 def frame(tmp_path_factory):
-    return launch(tmp_path_factory, SIZES, {"micro_batches": MICRO_BATCHES})
-
-
-@pytest.fixture(scope="module")
-def delayed(tmp_path_factory):
-    """GPipe at m = 4 with stage 1 sleeping in every forward (a second, small launch)."""
-    overrides = {**SIZES, "timed_steps": 4, "micro_batches": 4, "stage_delay_ms": DELAY_MS}
-    return launch(tmp_path_factory, overrides, None, variants=["gpipe"])
+    result = run_experiment("pipeline_parallel", preset="tiny", overrides=SIZES,
+                            sweep={"corrupt": CORRUPT},
+                            runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False)
+    df = result.frame()
+    df["corrupt"] = df["params"].map(lambda p: p["corrupt"])
+    return df
 
 
 def values(df, metric, **where):
@@ -49,65 +37,116 @@ def values(df, metric, **where):
     return rows
 
 
-def test_every_point_ran_and_1f1b_skips_fewer_micro_batches_than_stages(frame):
-    bad = frame[~frame.status.isin(["ok", "skipped"])]
-    assert bad.empty, bad[["variant", "m", "status", "message"]].to_string()
-    skipped = frame[frame.status == "skipped"]
-    assert set(zip(skipped.variant, skipped.m)) == {("1f1b", 1)}
-    assert "m=1 < p=2" in skipped.message.iloc[0]
-    assert set(frame["rank"]) == {0, 1}
+def test_every_clean_variant_ran_on_both_ranks(frame):
+    clean = frame[frame.corrupt == "none"]
+    bad = clean[clean.status != "ok"]
+    assert bad.empty, bad[["variant", "status", "message"]].to_string()
+    assert set(zip(clean.variant, clean["rank"])) == {(v, r) for v in VARIANTS for r in (0, 1)}
 
 
 def test_pipeline_loss_and_gradients_equal_the_single_process_step(frame):
-    pipe = frame[frame.variant != "single"]
-    assert (values(pipe, "loss_rel_diff").value <= 1e-6).all()
-    assert (values(pipe, "grad_max_rel_diff").value <= 1e-5).all()
-    for m in MICRO_BATCHES:  # the last stage's loss, broadcast: the same on both ranks
-        reference = values(frame, "loss", variant="single", m=m).value.iloc[0]
-        losses = values(pipe, "loss", m=m).value
-        assert losses.sub(reference).abs().max() <= 1e-6 * reference
+    clean = frame[frame.corrupt == "none"]
+    pipe = clean[clean.variant != "single"]
+    assert (values(pipe, "loss_rel_diff").value <= LOSS_TOLERANCE).all()
+    assert (values(pipe, "grad_max_rel_diff").value <= GRAD_TOLERANCE).all()
+    reference = values(clean, "loss", variant="single").value.iloc[0]
+    losses = values(pipe, "loss").value  # the last stage's, broadcast: the same on both ranks
+    assert losses.sub(reference).abs().max() <= LOSS_TOLERANCE * reference
 
 
-def test_measured_bubble_follows_the_formula(frame):
-    """Asserted where the host left the ranks alone: where another process stole their cores
-    (`stall_fraction_max`), the bubble measures the host, and the point is reported instead."""
-    undelayed = values(frame[frame.variant != "single"], "bubble_fraction_mean")
-    assert len(undelayed) == 2 * (2 * len(MICRO_BATCHES) - 1)  # two ranks, 7 (variant, m) points
-    undelayed = undelayed[undelayed["rank"] == 0]  # the mean over ranks: the same on each
-    stalls = values(frame, "stall_fraction_max")
-    busy_host = []
-    for _, row in undelayed.iterrows():
-        assert row.predicted == pytest.approx(1 / (row.m + 1))
-        stall = stalls[(stalls.variant == row.variant) & (stalls.m == row.m)].value.max()
-        if stall > QUIET_STALL:
-            busy_host.append(f"{row.variant} m={row.m}: stall {stall:.2f}, bubble {row.value:.3f}")
-            continue
-        assert abs(row.value - row.predicted) <= BUBBLE_TOLERANCE, (row.variant, row.m, row.value)
-    if busy_host:
-        pytest.skip("host too busy to time the bubble at " + "; ".join(busy_host))
+@pytest.mark.parametrize("corrupt", ["activation", "gradient"])
+def test_a_corrupted_handoff_fails_the_check_on_every_rank(frame, corrupt):
+    rows = frame[frame.corrupt == corrupt]
+    assert (rows[rows.variant == "single"].status == "ok").all()
+    pipe = rows[rows.variant != "single"]
+    assert set(zip(pipe.variant, pipe["rank"])) == {(v, r) for v in SCHEDULES for r in (0, 1)}
+    assert (pipe.status == "error").all()
+    assert pipe.message.str.contains("does not match single").all()
+    assert values(pipe, "bubble_fraction").empty  # nothing is timed after a failed check
+    grads = values(pipe, "grad_max_rel_diff")
+    if corrupt == "gradient":  # stage 1's input gradient, 0.1% large, scales all of stage 0's
+        assert values(pipe, "loss_rel_diff").value.max() <= LOSS_TOLERANCE
+        assert grads[grads["rank"] == 0].value.tolist() == pytest.approx(
+            [CORRUPTION] * len(SCHEDULES), rel=1e-2)
+    else:  # stage 1 computes on a shifted activation: both stages' gradients move (the loss of
+        # an untrained model, near ln(vocab) whatever its input, may move by less than the check)
+        assert (grads.value > GRAD_TOLERANCE).all(), grads[["variant", "rank", "value"]]
 
 
-def test_a_slow_stage_raises_the_bubble(frame, delayed):
-    """Stage 1 sleeps 30 ms in every forward (about 2x its compute at m = 4): stage 0 waits.
-    With equal stages of c and a sleep of 2c, stage 0's bubble goes from 1/5 to 1 - 4/13 ~ 0.7
-    and the mean from 0.2 to ~0.38; stage 0's is the robust signal on a shared host."""
-    base = values(frame, "bubble_fraction", variant="gpipe", m=4, rank=0).value.iloc[0]
-    slow = values(delayed, "bubble_fraction", variant="gpipe", rank=0).value.iloc[0]
-    assert slow >= base + 0.2
-    means = [values(f, "bubble_fraction_mean", variant="gpipe", **kw).value.iloc[0]
-             for f, kw in ((frame, {"m": 4}), (delayed, {}))]
-    assert means[1] > means[0]
-    per_rank = values(delayed, "bubble_fraction", variant="gpipe").set_index("rank").value
-    assert per_rank[0] > per_rank[1] + 0.2
+@pytest.mark.parametrize("variant", ["gpipe", "1f1b"])
+def test_the_predicted_bubble_is_the_schedule_replayed_on_the_calibration(frame, variant):
+    pipe = frame[(frame.corrupt == "none") & (frame.variant == variant)]
+    per_rank = {k: values(pipe, k).sort_values("rank").value.tolist()
+                for k in ("stage_fwd_ms", "stage_bwd_ms", "handoff_ms")}
+    assert per_rank["stage_fwd_ms"][1] >= DELAY_MS  # the injected sleep is timed with it
+    assert per_rank["handoff_ms"][0] == per_rank["handoff_ms"][1] > 0
+    wall, bubbles = replayed_bubbles(variant, M, [f / 1e3 for f in per_rank["stage_fwd_ms"]],
+                                     [b / 1e3 for b in per_rank["stage_bwd_ms"]],
+                                     per_rank["handoff_ms"][0] / 1e3)
+    rows = values(pipe, "bubble_fraction").sort_values("rank")
+    assert rows.predicted.tolist() == pytest.approx(bubbles, rel=1e-9)
+    assert values(pipe, "schedule_wall_ms").predicted.tolist() == pytest.approx(
+        [wall * 1e3] * 2, rel=1e-9)
+    assert "ideal_bubble_fraction" in rows.message.iloc[0]
+    ideal = values(pipe, "ideal_bubble_fraction")
+    assert ideal.value.tolist() == ideal.predicted.tolist() == pytest.approx([1 / (M + 1)] * 2)
 
 
 def test_stages_hold_their_share_of_the_parameters(frame):
-    rows = values(frame, "param_bytes", variant="gpipe", m=4)
+    clean = frame[frame.corrupt == "none"]
+    rows = values(clean, "param_bytes", variant="gpipe")
     assert (rows.value == rows.predicted).all()
-    single = values(frame, "param_bytes", variant="single", m=4)
+    single = values(clean, "param_bytes", variant="single")
     assert rows.value.sum() == single.value.iloc[0] == single.predicted.iloc[0]
-    note = values(frame, "stage_cost_ms", variant="gpipe", m=4).message.iloc[0]
-    assert "stage 0: embedding + blocks 0..1" in note and "stage 1: blocks 2..2 + head" in note
+
+
+def test_1f1b_skips_fewer_micro_batches_than_stages():
+    cfg = Config(variant="1f1b", nproc=2, micro_batches=1)
+    assert "m=1 < p=2" in skip_reason(cfg)
+    assert skip_reason(Config(variant="1f1b", nproc=2, micro_batches=2)) is None
+    assert skip_reason(Config(variant="gpipe", nproc=2, micro_batches=1)) is None
+
+
+# --- the replay, on known durations ------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_equal_stages_and_free_handoffs_replay_to_the_formula(variant, p):
+    for m in range(p if variant == "1f1b" else 1, 9):
+        wall, bubbles = replayed_bubbles(variant, m, [Fraction(1)] * p, [Fraction(2)] * p, 0)
+        assert wall == (m + p - 1) * 3
+        assert bubbles == [Fraction(p - 1, m + p - 1)] * p  # exact: durations are Fractions
+
+
+def test_a_slow_stage_and_a_handoff_replay_to_the_hand_computed_bubble():
+    """p = 2, m = 2; stage 1's forward takes 3, every backward 2, stage 0's forward 1, a handoff
+    1. GPipe: stage 1 runs F0 [2, 5], F1 [5, 8], B0 [8, 10], B1 [10, 12]; stage 0 B0 [11, 13],
+    B1 [13, 15]. Busy 6 and 10 of 15."""
+    fwd, bwd = [Fraction(1), Fraction(3)], [Fraction(2), Fraction(2)]
+    orders = [schedule_order("gpipe", s, 2, 2) for s in range(2)]
+    assert replay(orders, fwd, bwd, 1) == [[(0, 1), (1, 2), (11, 13), (13, 15)],
+                                          [(2, 5), (5, 8), (8, 10), (10, 12)]]
+    # 1F1B: stage 1 alternates, F0 [2, 5], B0 [5, 7], F1 [7, 10], B1 [10, 12]; stage 0's B0
+    # starts at 8, not 11, and the step still ends at 15: the same bubbles.
+    orders = [schedule_order("1f1b", s, 2, 2) for s in range(2)]
+    assert replay(orders, fwd, bwd, 1) == [[(0, 1), (1, 2), (8, 10), (13, 15)],
+                                          [(2, 5), (5, 7), (7, 10), (10, 12)]]
+    for variant in ("gpipe", "1f1b"):
+        wall, bubbles = replayed_bubbles(variant, 2, fwd, bwd, 1)
+        assert (wall, bubbles) == (15, [Fraction(3, 5), Fraction(1, 3)])
+
+
+def test_schedule_orders_are_torchs():
+    assert schedule_order("gpipe", 1, 2, 3) == [("F", 0), ("F", 1), ("F", 2),
+                                                ("B", 0), ("B", 1), ("B", 2)]
+    f, b = (lambda i: ("F", i)), (lambda i: ("B", i))
+    assert schedule_order("1f1b", 0, 2, 4) == [f(0), f(1), b(0), f(2), b(1), f(3), b(2), b(3)]
+    assert schedule_order("1f1b", 1, 2, 4) == [f(0), b(0), f(1), b(1), f(2), b(2), f(3), b(3)]
+
+
+def test_a_schedule_that_waits_on_itself_is_refused():
+    with pytest.raises(ValueError, match="no op can start"):
+        replay([[("B", 0), ("F", 0)]], [1], [1], 0)
 
 
 def test_balance_cuts_where_the_slowest_stage_is_fastest():
@@ -136,6 +175,7 @@ def test_bubble_of_a_textbook_gpipe_timeline_is_the_formula():
     ({"batch_size": 6, "micro_batches": 4}, "valid: 1, 2, 3, 6"),
     ({"delay_stage": 2}, "valid: 0..1"),
     ({"tie_embeddings": True}, "tie_embeddings=False"),
+    ({"corrupt": "bits"}, "none, activation, gradient"),
 ])
 def test_bad_settings_are_refused_before_any_rank_starts(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -28,19 +28,66 @@ def test_every_variant_computes_the_plain_losses_and_reports_its_rows(rows):
     for variant in profiling.VARIANTS:
         assert by(rows, variant, "loss_delta")["value"] == 0.0
         assert by(rows, variant, "loss")["value"] == by(rows, "plain", "loss")["value"]
-    for metric in ("profiler_overhead_pct", "num_ops", "num_op_calls", "top_op_share_pct",
-                   "idle_gap_pct", "num_small_ops", "data_share_pct", "trace_bytes"):
-        by(rows, "profiler", metric)
-    assert 0 < by(rows, "profiler", "top_op_share_pct")["value"] <= 100
-    assert by(rows, "monitor", "num_monitor_samples")["value"] >= 2
+    value = {r["metric"]: r["value"] for r in rows if r["variant"] == "profiler"}
+    # the largest of shares that sum to 100 is at least their mean
+    assert 100 / value["num_ops"] <= value["top_op_share_pct"] <= 100
+    assert value["num_ops"] <= value["num_op_calls"] and value["num_small_ops"] <= value["num_op_calls"]
+    assert value["small_ops_pct"] <= 100 and 0 <= value["idle_gap_pct"] < 100
+    # the timeline's step holds the parameters and AdamW's state the whole time
+    assert value["timeline_peak_bytes"] >= value["param_bytes"] + value["optimizer_bytes"]
+    assert value["profiler_overhead_pct"] > -100  # a ratio of two positive times, minus 1
+    monitor = by(rows, "monitor", "num_monitor_samples")
+    assert 2 <= monitor["value"] <= monitor["predicted"]  # start, stop, at most one per interval
+
+
+def trace_events(rows) -> list[dict]:
+    path = by(rows, "profiler", "trace_bytes")["message"].split("Chrome trace: ")[1].split(" (open")[0]
+    return json.loads(open(path).read())["traceEvents"]
+
+
+def test_the_rows_describe_one_profiled_step_as_its_chrome_trace_shows(rows):
+    """The trace is torch's own export of the profile: one step's four phases, its operators."""
+    events = trace_events(rows)
+    phases = {e["name"]: e["dur"] for e in events
+              if e.get("cat") == "user_annotation" and e["name"] in ("data", "forward", "backward", "optimizer")}
+    assert len(phases) == 4 == sum(e.get("cat") == "user_annotation" and e["name"] in phases for e in events)
+    assert by(rows, "profiler", "data_share_pct")["value"] == pytest.approx(
+        100 * phases["data"] / sum(phases.values()), rel=1e-6)
+    names = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+    assert by(rows, "profiler", "num_ops")["value"] == len(names)
+
+
+def test_operator_counts_of_a_known_model_and_program():
+    """Every nn.Linear is one aten::mm forward and two backward (input and weight gradients)."""
+    cfg = resolve(profiling.Config, "tiny", {**SIZES, "device": "cpu"}, experiment="profiling")
+    trainer = profiling.PhasedTrainer(cfg)
+    trainer.step()  # AdamW's state is made on the first step: profile a steady one
+    prof, _ = profiler.profile_step(trainer.step, "cpu")
+    linears = sum(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
+    calls = prof.operators.set_index("name")["calls"]
+    assert calls["aten::mm"] == 3 * linears
+    assert prof.summary()["num_op_calls"] == calls.sum() and prof.summary()["num_ops"] == len(calls)
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+
+    def program():
+        with profiler.phase_range("data"):
+            c = a @ b
+        with profiler.phase_range("forward"):
+            return torch.mm(c, b) @ b + a + b
+
+    prof, _ = profiler.profile_step(program, "cpu")
+    calls = prof.operators.set_index("name")["calls"]
+    assert calls["aten::mm"] == 3 and calls["aten::add"] == 2
+    assert set(calls.index) >= {"aten::mm", "aten::add", "aten::matmul"} and "[memory]" not in calls
+    assert list(prof.phases_ms()) == ["data", "forward"]
+    assert prof.operators["share_pct"].sum() == pytest.approx(100)
 
 
 def test_the_trace_file_is_a_chrome_trace_with_the_phases(rows):
     row = by(rows, "profiler", "trace_bytes")
     path = row["message"].split("Chrome trace: ")[1].split(" (open")[0]
-    trace = json.loads(open(path).read())
     assert row["value"] == len(open(path, "rb").read())
-    names = {e.get("name") for e in trace["traceEvents"]}
+    names = {e.get("name") for e in trace_events(rows)}
     assert {"data", "forward", "backward", "optimizer", "aten::mm"} <= names
 
 

@@ -1,5 +1,5 @@
-"""The serving workload generator: seeded, within its ranges, arrivals as specified, and the
-shipped default workload is what its spec generates."""
+"""The serving workload generator: seeded, within its ranges, arrivals as specified, and each
+shipped workload is what its named spec generates."""
 import json
 import statistics
 
@@ -7,7 +7,8 @@ import pytest
 
 from labkit.config import ConfigError
 from labkit.hardware import DATA_DIR
-from labkit.techniques.requests import WorkloadSpec, load_workload, make_requests, save_workload
+from labkit.techniques.requests import (SHIPPED, WorkloadSpec, load_workload, make_requests,
+                                        save_workload)
 
 
 def test_the_same_seed_gives_the_same_requests_and_another_seed_others():
@@ -34,9 +35,13 @@ def test_arrivals_poisson_bursty_and_closed():
     assert {r.arrival_s for r in make_requests(WorkloadSpec(arrival="closed"))} == {0.0}
 
 
-def test_the_shipped_default_workload_is_its_specs_and_a_tampered_one_is_refused(tmp_path):
-    spec, requests = load_workload(DATA_DIR / "workloads" / "default.json")
-    assert spec == WorkloadSpec() and requests == make_requests(spec) and len(requests) == 64
+def test_each_shipped_workload_is_its_named_spec_and_a_tampered_one_is_refused(tmp_path):
+    files = sorted((DATA_DIR / "workloads").glob("*.json"))
+    assert [f.stem for f in files] == sorted(SHIPPED)
+    for f in files:
+        spec, requests = load_workload(f)
+        assert spec == SHIPPED[f.stem] and requests == make_requests(spec)
+    assert SHIPPED["default"] == WorkloadSpec() and len(make_requests(WorkloadSpec())) == 64
     path = tmp_path / "w.json"
     save_workload(WorkloadSpec(seed=1), path)
     record = json.loads(path.read_text())

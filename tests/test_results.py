@@ -258,3 +258,55 @@ def test_foreign_files_in_the_store_are_skipped_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="skipping"):
         frame = load_results(tmp_path)
     assert len(frame) == 1 and frame["metric"][0] == "m"
+
+
+# ---- format_value / format_rows: the one formatter of the CLI, notebooks and report pages ----
+
+@pytest.mark.parametrize("metric, value, shown", [
+    ("peak_mem_bytes", 0, "0 B"),
+    ("peak_mem_bytes", 512, "512 B"),
+    ("peak_mem_bytes", 1536, "1.5 KiB"),
+    ("peak_mem_bytes", 170 * 2**20, "170 MiB"),
+    ("peak_mem_bytes", 11463735296, "10.68 GiB"),
+    ("peak_mem_bytes", 2**20 - 1, "1 MiB"),  # rounds up to the next prefix, not "1,024 KiB"
+    ("headroom_bytes", -1.5 * 2**30, "-1.5 GiB"),
+    ("kv_bytes_per_token", 4096, "4 KiB/token"),
+    ("flops", 3874938159104, "3.875 TFLOP"),
+    ("flops", 20.9e9, "20.9 GFLOP"),
+    ("tflops", 5.454282523659679, "5.454 TFLOP/s"),
+    ("gbps", 4297.373891730766, "4,297 GB/s"),
+    ("step_ms", 139.43341064453125, "139.4 ms"),
+    ("step_ms", 0.8956947, "0.8957 ms"),
+    ("tokens_per_s", 60.02888, "60.03 tokens/s"),
+    ("tokens_per_s", 58752.05922405873, "58,752 tokens/s"),
+    ("requests_per_s", 9999.7, "10,000 requests/s"),
+    ("bubble_fraction", 0.25, "25%"),
+    ("peak_flops_pct", 8.140720184566685, "8.141%"),
+    ("speedup", 3.2977, "3.3x"),
+    ("measured_over_predicted", 1.0321676, "1.03x"),
+    ("loss", 10.464613914489746, "10.46"),
+    ("grad_max_abs_diff", 8.32369551062584e-09, "8.324e-9"),
+    ("loss_delta", -0.0001234, "-1.234e-4"),
+    (None, 1e20, "1e20"),
+    ("max_batch_size", 32.0, "32"),
+])
+def test_format_value_gives_the_unit_and_four_significant_digits(metric, value, shown):
+    assert results.format_value(metric, value) == shown
+
+
+@pytest.mark.parametrize("value, shown", [(None, ""), (float("nan"), ""), ("n/a", "n/a"), (True, "True")])
+def test_format_value_leaves_missing_values_blank_and_text_as_it_is(value, shown):
+    assert results.format_value("step_ms", value) == shown
+
+
+def test_format_value_takes_a_rows_own_unit_over_the_metric_name():
+    assert results.format_value("comm", 3 * 2**30, "bytes") == "3 GiB"
+    assert results.format_value("size", 2.5, "MiB") == "2.5 MiB"
+
+
+def test_format_rows_prints_each_value_once_with_its_unit():
+    rows = [_row("tokens_per_s", 60.02888) | {"predicted": 58752.0},
+            _row("peak_mem_bytes", 170 * 2**20)]
+    text = results.format_rows(rows)
+    assert "60.03 tokens/s" in text and "58,752 tokens/s" in text and "170 MiB" in text
+    assert "e+0" not in text and "tokens/s tokens/s" not in text and " bytes" not in text

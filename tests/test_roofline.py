@@ -46,37 +46,77 @@ def _store(runs_dir, experiment, rows, *, params, env=None):
     record.finish()
 
 
-def test_ceilings_prefer_the_best_measured_rows_of_this_device_and_say_so(tmp_path):
+def test_roofs_are_the_physical_ceiling_and_the_best_measurement_sits_below(tmp_path):
     runs = str(tmp_path)
     base = hardware.ceilings("cpu")
     empty = roofline.ceilings_for("cpu", runs)
-    assert empty.peak_tflops == base.peak_tflops and empty.bandwidth_gbps == base.bandwidth_gbps
-    assert all(s.startswith("quick calibration") for s in empty.sources.values())
+    assert empty.peak_tflops == base.peak_tflops and empty.best_tflops == base.calibrated_tflops
+    assert empty.bandwidth_gbps == base.bandwidth_gbps
+    assert all(empty.sources[k].startswith("physical") for k in base.peak_tflops)
+    assert all(empty.sources[f"best {k}"].startswith("quick calibration") for k in base.peak_tflops)
+    assert empty.sources["bandwidth"].startswith("quick calibration")
+    peak, cal = base.peak_tflops["float32"], base.calibrated_tflops["float32"]
     params = {"device": "cpu", "num_threads": 1, "size": 512, "m": 0, "n": 0, "k": 0,
               "alignment": "aligned", "op": "copy", "size_mib": 64}
-    _store(runs, "matmul", [{"variant": "fp32", "metric": "tflops", "value": v} for v in (0.5, 0.7)],
+    between = (cal + peak) / 2
+    _store(runs, "matmul", [{"variant": "fp32", "metric": "tflops", "value": v} for v in (cal / 2, between)],
            params=params)
-    _store(runs, "matmul", [{"variant": "fp32", "metric": "tflops", "value": 9.0}],  # another CPU
+    _store(runs, "matmul", [{"variant": "fp32", "metric": "tflops", "value": 9 * peak}],  # another CPU
            params=params, env={**hardware.fingerprint(), "cpu": {"model": "some other CPU"}})
-    _store(runs, "matmul", [{"variant": "fp32", "metric": "tflops", "value": 8.0}],  # 2 threads
+    _store(runs, "matmul", [{"variant": "fp32", "metric": "tflops", "value": 8 * peak}],  # 2 threads
            params={**params, "num_threads": 2})
-    _store(runs, "memory_access", [{"variant": "contiguous", "metric": "gbps", "value": 33.0},
-                                   {"variant": "strided", "metric": "gbps", "value": 99.0}], params=params)
+    copy = 2 * base.bandwidth_gbps
+    _store(runs, "memory_access", [{"variant": "contiguous", "metric": "gbps", "value": copy},
+                                   {"variant": "strided", "metric": "gbps", "value": 9 * copy}], params=params)
     ceil = roofline.ceilings_for("cpu", runs)
-    assert ceil.peak_tflops["float32"] == 0.7 and ceil.bandwidth_gbps == 33.0
-    assert ceil.sources["float32"].startswith("measured: best of 2 matmul rows")
+    assert ceil.peak_tflops == base.peak_tflops  # a measurement never becomes the roof
+    assert ceil.best_tflops["float32"] == between and ceil.bandwidth_gbps == copy
+    assert ceil.sources["best float32"].startswith("measured: best of 2 matmul rows")
     assert ceil.sources["bandwidth"].startswith("measured: best of 1 contiguous copies")
-    assert ceil.sources["float16"].startswith("quick calibration")  # none measured: the fallback
-    assert ceil.ridge("float32") == pytest.approx(0.7e12 / 33e9)
+    assert ceil.sources["best float16"].startswith("quick calibration")  # none stored: the calibration
+    assert ceil.notes == base.notes and ceil.ridge("float32") == pytest.approx(peak * 1e12 / (copy * 1e9))
     table = roofline.ceilings_table(ceil)
-    assert set(table["ceiling"]) == set(base.peak_tflops) | {"bandwidth"}
+    assert set(table["ceiling"]) == set(base.peak_tflops) | {f"{k} best measured" for k in base.peak_tflops} | {"bandwidth"}
+    assert table.set_index("ceiling").loc["float32 best measured", "pct_of_roof"] == pytest.approx(100 * between / peak)
+
+
+def test_a_measurement_above_its_roof_is_noted_never_clamped(tmp_path):
+    runs, base = str(tmp_path), hardware.ceilings("cpu")
+    params = {"device": "cpu", "num_threads": 1, "size": 512, "alignment": "aligned"}
+    above = 2 * base.peak_tflops["float32"]
+    _store(runs, "matmul", [{"variant": "fp32", "metric": "tflops", "value": above}], params=params)
+    ceil = roofline.ceilings_for("cpu", runs)
+    assert ceil.best_tflops["float32"] == above and ceil.peak_tflops == base.peak_tflops
+    assert any(n.startswith("float32: measured") and "200%" in n for n in ceil.notes)
+    assert "note: float32: measured" in roofline.summary(ceil)
+
+
+def test_points_above_their_roof_are_listed_and_a_cache_speed_gets_its_own_slope():
+    ceil = roofline.RooflineCeilings("cpu", "x", {"float32": 1.0, "bfloat16": 2.0}, 100.0)
+    pts = pd.DataFrame([
+        {"experiment": "matmul", "variant": "fp32", "label": "mm fp32", "tflops": 1.5, "gbps": 15.0,
+         "intensity": 100.0},  # above the fp32 roof (1.0), under bf16's: listed
+        {"experiment": "matmul", "variant": "bf16", "label": "mm bf16", "tflops": 1.5, "gbps": 15.0,
+         "intensity": 100.0},
+        {"experiment": "memory_access", "variant": "sum", "label": "sum", "tflops": 0.05, "gbps": 400.0,
+         "intensity": 0.125}])  # 400 GB/s: above the 100 GB/s slope, from cache
+    assert roofline.over_roof(pts, ceil, 100.0) == [
+        "mm fp32: 1.5 TFLOP/s is above its roof 1: the roof is wrong",
+        "sum: 0.05 TFLOP/s is above its roof 0.0125: the roof is wrong"]
+    assert roofline._cache_slope(pts, 100.0) == (400.0, "measured: sum (faster than memory: in cache)")
+    fig = roofline.roofline_figure(pts, ceil)
+    assert any((t.name or "").startswith("400 GB/s (measured") for t in fig.data)
+    assert [a.text for a in fig.layout.annotations] == ["mm fp32: 1.5 TFLOP/s is above its roof 1: the roof is wrong"]
 
 
 def test_calibrate_then_figure_one_roofline_for_every_experiment_run(tmp_path):
     runs = str(tmp_path)
     ceil = roofline.calibrate("cpu", runs, sizes=[128, 256], copy_mib=1,
                               overrides={**FAST})
-    assert ceil.sources["float32"].startswith("measured: best of 2 matmul rows")
+    stored = load_results(runs)
+    fp32 = stored[(stored["variant"] == "fp32") & (stored["metric"] == "tflops")]["value"]
+    assert len(fp32) == 2
+    assert ceil.best_tflops["float32"] == max(*fp32, hardware.ceilings("cpu").calibrated_tflops["float32"])
     assert ceil.sources["bandwidth"].startswith("quick calibration")  # 1 MiB fits in cache
     run_experiment("memory_access", overrides={**FAST, "device": "cpu", "size_mib": 1, "op": "sum"},
                    variants=["strided"], runs_dir=runs, progress=False)
@@ -90,5 +130,8 @@ def test_calibrate_then_figure_one_roofline_for_every_experiment_run(tmp_path):
     assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
     names = [t.name for t in fig.data if t.name]
     assert "matmul" in names and "memory_access" in names
-    assert any(n.startswith("float32 roof") and "(measured)" in n for n in names)
+    assert any(n.startswith("float32 roof") and "(physical)" in n for n in names)
+    assert any(n.startswith("float32 best measured") for n in names)
+    cache = roofline._cache_slope(pts, ceil.bandwidth_gbps)
+    assert roofline.over_roof(pts, ceil, cache[0] if cache else ceil.bandwidth_gbps) == []
     assert len(roofline.figure_for("cpu", runs).data) == len(fig.data)

@@ -1,7 +1,13 @@
-"""Tensor parallelism on 2 CPU ranks (gloo): one launch, asserted on every rank's rows."""
-import pytest
+"""Tensor parallelism on 2 CPU ranks (gloo): one launch, asserted on every rank's rows: every
+variant as it is, then with rank 1's row-parallel partial products doubled before they are summed
+(fault=corrupt_reduction)."""
+import re
 
-from conftest import TINY_DIST
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import FAULTS, TINY_DIST, fault_fixtures
 from labkit import planner
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
@@ -9,17 +15,16 @@ from labkit.techniques import tensor_parallel as tp
 
 N = 2
 VARIANTS = ("single", "tp", "tp_sp")
+CPU = {**TINY_DIST, "device": "cpu"}  # two gloo ranks, whatever GPUs the machine has
+needs_nccl = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()),
+                                reason="needs CUDA (>= 1 GPU) with NCCL; CPU ranks use gloo")
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    result = run_experiment("tensor_parallel", preset="tiny", overrides={**TINY_DIST},
-                            runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False)
-    return result.rows
+run, rows, corrupted = fault_fixtures("tensor_parallel", CPU)
 
 
 def cfg(**overrides):
-    return resolve(tp.Config, "tiny", {**TINY_DIST, "nproc": N, **overrides}, experiment="tensor_parallel")
+    return resolve(tp.Config, "tiny", {**CPU, "nproc": N, **overrides}, experiment="tensor_parallel")
 
 
 def value(rows, variant, metric, rank):
@@ -39,6 +44,29 @@ def test_outputs_and_gradients_equal_the_single_process_model(rows):
             assert value(rows, variant, "logits_max_abs_diff", rank)["value"] <= 1e-5
             assert value(rows, variant, "grad_max_rel_diff", rank)["value"] <= 1e-5
             assert value(rows, variant, "loss_abs_diff", rank)["value"] <= 1e-5
+
+
+def test_a_corrupted_reduction_fails_both_variants_on_every_rank(corrupted):
+    for rank in range(N):
+        assert {r["status"] for r in corrupted if r["variant"] == "single" and r["rank"] == rank} == {"ok"}
+        for variant in ("tp", "tp_sp"):
+            mine = [r for r in corrupted if r["variant"] == variant and r["rank"] == rank]
+            assert {r["status"] for r in mine} == {"error"}, variant
+            assert all(re.match(r"does not match single: (rank 0: )?logits off by", r["message"])
+                       for r in mine), mine[0]["message"]
+            assert value(corrupted, variant, "logits_max_abs_diff", rank)["value"] > 1e-3
+            assert value(corrupted, variant, "grad_max_rel_diff", rank)["value"] > 1e-3
+
+
+@needs_nccl
+def test_nccl_ranks_match_the_single_model_and_flag_a_corrupted_reduction(tmp_path):
+    n = 2 if torch.cuda.device_count() >= 2 else 1  # the tiny preset's 2 kv heads: degree 1 or 2
+    overrides = {**TINY_DIST, "device": "cuda", "nproc": n, "fault_rank": n - 1}
+    rows = run_experiment("tensor_parallel", preset="tiny", overrides=overrides, sweep=FAULTS,
+                          runs_dir=str(tmp_path), progress=False).rows
+    for r in rows:
+        fine = r["params"]["fault"] == "none" or r["variant"] == tp.REFERENCE
+        assert r["status"] == ("ok" if fine else "error"), (r["variant"], r["params"]["fault"], r["message"])
 
 
 def test_param_bytes_are_the_local_shards_of_megatrons_split(rows):

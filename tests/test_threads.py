@@ -10,11 +10,12 @@ from labkit.experiment import run_experiment
 from labkit.techniques import threads
 
 # a one-layer model on 8 tokens: the fresh processes rebuild it from the config, seeded
-SIZES = {**FAST, "work": "forward", "threads": 2, "num_layers": 1, "batch_size": 1, "seq_len": 8}
+SIZES = {**FAST, "work": "forward", "threads": 2, "num_layers": 1, "batch_size": 1, "seq_len": 8,
+         "device": "cpu"}
 
 
 def _cfg(**kw):
-    return resolve(threads.Config, "tiny", {**SIZES, "device": "cpu", **kw}, experiment="threads")
+    return resolve(threads.Config, "tiny", {**SIZES, **kw}, experiment="threads")
 
 
 @pytest.fixture(scope="module")

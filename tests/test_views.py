@@ -1,10 +1,12 @@
 """The comparison, cost and hardware-fit views: pure functions over synthetic stored runs and the
-real data/gpus.json + planner. Mechanisms only: traces per run, the cost formula, the fewest GPUs."""
+real data/gpus.json + planner. Mechanisms only: traces per run, the cost formula, the fewest GPUs,
+the tables' numbers with their units, where the legends go."""
 import math
 
+import pandas as pd
 import pytest
 
-from labkit import planner, views
+from labkit import planner, views, viz
 from labkit.config import ConfigError
 from labkit.results import RunRecord, load_results
 
@@ -132,3 +134,51 @@ def test_panels_build_and_show_a_message_without_runs(tmp_path, runs):
     assert "CPU run" in cost.children[1].outputs[0]["data"]["text/plain"]
     fit = views.fit_panel()
     assert len(fit.children[1].outputs) == 2
+
+
+# ---- readable tables and legends off the data (labkit.viz) ------------------------------------
+
+def _measured_frame():
+    """Two variants, bytes and a throughput, each with a prediction: what a run stores."""
+    rows = [{"run_id": "r", "experiment": "kv_cache", "variant": v, "params": {}, "metric": m,
+             "value": x * k, "unit": "", "predicted": x, "status": "ok", "message": "", "rank": 0,
+             "env": {}} for v, k in (("none", 1.0), ("dynamic", 1.5))
+            for m, x in (("peak_mem_bytes", 170 * 2**20), ("tokens_per_s", 60.02888))]
+    return pd.DataFrame(rows)
+
+
+def test_tables_shown_to_people_carry_units_and_the_raw_numbers_stay():
+    frame = _measured_frame()
+    table = viz.metric_table(frame)
+    shown = viz.readable(table)
+    assert shown.loc["peak_mem_bytes", "dynamic"] == "255 MiB"
+    assert shown.loc["tokens_per_s", "none"] == "60.03 tokens/s"
+    assert table.loc["tokens_per_s", "none"] == pytest.approx(60.02888)  # the caller's frame
+    predicted = viz.readable(viz.predicted_table(frame))
+    assert list(predicted["predicted"]) == ["170 MiB", "60.03 tokens/s"] * 2
+    assert list(predicted["measured_over_predicted"])[-1] == "1.5x" and "unit" not in predicted
+    for text in (shown.to_string(), shown.to_html(), predicted.to_string()):
+        assert "e+0" not in text and "60.02888" not in text
+
+
+def test_cost_and_fit_tables_read_in_their_columns_units(runs):
+    cost = viz.readable(views.cost_table(load_results(runs[0]), price_per_gpu_hour=2.0))
+    assert set(cost["measured_tokens_per_s"]) == {"1,000 tokens/s", "2,000 tokens/s", "50 tokens/s",
+                                                  "100 tokens/s"}
+    ref = viz.readable(views.selfcheck_table(), by_metric=("h200",))
+    assert "4,297" in set(ref["h200"])  # the H200's copy bandwidth, GB/s, no exponent
+
+
+def test_comparison_figures_put_the_legend_above_the_plot_area():
+    frame = _measured_frame()
+    figures = [viz.variant_comparison(frame), viz.rank_comparison(frame, metrics=("peak_mem_bytes",)),
+               views.compare_runs(frame, ["r"]), views.fit_figure(views.fit_table())]
+    for fig in figures:
+        legend = fig.layout.legend
+        # anchored to the figure, so plotly grows the top margin to fit the legend's rows
+        assert (legend.orientation, legend.yref, legend.yanchor) == ("h", "container", "top")
+        assert legend.y < fig.layout.title.y and not fig.layout.annotations  # no subplot titles under it
+    bars = figures[0].data
+    assert [t.name for t in bars].count("predicted") == 2
+    assert sum(bool(t.showlegend is not False) for t in bars if t.name == "predicted") == 1
+    assert bars[0].hovertext == ("170 MiB", "255 MiB")

@@ -1,11 +1,15 @@
 """ZeRO stages on two gloo ranks: what each rank keeps, against plain DDP and the planner.
 
-One launch of the experiment (about 15 s here) serves every test that reads rows."""
+One launch of the experiment (about 15 s here) serves every test that reads rows: every variant
+as it is, then with rank 1's part of the gradient reduction doubled (fault=corrupt_reduction)."""
 import dataclasses
+import re
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from conftest import TINY_DIST
+from conftest import FAULTS, TINY_DIST, fault_fixtures
 from labkit import planner
 from labkit.config import ConfigError, resolve
 from labkit.experiment import run_experiment
@@ -14,17 +18,17 @@ from labkit.techniques import zero
 
 RAN = ("zero0", "zero1", "zero2", "zero3")  # zero3_offload needs a GPU
 RANKS = (0, 1)
+CPU = {**TINY_DIST, "device": "cpu"}  # two gloo ranks, whatever GPUs the machine has
+needs_nccl = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()),
+                                reason="needs CUDA (>= 1 GPU) with NCCL; CPU ranks use gloo")
 
 
 def config(variant="zero0", **overrides):
-    return resolve(zero.Config, "tiny", {**TINY_DIST, "variant": variant, "nproc": 2, **overrides},
+    return resolve(zero.Config, "tiny", {**CPU, "variant": variant, "nproc": 2, **overrides},
                    experiment="zero")
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    return run_experiment("zero", preset="tiny", overrides={**TINY_DIST},
-                          runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
+run, rows, corrupted = fault_fixtures("zero", CPU)
 
 
 def get(rows, variant, metric, rank):
@@ -58,12 +62,37 @@ def test_every_stage_trains_exactly_as_ddp(rows):
     # AdamW is elementwise, so sharding the states changes nothing (here: bitwise).
     for rank in RANKS:
         for v in RAN:
+            assert value(rows, v, "grad_max_rel_diff", rank) <= zero.TOLERANCE["cpu"]
             assert value(rows, v, "weight_max_rel_diff", rank) <= zero.TOLERANCE["cpu"]
             assert value(rows, v, "loss_rel_diff", rank) <= zero.TOLERANCE["cpu"]
             assert value(rows, v, "loss", rank) == pytest.approx(value(rows, "zero0", "loss", rank),
                                                                  rel=zero.TOLERANCE["cpu"])
     # each rank trains on its own half of the batch
     assert value(rows, "zero0", "loss", 0) != value(rows, "zero0", "loss", 1)
+
+
+def test_a_corrupted_reduction_fails_every_stage_on_every_rank(corrupted):
+    # zero1: rank 1's DDP buckets doubled before the all-reduce; zero2, zero3: its reduce-scatter
+    # shard doubled after it. The reference, plain DDP, is left alone.
+    for rank in RANKS:
+        assert {r["status"] for r in corrupted if r["variant"] == "zero0" and r["rank"] == rank} == {"ok"}
+        for v in RAN[1:]:
+            mine = [r for r in corrupted if r["variant"] == v and r["rank"] == rank]
+            assert {r["status"] for r in mine} == {"error"}, v
+            assert all(re.match(r"does not match zero0: (rank 0: )?gradients max relative", r["message"])
+                       for r in mine), mine[0]["message"]
+            assert value(corrupted, v, "grad_max_rel_diff", rank) > 0.1, v
+
+
+@needs_nccl
+def test_nccl_ranks_train_as_ddp_and_flag_a_corrupted_reduction(tmp_path):
+    n = torch.cuda.device_count()
+    overrides = {**TINY_DIST, "device": "cuda", "nproc": n, "fault_rank": n - 1}
+    rows = run_experiment("zero", preset="tiny", overrides=overrides, sweep=FAULTS,
+                          runs_dir=str(tmp_path), progress=False).rows
+    for r in rows:  # zero3_offload runs too: the GPU is there
+        fine = r["params"]["fault"] == "none" or r["variant"] == zero.REFERENCE
+        assert r["status"] == ("ok" if fine else "error"), (r["variant"], r["params"]["fault"], r["message"])
 
 
 def test_sharding_halves_what_each_rank_keeps(rows):

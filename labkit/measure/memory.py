@@ -206,6 +206,19 @@ class MemoryMeter:
         return sample["memory_used_bytes"] if sample else None
 
 
+# What torch's CPU allocator says when the OS refuses memory: a plain RuntimeError, where CUDA
+# raises torch.OutOfMemoryError ("[enforce fail at alloc_cpu.cpp:...] ... DefaultCPUAllocator:
+# can't allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)").
+CPU_ALLOCATOR_OOM = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation failure: CUDA's (or the virtual budget's) OutOfMemoryError,
+    or the CPU allocator's RuntimeError."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and CPU_ALLOCATOR_OOM in str(e))
+
+
 def free_device_memory(device: str) -> None:
     """Drop unreachable tensors (and, on CUDA, the allocator's cached blocks)."""
     gc.collect()

@@ -36,6 +36,7 @@ EVENT_COLUMNS = ("name", "kind", "start_us", "duration_us", "self_us", "self_dev
                  "self_mem_bytes", "leaf")
 SMALL_US = 10.0  # an op or kernel shorter than this is launch-bound: its fixed cost dominates
 MIN_GAP_US = 1.0  # idle stretches shorter than this are not counted as gaps
+MEMORY_EVENT = "[memory]"  # profile_memory's allocation events in `prof.events()`
 
 
 def is_cuda(device: str | torch.device) -> bool:
@@ -160,7 +161,8 @@ def event_frame(events: Sequence[Any]) -> pd.DataFrame:
     ranges = {e.name for e in events if e.is_user_annotation and e.device_type == cpu}
     rows = []
     for e in events:
-        if getattr(e, "is_python_function", False):
+        # "[memory]" carries allocations the profiler could not pin on an op: not an operator
+        if getattr(e, "is_python_function", False) or e.name == MEMORY_EVENT:
             continue
         kernel = e.device_type != cpu
         if kernel and (e.is_user_annotation or e.name in ranges):  # a range drawn on the GPU timeline

@@ -32,6 +32,7 @@ import torch
 
 from labkit import hardware, planner
 from labkit.config import RunConfig, knob, resolve_device
+from labkit.measure.memory import is_out_of_memory
 from labkit.techniques.checkpointing import apply_checkpointing
 from labkit.techniques.training import Trainer
 from labkit.workload import Comparison, Workload
@@ -181,7 +182,9 @@ def _run_probe(cfg: Config, n: int, on_probe) -> bool:
             on_probe(n, trainer)
         for _ in range(PROBE_STEPS):
             trainer.accumulate()
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
+        if not is_out_of_memory(e):
+            raise
         return False
     return True
 

@@ -215,8 +215,23 @@ def summary(eng: Engine, cfg: Config, classes: tuple[str, ...]) -> dict[str, flo
            "recomputed_pct": 100 * sum(st.recomputed for st in eng.steps) / positions,
            "preemptions": sum(s.preemptions for s in seqs),
            "decode_steps": len(decode), "max_concurrent": max(st.live for st in decode),
-           "slot_occupancy_pct": 100 * sum(st.live for st in decode) / (len(decode) * cfg.batch_size)}
+           "slot_occupancy_pct": 100 * sum(st.live for st in decode) / (len(decode) * cfg.batch_size),
+           **time_shares(eng, makespan)}
     return out
+
+
+def time_shares(eng: Engine, makespan: float) -> dict[str, float]:
+    """Where a replay's time went, from its step records: decode and prefill forward passes,
+    waiting with nothing to run (arrivals, timeouts), and the rest, the engine's host work between
+    passes (scheduling, block tables, slot indices); and the median decode pass."""
+    spent = {kind: sum(st.end_s - st.start_s for st in eng.steps if st.kind == kind)
+             for kind in ("decode", "prefill")}
+    host = makespan - spent["decode"] - spent["prefill"] - eng.idle_s
+    decode = [st.end_s - st.start_s for st in eng.steps if st.kind == "decode"]
+    return {"decode_step_ms": 1e3 * quantile(decode, 50),
+            "decode_time_pct": 100 * spent["decode"] / makespan,
+            "prefill_time_pct": 100 * spent["prefill"] / makespan,
+            "idle_time_pct": 100 * eng.idle_s / makespan, "host_time_pct": 100 * host / makespan}
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
@@ -271,25 +286,41 @@ def expected(cfg: Config) -> dict[str, float]:
     out.update(decode_steps=steps, padding_waste_pct=100 * padding / positions)
     if cfg.variant in ("sequential", "static"):
         out["preemptions"] = 0
-    # Each decode step reads every weight once: at best the slower of weights at the bandwidth
-    # and the rows' FLOPs at peak; prefill and scheduling are left out (an upper bound).
-    ceil = hardware.ceilings(cfg.device, num_threads=cfg.num_threads)
-    peak = ceil.peak_tflops.get(cfg.dtype)
-    if peak and ceil.bandwidth_gbps:
-        flops = planner.forward_flops(cfg.model, batch=num_slots(cfg, requests), new=1, keys=0, logits=1)
-        step_s = max(flops / (peak * 1e12),
-                     planner.param_bytes(cfg.model, cfg.dtype) / (ceil.bandwidth_gbps * 1e9))
+    step_s = decode_bound_s(cfg, requests)
+    if step_s:
         last = 0.0 if cfg.arrival == "closed" else max(r.arrival_s for r in requests)
+        out["decode_step_ms"] = 1e3 * step_s
         out["useful_tokens_per_s"] = sum(r.output_len for r in requests) / max(steps * step_s, last)
     return out
+
+
+def decode_bound_s(cfg: Config, requests: list[Request]) -> float | None:
+    """A full decode step at best: the slower of reading every weight once at the device's
+    bandwidth and the rows' FLOPs at its peak (None where the device's ceilings are unknown)."""
+    ceil = hardware.ceilings(cfg.device, num_threads=cfg.num_threads)
+    peak = ceil.peak_tflops.get(cfg.dtype)
+    if not (peak and ceil.bandwidth_gbps):
+        return None
+    flops = planner.forward_flops(cfg.model, batch=num_slots(cfg, requests), new=1, keys=0, logits=1)
+    return max(flops / (peak * 1e12),
+               planner.param_bytes(cfg.model, cfg.dtype) / (ceil.bandwidth_gbps * 1e9))
 
 
 def notes(cfg: Config) -> dict[str, str]:
     bound = "exact" if cfg.variant in ("sequential", "static") else "a lower bound (every step full)"
     return {"useful_tokens_per_s": "output tokens of every request (padding and recomputation "
                                    "excluded) over the time from the start to the last token; "
-                                   "predicted: an upper bound, every decode step reading each "
-                                   "weight once at the device's bandwidth (prefill left out).",
+                                   "predicted: an upper bound, the fewest decode steps each at "
+                                   "decode_step_ms's bound (prefill, host work and waiting left "
+                                   "out). Where the gap goes: decode_step_ms against its bound, "
+                                   "and the replay's decode, prefill, host and idle time_pct.",
+            "decode_step_ms": "the median decode pass; predicted: a full batch reading each weight "
+                              "once at the device's bandwidth (or its FLOPs at peak). A small "
+                              "model's pass is longer: each of its few hundred operators has a "
+                              "fixed host cost in eager PyTorch.",
+            "host_time_pct": "of the replay: the engine's work between passes (scheduling, block "
+                             "tables, slot indices); idle_time_pct: nothing to run, waiting for "
+                             "an arrival or a timeout.",
             "decode_steps": f"predicted: {bound}.",
             "padding_waste_pct": "token positions computed for no request: prompt padding and the "
                                  "finished rows a batch carries until its longest is done.",

@@ -18,7 +18,9 @@ The global batch is n x k x b sequences (n ranks, k = `micro_batches`, b = `batc
 
 Every DDP variant runs a comm hook from `torch.distributed.algorithms.ddp_comm_hooks` (`ddp` and
 the accumulations torch's `allreduce_hook`, the Python twin of DDP's built-in all-reduce) wrapped
-to count the bytes each bucket hands to the all-reduce: `comm_bytes` per step per rank.
+to count the bytes each bucket hands to the all-reduce: `comm_bytes` per step per rank. Under
+`fault=corrupt_reduction` the same wrapper scales fault_rank's bucket before the all-reduce, and
+the check must fail (but for the unchecked `powersgd`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, clock, lined_up, rank, world_size
+from labkit.distributed import DistConfig, clock, corrupt_scale, lined_up, rank, world_size
 from labkit.model import build_model
 from labkit.techniques.training import Trainer, gradient_difference, lm_loss, make_batch
 from labkit.workload import Comparison, Workload
@@ -71,6 +73,7 @@ class Config(DistConfig):
     micro_batches: int = knob(2, min=1, help="k: micro-batches of batch_size per rank and step")
     powersgd_rank: int = knob(1, min=1, help="PowerSGD matrix approximation rank r")
     steps: int = knob(3, min=1, help="training steps in the check (loss after them vs the reference)")
+    reduction_fault = True  # CommLog scales fault_rank's buckets
 
 
 def validate(cfg: Config) -> None:
@@ -94,10 +97,11 @@ def pieces_per_rank(cfg: Config) -> int:
 
 
 class CommLog:
-    """Wraps a comm hook: the bytes each bucket hands to the all-reduce, and which buckets."""
+    """Wraps a comm hook: the bytes each bucket hands to the all-reduce, and which buckets; with
+    a `scale` (fault=corrupt_reduction) this rank's bucket is multiplied by it first."""
 
-    def __init__(self, inner, wire_bytes: int):
-        self.inner, self.wire_bytes = inner, wire_bytes
+    def __init__(self, inner, wire_bytes: int, scale: float | None = None):
+        self.inner, self.wire_bytes, self.scale = inner, wire_bytes, scale
         self.bytes, self.buckets = 0, set()
 
     def reset(self) -> None:
@@ -111,6 +115,8 @@ class CommLog:
         compressing = isinstance(state, powerSGD_hook.PowerSGDState) and \
             state.iter >= state.start_powerSGD_iter
         before = state.total_numel_after_compression if compressing else 0
+        if self.scale is not None:
+            bucket.buffer().mul_(self.scale)
         future = self.inner(state, bucket)
         numel = state.total_numel_after_compression - before if compressing else bucket.buffer().numel()
         self.bytes += numel * self.wire_bytes
@@ -137,7 +143,7 @@ class DataParallelTrainer(Trainer):
     def wrap(self, cfg: Config) -> tuple[DistributedDataParallel, CommLog]:
         ids = [torch.device(cfg.device).index] if cfg.device.startswith("cuda") else None
         net = DistributedDataParallel(self.model, device_ids=ids, bucket_cap_mb=bucket_cap_mb(cfg))
-        log = CommLog(HOOKS[cfg.variant], WIRE_BYTES.get(cfg.variant, 4))
+        log = CommLog(HOOKS[cfg.variant], WIRE_BYTES.get(cfg.variant, 4), corrupt_scale(cfg))
         state = None  # the default process group
         if cfg.variant == "powersgd":
             state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=cfg.powersgd_rank,
@@ -198,14 +204,24 @@ class DataParallelTrainer(Trainer):
             self.backward_pass(sync=False)
             local.append(clock(self.cfg.device) - t2)
             self.optimizer.zero_grad(set_to_none=True)  # no update: the ranks' weights stay equal
-        comm = statistics.median(synced) - statistics.median(local)
-        return {"comm_ms": comm * 1e3, "comm_fraction": comm / statistics.median(full)}
+        return comm_times(synced, local, full)
 
     def report(self) -> dict[str, float]:
         if self.log is None:  # `single`: no collective at all
             return {"comm_bytes": 0.0, "comm_ms": 0.0, "comm_fraction": 0.0}
         out = {"comm_bytes": float(self.log.bytes), "num_buckets": float(len(self.log.buckets))}
         return {**out, **self.side_by_side(self.cfg.timed_steps)}
+
+
+def comm_times(synced: list[float], local: list[float], full: list[float]) -> dict[str, float]:
+    """Seconds per repeat -> the side-by-side rows (ms): `comm_ms` = fwd_bwd_ms (synced) -
+    fwd_bwd_no_sync_ms, `comm_fraction` = comm_ms / synced_step_ms (the synced forward, backward
+    and update: each repeat's synced part is within it, so the fraction stays below 1)."""
+    ms = {"fwd_bwd_ms": statistics.median(synced) * 1e3,
+          "fwd_bwd_no_sync_ms": statistics.median(local) * 1e3,
+          "synced_step_ms": statistics.median(full) * 1e3}
+    comm = ms["fwd_bwd_ms"] - ms["fwd_bwd_no_sync_ms"]
+    return {**ms, "comm_ms": comm, "comm_fraction": comm / ms["synced_step_ms"]}
 
 
 def global_mean(local_loss: float, cfg: Config) -> float:
@@ -326,10 +342,11 @@ def notes(cfg: Config) -> dict[str, str]:
                        "element; PowerSGD's own count of P, Q and uncompressed elements). A ring "
                        f"all-reduce moves 2(n-1)/n = {2 * (n - 1) / n:.2f} x that through each "
                        "rank's link."),
-        "comm_fraction": ("measured: (backward synced - backward under no_sync) / full step, "
-                          "medians of the two run alternately after timing: the communication "
-                          "the backward did not hide, waiting for the slowest rank included. "
-                          "Predicted: no overlap at the peak FLOP/s and link bandwidth."),
+        "comm_fraction": ("measured: comm_ms / synced_step_ms, where comm_ms = fwd_bwd_ms "
+                          "(gradients synced) - fwd_bwd_no_sync_ms, medians of the two run "
+                          "alternately after timing: the communication the backward did not "
+                          "hide, waiting for the slowest rank included. Predicted: no overlap "
+                          "at the peak FLOP/s and link bandwidth."),
         "peak_mem_bytes": (f"predicted: the planner's step at {piece_size(cfg)} sequences per "
                            "forward, plus for DDP its buckets (one more fp32 gradient copy per "
                            "rank), added here; PowerSGD's error feedback keeps one more, not added."),

@@ -276,7 +276,7 @@ def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
 
 
 def expected(cfg: Config) -> dict[str, float]:
-    """Compute at the device's peak (the datasheet's, or a measured matmul rate on a CPU) and the
+    """Compute at the device's peak (the datasheet's, or the CPU's physical ceiling) and the
     data cost from the knobs; `predicted()` refines step_ms with the measured compute."""
     flops = planner.train_step_flops(cfg.model, batch=cfg.batch_size, seq_len=cfg.seq_len,
                                      attention=cfg.attention)

@@ -98,6 +98,9 @@ class BlockPool:
         shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # per-layer views made once (no select per call); not unbind's: autograd refuses in-place
+        # writes to views of a multi-output op
+        self.layers = [(self.k[i], self.v[i]) for i in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self.tables: dict[int, list[int]] = {}
@@ -131,14 +134,38 @@ class BlockPool:
         table = torch.tensor(self.tables[seq], device=self.k.device)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def padded_slots(self, seqs: list[int], last: list[int], width: int) -> torch.Tensor:
+        """(B, width): row b holds the slots of positions 0..last[b] of `seqs[b]`, then last[b]'s
+        slot repeated (padding a mask hides), all rows in a few vectorised ops."""
+        tables = [self.tables[s] for s in seqs]
+        num = max(len(t) for t in tables)
+        table = torch.tensor([t + t[-1:] * (num - len(t)) for t in tables], device=self.k.device)
+        last_pos = torch.tensor(last, device=self.k.device)[:, None]
+        pos = torch.arange(width, device=self.k.device)[None].minimum(last_pos)  # (B, width)
+        return table.gather(1, pos // self.block_size) * self.block_size + pos % self.block_size
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (..., kv_heads, hd) at `slots` (...)."""
-        self.k[layer][slots] = k.to(self.k.dtype)
-        self.v[layer][slots] = v.to(self.v.dtype)
+        n = slots.numel()
+        self.put(layer, slots.reshape(n), k.reshape(n, *k.shape[-2:]), v.reshape(n, *v.shape[-2:]))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at `slots` (...) -> (..., kv_heads, hd) each (a copy)."""
-        return self.k[layer][slots], self.v[layer][slots]
+        k, v = self.take(layer, slots.reshape(-1))
+        shape = (*slots.shape, *k.shape[-2:])
+        return k.view(shape), v.view(shape)
+
+    def put(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` for flat slots (N,) and k, v (N, kv_heads, hd): one in-place copy each."""
+        keys, values = self.layers[layer]
+        keys.index_copy_(0, slots, k if k.dtype == keys.dtype else k.to(keys.dtype))
+        values.index_copy_(0, slots, v if v.dtype == values.dtype else v.to(values.dtype))
+
+    def take(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gather` for flat slots (N,) -> (N, kv_heads, hd) each: index_select, about 4x
+        faster on the CPU than advanced indexing."""
+        keys, values = self.layers[layer]
+        return keys.index_select(0, slots), values.index_select(0, slots)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]

@@ -17,8 +17,10 @@ needs multiples of 16).
 A matmul does 2mnk FLOPs on (mk + kn) inputs and mn outputs, so its intensity grows with size:
 large ones are compute-bound, predicted at 2mnk / peak; each variant's result is checked against
 fp32's within the dtype's tolerance (`rel_error`, the relative Frobenius error).
-The best `tflops` over a sweep of sizes (`labkit.roofline.calibrate`, or
-`labkit run matmul --sweep size=...`) is the device's achievable ceiling, which the roofline uses.
+The roof is an upper bound: a GPU's datasheet, or the CPU's physical ceiling (cores x FMA units
+x lanes x 2 x clock, `hardware.cpu_peak`), so `peak_flops_pct` cannot pass 100 unless the roof is
+wrong. The best `tflops` over a sweep of sizes (`labkit.roofline.calibrate`, or
+`labkit run matmul --sweep size=...`) is the device's best measured rate, drawn below the roof.
 """
 from __future__ import annotations
 
@@ -193,6 +195,17 @@ def expected(cfg: Config) -> dict[str, float]:
     return {key: value for key, value in out.items() if value is not None}
 
 
+def _calibration_note(cfg: Config) -> str:
+    """The quick calibration's rate for this dtype as % of its roof (a CPU), or ""."""
+    ceil = hardware.ceilings(cfg.device, num_threads=cfg.num_threads)
+    key = COMPUTE_DTYPE[cfg.variant]
+    measured, peak = ceil.calibrated_tflops.get(key), ceil.peak_tflops.get(key)
+    if not (measured and peak):
+        return ""
+    return (f" This CPU's quick calibration reached {measured:.3g} TFLOP/s, "
+            f"{hardware.percent(100 * measured / peak)} of the roof {peak:.3g}.")
+
+
 def native_16bit(kind: str) -> bool:
     """Whether this CPU multiplies `kind` (fp16 or bf16) in hardware."""
     native = {"fp16": ("avx512_fp16", "amx_fp16"), "bf16": ("avx512_bf16", "amx_bf16")}[kind]
@@ -202,9 +215,9 @@ def native_16bit(kind: str) -> bool:
 def notes(cfg: Config) -> dict[str, str]:
     """What to read in the numbers, for this variant and shape on this device."""
     gpu = cfg.device.startswith("cuda")
-    out = {"tflops": "2mnk / step time; predicted: the dtype's peak (a datasheet on a GPU, a "
-                     "quick measured matmul on a CPU) unless the matmul is too small to be "
-                     "compute-bound.",
+    out = {"tflops": "2mnk / step time; predicted: the dtype's roof (a datasheet on a GPU, the "
+                     "physical ceiling on a CPU: an upper bound) unless the matmul is too small "
+                     "to be compute-bound." + _calibration_note(cfg),
            "gbps": "the least traffic (inputs read once, output written once) / step time: the "
                    "matmul's point on the roofline; far below the bandwidth for a large matmul.",
            "rel_error": f"||C - C_fp32|| / ||C_fp32|| (tolerance {TOLERANCE[cfg.variant]:.0e})."}

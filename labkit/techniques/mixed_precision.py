@@ -184,7 +184,8 @@ def expected(cfg: Config) -> dict[str, float]:
 def notes(cfg: Config) -> dict[str, str]:
     """What to read in the numbers, for this variant on this device."""
     out = {"step_ms": "predicted: the step's FLOPs at the device's peak (the datasheet's on a GPU, "
-                      "a measured matmul rate on a CPU)."}
+                      "on a CPU its physical ceiling from cores, FMA units, vector width and clock): "
+                      "a bound; `labkit env` shows how much of it a plain matmul reaches here."}
     if cfg.variant in AUTOCAST:
         out["activation_bytes"] = (
             "Autocast casts the inputs of matmul-type ops (linear, matmul, SDPA) to 16 bits and "

@@ -13,14 +13,19 @@ gradients by m), so the mean of the m losses and the gradients are the reference
 measured: rank 0 times a forward + backward of the embedding, a block and the head + loss at
 micro-batch size, and the cut minimises the slowest stage (the vocabulary head is heavy).
 
-The bubble. With t_f forward and t_b backward per micro-batch on every stage and free sends, both
-schedules idle each stage (p-1)(t_f + t_b) of a step of (m+p-1)(t_f + t_b): (p-1)/(m+p-1), the
-`predicted` value. The measurement never uses it: each stage timestamps its compute (every
-forward with its loss, every backward; send/recv waits fall between) on the host's monotonic
-clock during the timed steps; the wall runs from the first compute start to the last compute end
-on any rank (one host, one clock); a rank's bubble is 1 - busy / wall, in the fastest step.
-Unequal stages, message latency and a busy host raise it (`stall_fraction` shows the last);
-`delay_stage` + `stage_delay_ms` make one stage sleep in every forward to show the first.
+The bubble, measured: each stage timestamps its compute (every forward with its loss, every
+backward; send/recv waits fall between) on the host's monotonic clock during the timed steps; the
+wall runs from the first compute start to the last compute end on any rank (one host, one clock);
+a rank's bubble is 1 - busy / wall, in the fastest step.
+Predicted: after the timed steps each stage times its own forward and backward of one micro-batch
+while the others wait, and stages 0 and 1 time one activation's send and receive; `replay` runs
+the schedule's ops on those durations (`labkit.techniques.pipeline_schedule`: a forward waits for
+the previous stage's plus a handoff, a backward for the next stage's) and reads the bubble off the
+replay as off the measurement. With equal stages and free handoffs that is (p-1)/(m+p-1), `ideal_bubble_fraction`. What the replay
+leaves out, and the measurement holds, is the host: the schedule's own time between ops, a
+waiting rank's wake-ups beyond one handoff, other processes on the cores (`stall_fraction`).
+`delay_stage` + `stage_delay_ms` make one stage sleep in every forward (an unequal stage);
+`corrupt` makes every stage send a wrong activation or gradient, which the check must catch.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, replace
+from statistics import median
 
 import torch
 import torch.distributed as dist
@@ -39,6 +45,7 @@ from labkit import planner
 from labkit.config import ConfigError, knob
 from labkit.distributed import DistConfig, clock, default_nproc, world_size
 from labkit.model import build_model, rope_tables
+from labkit.techniques.pipeline_schedule import replayed_bubbles, step_bubbles
 from labkit.techniques.training import (Trainer, gradient_difference, lm_loss, make_batch,
                                         optimizer_state, step_with_gradients)
 from labkit.workload import Comparison, Workload
@@ -52,6 +59,10 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LOSS_TOLERANCE = 1e-6
 GRAD_TOLERANCE = 1e-5
 COST_REPEATS = 5  # timed runs per cost probe, after one warm-up
+CALIBRATION_REPEATS = 7  # timed forward + backward runs per stage, after one round of warm-up
+HANDOFF_REPEATS = 20  # timed round trips, after one warm-up
+CORRUPTIONS = ("none", "activation", "gradient")
+CORRUPTION = 1e-3  # relative error of a corrupted handoff: far above the check's tolerances
 
 
 @dataclass(kw_only=True)
@@ -61,6 +72,9 @@ class Config(DistConfig):
     delay_stage: int = knob(0, min=0, help="the stage that sleeps stage_delay_ms per forward")
     stage_delay_ms: float = knob(0.0, min=0.0, help="injected sleep in every micro-batch forward "
                                                     "of delay_stage (0: none)")
+    corrupt: str = knob("none", choices=CORRUPTIONS,
+                        help="inject a wrong handoff to watch the check catch it: every activation "
+                             "a stage sends shifted, or every gradient scaled, by 0.1%")
 
 
 def num_stages(cfg: Config) -> int:
@@ -201,11 +215,13 @@ class Spans:
 
 class TimedStage(PipelineStage):
     """A PipelineStage that records when it computes and, when told, sleeps in every forward (an
-    injected slow stage: the sleep counts as busy, the other stages wait for it)."""
+    injected slow stage: the sleep counts as busy, the other stages wait for it) or sends every
+    activation or gradient CORRUPTION too large (an injected wrong handoff the check must catch)."""
 
-    def __init__(self, *args, spans: Spans, delay_s: float = 0.0, **kwargs):
+    def __init__(self, *args, spans: Spans, delay_s: float = 0.0, corrupt: str = "none",
+                 **kwargs):
         super().__init__(*args, **kwargs)
-        self.spans, self.delay_s = spans, delay_s
+        self.spans, self.delay_s, self.corrupt = spans, delay_s, corrupt
 
     def forward_one_chunk(self, *args, **kwargs):
         if self.delay_s:
@@ -218,18 +234,33 @@ class TimedStage(PipelineStage):
         with self.spans.timed():
             return super().backward_one_chunk(*args, **kwargs)
 
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._maybe_corrupt(super().get_fwd_send_ops(fwd_chunk_id), "activation")
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._maybe_corrupt(super().get_bwd_send_ops(bwd_chunk_id), "gradient")
+
+    def _maybe_corrupt(self, ops: list[dist.P2POp], kind: str) -> list[dist.P2POp]:
+        """Copies (this stage's own autograd stays intact): a gradient scaled, which scales every
+        earlier gradient alike; an activation shifted, since a scale would pass unseen through
+        the next stage's RMSNorm where that stage is the head alone."""
+        for op in ops if self.corrupt == kind else ():
+            t = op.tensor
+            op.tensor = (t * (1 + CORRUPTION) if kind == "gradient"
+                         else t + CORRUPTION * t.abs().mean())
+        return ops
+
 
 def bubble_metrics(every: list[list[list[tuple[float, float, float]]]], r: int) -> dict[str, float]:
-    """every[rank][step] = that rank's spans in that step. Per step: wall from the first start to
-    the last end on any rank, bubble_r = 1 - busy_r / wall. Reported for the fastest step: on a
-    shared host another process can only stall a stage, which counts as busy on that rank and as
-    wait on the others, pushing the bubble towards (p-1)/p; the fastest step was stalled least.
-    `stall_fraction`: the share of a rank's compute spans its thread spent off the CPU (another
-    process had the core); where it is more than a few percent the bubble measures the host."""
+    """every[rank][step] = that rank's spans in that step. Per step: bubble_r = 1 - busy_r / wall.
+    Reported for the fastest step: on a shared host another process can only stall a stage, which
+    counts as busy on that rank and as wait on the others, pushing the bubble towards (p-1)/p; the
+    fastest step was stalled least. `stall_fraction`: the share of a rank's compute spans its
+    thread spent off the CPU (another process had the core); where it is more than a few percent
+    the bubble measures the host."""
     steps = []
     for spans in zip(*every):  # one step, all ranks
-        wall = max(s[1] for rank in spans for s in rank) - min(s[0] for rank in spans for s in rank)
-        busy = [sum(end - start for start, end, _ in rank) for rank in spans]
+        wall, busy = step_bubbles(list(spans))
         stall = [1 - sum(cpu for *_, cpu in rank) / b for rank, b in zip(spans, busy)]
         steps.append((wall, busy, stall))
     wall, busy, stall = min(steps)
@@ -257,7 +288,7 @@ class Pipeline:
         self.spans = Spans(cfg.device)
         delay = cfg.stage_delay_ms / 1e3 if r == cfg.delay_stage else 0.0
         self.stage = TimedStage(self.module, r, p, torch.device(cfg.device), spans=self.spans,
-                                delay_s=delay)
+                                delay_s=delay, corrupt=cfg.corrupt)
         self.schedule = SCHEDULES[cfg.variant](self.stage, m, loss_fn=self.loss)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)  # as Trainer's
 
@@ -298,26 +329,83 @@ class Pipeline:
 
     def report(self) -> dict[str, float]:
         """The bubble of the timed steps (the last `timed_steps` recorded), gathered from every
-        rank: the harness calls report() on every rank after the same timed steps."""
+        rank, then the calibration: the harness calls report() on every rank after the same
+        timed steps."""
         every: list = [None] * world_size()
         dist.all_gather_object(every, self.spans.steps[-self.cfg.timed_steps:])
         out = bubble_metrics(every, self.rank)
         if self.cfg.device.startswith("cuda"):  # the GPU computes, the thread waits: no stall
             out = {k: v for k, v in out.items() if not k.startswith("stall")}
-        return {**out, "stage_cost_ms": self.stage_cost(self.rank)}
+        self.fwd, self.bwd, self.handoff = self.calibration()
+        p, m = len(self.fwd), self.cfg.micro_batches
+        return {**out, "ideal_bubble_fraction": (p - 1) / (m + p - 1),
+                "stage_fwd_ms": self.fwd[self.rank] * 1e3,
+                "stage_bwd_ms": self.bwd[self.rank] * 1e3, "handoff_ms": self.handoff * 1e3,
+                "stage_cost_ms": self.stage_cost(self.rank)}
+
+    def calibration(self) -> tuple[list[float], list[float], float]:
+        """Every stage's forward and backward seconds per micro-batch, then one handoff: what the
+        replay runs on. The stages take turns, one run each per round while the others wait, so
+        that a busy spell on a shared host falls on every stage's sample alike."""
+        runs = []
+        for _ in range(1 + CALIBRATION_REPEATS):  # the first round warms up
+            for s in range(world_size()):
+                dist.barrier()
+                if s == self.rank:
+                    runs.append(self.time_stage())
+        self.stage.clear_runtime_states()
+        self.module.zero_grad(set_to_none=True)  # calibration's gradients reach no step
+        # The median, not the fastest: the bubble is read from the fastest step, but a step sums
+        # 2m ops, each about typical.
+        own = (median(f for f, _ in runs[1:]), median(b for _, b in runs[1:]))
+        every: list = [None] * world_size()
+        dist.all_gather_object(every, own)
+        dist.barrier()
+        handoff = [self.time_handoff()]
+        dist.broadcast_object_list(handoff, src=0)
+        return [f for f, _ in every], [b for _, b in every], handoff[0]
+
+    def time_stage(self) -> tuple[float, float]:
+        """Seconds of this stage's forward (with the loss on the last stage and the sleep on a
+        delayed one) and backward of one micro-batch, through the stage's own calls outside any
+        schedule step."""
+        mb = self.cfg.batch_size // self.cfg.micro_batches
+        args = (self.inputs[:mb],) if self.stage.is_first else ()  # later stages: the last received
+        self.spans.steps.append([])
+        out = self.stage.forward_one_chunk(0, args, save_forward_output=False)
+        loss = self.loss(out, self.targets[:mb]) if self.stage.is_last else None
+        self.stage.backward_one_chunk(0, loss=loss, last_backward=True)
+        *forward, backward = self.spans.steps.pop()
+        return sum(end - start for start, end, _ in forward), backward[1] - backward[0]
+
+    def time_handoff(self) -> float:
+        """Seconds from stage 0 sending one activation (b/m, T, d) to stage 1 holding it, awake
+        (a gradient is the same size): half the median of HANDOFF_REPEATS round trips, each
+        one send and one wake-up of a blocked receiver per direction, as in the schedule."""
+        if self.rank > 1:
+            return 0.0
+        cfg = self.cfg
+        x = torch.zeros(cfg.batch_size // cfg.micro_batches, cfg.seq_len, cfg.model.hidden_size,
+                        device=cfg.device)
+        trips = []
+        for _ in range(1 + HANDOFF_REPEATS):
+            start = clock(cfg.device)
+            for send in ((True, False) if self.rank == 0 else (False, True)):
+                (dist.send if send else dist.recv)(x, 1 - self.rank)
+            trips.append(clock(cfg.device) - start)
+        return median(trips[1:]) / 2
 
     def predicted(self) -> dict[str, float]:
-        """The planner's parameters for this stage's blocks, embedding and head; busy = m x its
-        measured cost (+ sleep); the step = (m + p - 1) x the slowest stage's (the textbook
-        pipeline paced by its slowest stage)."""
-        cfg, r, p = self.cfg, self.rank, len(self.bounds) - 1
+        """The planner's parameters for this stage's blocks, embedding and head; the bubble,
+        busy time and wall of the schedule replayed on the calibration (report() measured it)."""
+        cfg, r, p, m = self.cfg, self.rank, len(self.bounds) - 1, self.cfg.micro_batches
         shape = replace(cfg.model, num_layers=self.bounds[r + 1] - self.bounds[r])
         params = planner.stage_params(shape, first=r == 0, last=r == p - 1).total * 4  # fp32
-        per_mb = [self.stage_cost(i) + (cfg.stage_delay_ms if i == cfg.delay_stage else 0.0)
-                  for i in range(p)]
+        wall, bubbles = replayed_bubbles(cfg.variant, m, self.fwd, self.bwd, self.handoff)
         return {"param_bytes": params, "optimizer_bytes": 2 * params,
-                "stage_busy_ms": cfg.micro_batches * per_mb[r],
-                "step_ms": (cfg.micro_batches + p - 1) * max(per_mb)}
+                "bubble_fraction": bubbles[r], "bubble_fraction_mean": sum(bubbles) / p,
+                "schedule_wall_ms": wall * 1e3,
+                "stage_busy_ms": m * (self.fwd[r] + self.bwd[r]) * 1e3}
 
 
 def build_pipeline(cfg: Config) -> Workload:
@@ -362,8 +450,7 @@ def expected(cfg: Config) -> dict[str, float]:
         bytes_ = planner.param_bytes(cfg.model, cfg.dtype)
         return {"param_bytes": bytes_, "optimizer_bytes": 2 * bytes_}  # AdamW: two fp32 moments
     p, m = num_stages(cfg), cfg.micro_batches
-    bubble = (p - 1) / (m + p - 1)
-    return {"bubble_fraction": bubble, "bubble_fraction_mean": bubble}
+    return {"ideal_bubble_fraction": (p - 1) / (m + p - 1)}
 
 
 def notes(cfg: Config, bounds: list[int], costs: dict[str, float]) -> dict[str, str]:
@@ -379,6 +466,13 @@ def notes(cfg: Config, bounds: list[int], costs: dict[str, float]) -> dict[str, 
              if cfg.stage_delay_ms else "")
     return {"stage_cost_ms": f"{'; '.join(stages)}. Forward + backward per micro-batch on rank 0: "
                              f"{measured}.",
-            "bubble_fraction": "1 - busy / wall in the fastest timed step; predicted "
-                               f"(p-1)/(m+p-1): equal stages, free sends.{sleep}",
-            "step_ms": "predicted: (m + p - 1) x the slowest stage's measured cost (+ sleep)."}
+            "bubble_fraction": "1 - busy / wall in the fastest timed step. predicted: the schedule "
+                               "replayed on each stage's forward and backward of a micro-batch "
+                               "and one handoff, timed alone after the timed steps (stage_fwd_ms, "
+                               "stage_bwd_ms, handoff_ms). It departs from ideal_bubble_fraction "
+                               "by the stages' unequal compute and the handoffs; the measured "
+                               "bubble departs from it by what the calibration does not hold: the "
+                               "schedule's host time between ops and a waiting rank's wake-ups "
+                               "beyond one handoff, and other processes on the cores "
+                               f"(stall_fraction).{sleep}",
+            "ideal_bubble_fraction": "(p-1)/(m+p-1): equal stages and free handoffs."}

@@ -10,7 +10,13 @@ same requests. A workload is seeded and fully described by its `WorkloadSpec`:
   [8, 256], makes static batching wait on its longest request);
 - a priority class per request, drawn with the given shares.
 
-`data/workloads/default.json` is `make_requests(WorkloadSpec())` written by `save_workload`.
+Each file in `data/workloads/` is `make_requests(SHIPPED[name])` written by `save_workload`:
+
+- `default`: 64 requests at 20 per second, outputs of 8 to 256 tokens (minutes of replays on one
+  CPU thread; the GPU presets' workload).
+- `short`: the tiny preset's: 32 requests, outputs of 4 to 80 tokens, arriving at 320 per second,
+  faster than one CPU thread serves them (a backlog that builds and drains), so throughput measures
+  the scheduler rather than the arrival rate, on any CPU.
 """
 from __future__ import annotations
 
@@ -56,6 +62,12 @@ class WorkloadSpec:
         if not self.priorities or any(share <= 0 for _, share in self.priorities):
             raise ConfigError("priorities need at least one class, each with a positive share")
         return self
+
+
+SHIPPED: dict[str, WorkloadSpec] = {
+    "default": WorkloadSpec(),
+    "short": WorkloadSpec(num_requests=32, rate_per_s=320.0, output_len=(4, 80)),
+}
 
 
 def arrival_times(spec: WorkloadSpec, rng: random.Random) -> list[float]:

@@ -53,6 +53,7 @@ class Sequence:
     cached: int = 0  # positions held in the KV cache
     slot: int = -1
     first_token_s: float | None = None
+    first_step: int | None = None  # the index (in the engine's steps) of the pass that made it
     finish_s: float | None = None
     preemptions: int = 0
 
@@ -97,15 +98,23 @@ class Segment:
 class RowCache:
     """The model's cache slot for one forward pass over rows of different lengths in a pool: row b
     writes its new keys at slots `write[b]` (T,) and reads slots `read[b]` (S,), its positions
-    0..S-1 (padded past its end with a slot the mask hides)."""
+    0..S-1 (padded past its end with a slot the mask hides). The indices are flattened once; every
+    layer uses them as they are."""
 
     def __init__(self, pool: BlockPool, write: torch.Tensor, read: torch.Tensor):
-        self.pool, self.write, self.read = pool, write, read
+        self.pool, self.width = pool, read.shape[1]
+        self.write, self.read = write.reshape(-1), read.reshape(-1)  # (B*T,), (B*S,)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.pool.write(layer, self.write, k.transpose(1, 2), v.transpose(1, 2))  # (B, T, KV, hd)
-        k_all, v_all = self.pool.gather(layer, self.read)  # (B, S, KV, hd)
-        return k_all.transpose(1, 2).to(k.dtype), v_all.transpose(1, 2).to(v.dtype)
+        B, KV, T, hd = k.shape
+        self.pool.put(layer, self.write, k.transpose(1, 2).reshape(B * T, KV, hd),
+                      v.transpose(1, 2).reshape(B * T, KV, hd))
+        k_all, v_all = self.pool.take(layer, self.read)  # (B*S, KV, hd)
+        k_all = k_all.view(B, self.width, KV, hd).transpose(1, 2)  # (B, KV, S, hd)
+        v_all = v_all.view(B, self.width, KV, hd).transpose(1, 2)
+        if k_all.dtype != k.dtype:  # a cache stored in another dtype than the compute
+            k_all, v_all = k_all.to(k.dtype), v_all.to(v.dtype)
+        return k_all, v_all
 
 
 class Engine:
@@ -127,6 +136,7 @@ class Engine:
         self.segments: list[Segment] = []
         self.started: dict[Sequence, float] = {}
         self.t0 = 0.0
+        self.idle_s = 0.0  # time spent waiting for an arrival or a timeout, nothing to run
 
     # --- the clock and the loop ------------------------------------------------------------------
 
@@ -159,7 +169,9 @@ class Engine:
                 if not wake:
                     raise RuntimeError(f"{type(policy).__name__} cannot start any of "
                                        f"{len(self.waiting)} waiting requests")
-                time.sleep(max(0.0, min(wake) - self.now()))
+                before = self.now()
+                time.sleep(max(0.0, min(wake) - before))
+                self.idle_s += self.now() - before
         return self
 
     # --- memory and slots ------------------------------------------------------------------------
@@ -212,12 +224,8 @@ class Engine:
         return Segment(s.req.id, s.req.priority, s.slot, start, end, state)
 
     # --- forward passes --------------------------------------------------------------------------
-
-    def _slots(self, s: Sequence, end: int, width: int, pad_pos: int) -> torch.Tensor:
-        """Slots of positions 0..end-1, then `pad_pos`'s slot up to `width` (hidden by the mask)."""
-        held = self.pool.slots(s.req.id, 0, end)
-        pad = self.pool.slots(s.req.id, pad_pos, pad_pos + 1).expand(width - end)
-        return torch.cat([held, pad])
+    # Every index a pass needs is built once per pass, in a few vectorised ops (the layers share
+    # them): a step's host work stays small next to its forward, on any device.
 
     def prefill(self, seqs: list[Sequence]) -> None:
         device = self.pool.k.device
@@ -227,11 +235,14 @@ class Engine:
         tokens = torch.tensor([t + [0] * (width - len(t)) for t in texts], device=device)
         # Padding positions write to (and read) the slot of the row's next position: the first
         # decode step overwrites it, and no real query sees it before then.
-        slots = torch.stack([self._slots(s, n, width, n) for s, n in zip(seqs, lengths)])
+        slots = self.pool.padded_slots([s.req.id for s in seqs], lengths, width)  # (B, width)
+        # One row needs neither per-row positions nor a mask: its keys are exactly its positions.
+        alone = len(seqs) == 1
+        start_pos = 0 if alone else torch.zeros(len(seqs), dtype=torch.long, device=device)
+        last = True if alone else torch.tensor(lengths, device=device) - 1
         start = self.now()
-        logits = self.model(tokens, start_pos=torch.zeros(len(seqs), dtype=torch.long, device=device),
-                            cache=RowCache(self.pool, slots, slots),
-                            last_only=torch.tensor(lengths, device=device) - 1)
+        logits = self.model(tokens, start_pos=start_pos, cache=RowCache(self.pool, slots, slots),
+                            last_only=last)
         fresh = [i for i, s in enumerate(seqs) if not s.out]
         self.emit([seqs[i] for i in fresh], logits[fresh, -1])
         for s, n in zip(seqs, lengths):
@@ -243,15 +254,19 @@ class Engine:
     def decode(self) -> None:
         device = self.pool.k.device
         rows = sorted(self.running, key=lambda s: s.slot)
-        live = [s for s in rows if not s.done]  # done rows of a batch still compute: padding
-        width = max(s.cached for s in rows) + 1
-        write = torch.stack([self.pool.slots(s.req.id, s.cached, s.cached + 1) for s in rows])
-        read = torch.stack([self._slots(s, s.cached + 1, width, s.cached) for s in rows])
+        live = [i for i, s in enumerate(rows) if not s.done]  # a batch's done rows compute: padding
+        cached = [s.cached for s in rows]
+        read = self.pool.padded_slots([s.req.id for s in rows], cached, max(cached) + 1)  # (B, S)
+        if len(rows) == 1:  # as in prefill: a plain start position, no mask
+            pos, write = cached[0], read[:, -1:]
+        else:
+            pos = torch.tensor(cached, device=device)
+            write = read.gather(1, pos[:, None])  # (B, 1): the slot of each row's new position
         tokens = torch.tensor([[s.out[-1]] for s in rows], device=device)
         start = self.now()
-        logits = self.model(tokens, start_pos=torch.tensor([s.cached for s in rows], device=device),
-                            cache=RowCache(self.pool, write, read), last_only=True)
-        self.emit(live, logits[[rows.index(s) for s in live], -1])
+        logits = self.model(tokens, start_pos=pos, cache=RowCache(self.pool, write, read),
+                            last_only=True)[:, -1]
+        self.emit([rows[i] for i in live], logits if len(live) == len(rows) else logits[live])
         for s in rows:
             s.cached += 1
         self.steps.append(Step("decode", start, self.now(), len(rows), len(live), len(rows),
@@ -275,7 +290,7 @@ class Engine:
                 s.top1.append(greedy[i])
             s.out.append(chosen[i] if forced else greedy[i])
             if s.first_token_s is None:
-                s.first_token_s = now
+                s.first_token_s, s.first_step = now, len(self.steps)
             if s.done:
                 s.finish_s = now
 

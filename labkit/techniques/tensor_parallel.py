@@ -22,6 +22,8 @@ decoder's parameters into DTensor shards; `Attention` views its projections as (
 it runs unchanged on its local heads. The order: build the model, `apply_tp`, then make the
 optimizer (it must see the sharded parameters). Outputs are the logits (gathered on every rank)
 and gradients gathered with `full_tensor()`; both must equal the reference's at fp32 precision.
+Under `fault=corrupt_reduction` fault_rank scales its partial products of wo and w2 before they
+are summed across ranks (Megatron's "g"), and that check must fail.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, default_nproc, world_size
+from labkit.distributed import DistConfig, corrupt_scale, default_nproc, world_size
 from labkit.techniques.training import Trainer, gradient_difference, lm_loss, optimizer_state
 from labkit.workload import Comparison, Workload
 
@@ -56,6 +58,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 @dataclass(kw_only=True)
 class Config(DistConfig):
     variant: str = knob(REFERENCE, choices=VARIANTS, help="plain model, tensor parallel, + sequence parallel")
+    reduction_fault = True  # see corrupt_row_outputs
 
 
 def tp_degree(cfg: DistConfig) -> int:
@@ -122,6 +125,20 @@ def apply_tp(model: torch.nn.Module, mesh: DeviceMesh, *, sequence_parallel: boo
     parallelize_module(model, mesh, top)
     for block in model.layers:
         parallelize_module(block, mesh, block_plan(block, seq, sequence_parallel))
+    return model
+
+
+def corrupt_row_outputs(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """fault=corrupt_reduction: this rank's partial products of every wo and w2 multiplied by
+    `scale` before RowwiseParallel sums them across ranks. Call before `apply_tp`: a module's
+    forward hooks run in the order they were registered, so these see the unreduced output."""
+    def hook(module, args, out):  # out: DTensor, Partial (one rank's share of the sum)
+        return DTensor.from_local(out.to_local() * scale, out.device_mesh, out.placements,
+                                  shape=out.shape, stride=out.stride(), run_check=False)
+
+    for block in model.layers:
+        block.attn.wo.register_forward_hook(hook)
+        block.mlp.w2.register_forward_hook(hook)
     return model
 
 
@@ -256,6 +273,9 @@ def build(cfg: Config) -> Workload:
     if cfg.variant != REFERENCE:
         mesh = init_device_mesh(cfg.device.split(":")[0], (n,), mesh_dim_names=("tp",))
         apply = functools.partial(apply_tp, mesh=mesh, sequence_parallel=cfg.variant == "tp_sp")
+        scale, shard = corrupt_scale(cfg), apply
+        if scale is not None:  # the corrupting hooks first, so they see the unreduced outputs
+            apply = lambda model: shard(corrupt_row_outputs(model, scale))  # noqa: E731
     trainer = ShardedTrainer(cfg, apply)
     measured: dict[str, float] = {}  # counted in check(): collectives, gradient bytes
     return Workload(step=trainer.step, check=functools.partial(check_step, trainer, measured),

@@ -113,11 +113,20 @@ def step_with_gradients(trainer: Trainer) -> dict:
 
 def gradient_difference(reference: dict, grads: dict) -> tuple[float, float]:
     """The largest absolute difference over all parameters, and the largest normwise relative
-    one, ||g - g_ref|| / ||g_ref|| per tensor (elementwise ratios blow up where g_ref ~ 0)."""
+    one, ||g - g_ref|| / ||g_ref|| per tensor (elementwise ratios blow up where g_ref ~ 0); where
+    g_ref is all zeros, that tensor's largest absolute difference. Both are nan when any gradient
+    holds a nan (never a match). Every name in `reference` must be in `grads` with its shape
+    (a ValueError otherwise); names only in `grads` are not compared."""
     max_abs = max_rel = 0.0
     for name, ref in reference.items():
-        diff = grads[name].astype(np.float64) - ref
+        got = grads.get(name)
+        if got is None or got.shape != ref.shape:
+            found = "missing" if got is None else f"shape {tuple(got.shape)}"
+            raise ValueError(f"gradient {name!r}: {found}, the reference's is {tuple(ref.shape)}")
+        diff = got.astype(np.float64) - ref
+        largest = float(np.abs(diff).max()) if diff.size else 0.0
         norm = float(np.linalg.norm(ref))
-        max_abs = max(max_abs, float(np.abs(diff).max()))
-        max_rel = max(max_rel, float(np.linalg.norm(diff)) / norm if norm else max_abs)
+        # np.maximum keeps a nan; the builtin max(0.0, nan) is 0.0, and a nan gradient would pass
+        max_abs = float(np.maximum(max_abs, largest))
+        max_rel = float(np.maximum(max_rel, float(np.linalg.norm(diff)) / norm if norm else largest))
     return max_abs, max_rel

@@ -26,6 +26,13 @@ unit; each block's unit is gathered and freed on its own, which is what bounds t
 in DDP -> build the optimizer over the wrapped (sharded) parameters, since its states take their
 shape, and so their shard, from them.
 
+The check holds each variant to plain DDP twice: the whole gradients of the first step, then the
+weights and losses after CHECK_STEPS steps. Both are needed: AdamW's update is nearly invariant
+to a positive scale of a gradient, so a reduction that scaled every gradient (a missing average)
+would train the same weights. `fault=corrupt_reduction` scales fault_rank's bucket before DDP's
+all-reduce (`zero1`), or its reduce-scatter shard after it (FSDP2's hook: `zero2`, `zero3`); the
+reference `zero0` is left alone.
+
 The timed step calls `zero_grad(set_to_none=True)` first, so the gradients of a step are kept until
 the next one and `grad_bytes` is measured at rest, after the step, with everything else.
 """
@@ -36,14 +43,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, world_size
+from labkit.distributed import DistConfig, corrupt_scale, world_size
 from labkit.model import build_model
 from labkit.techniques.training import gradient_difference, lm_loss, make_batch, optimizer_state
 from labkit.workload import Comparison, Workload
@@ -68,6 +76,7 @@ TOLERANCE = {"cpu": 1e-6, "cuda": 1e-4}
 @dataclass(kw_only=True)
 class Config(DistConfig):
     variant: str = knob(REFERENCE, choices=VARIANTS, help="the ZeRO stage, and how it is built")
+    reduction_fault = True  # see maybe_corrupt_reduction
 
 
 def validate(cfg: Config) -> None:
@@ -107,6 +116,30 @@ def apply_ddp(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
 
+def scaled_allreduce_hook(scale: float):
+    """DDP's all-reduce (torch's Python twin of it) of this rank's bucket multiplied by `scale`."""
+    def hook(state, bucket):
+        bucket.buffer().mul_(scale)
+        return default_hooks.allreduce_hook(state, bucket)
+    return hook
+
+
+def maybe_corrupt_reduction(model: torch.nn.Module, cfg: Config) -> None:
+    """Under fault=corrupt_reduction, on fault_rank: DDP's buckets scaled before the all-reduce,
+    or FSDP2's reduce-scatter output (this rank's shard of the averaged gradients) after it."""
+    scale = corrupt_scale(cfg)
+    if scale is None or cfg.variant == REFERENCE:
+        return
+    if isinstance(model, DistributedDataParallel):
+        model.register_comm_hook(None, scaled_allreduce_hook(scale))
+        return
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        if not hasattr(unit, "set_all_reduce_hook"):
+            raise RuntimeError("fault=corrupt_reduction needs FSDPModule.set_all_reduce_hook, "
+                               f"which torch {torch.__version__} does not have")
+        unit.set_all_reduce_hook(lambda shard: shard.mul_(scale))
+
+
 def make_optimizer(variant: str, params) -> torch.optim.Optimizer:
     if variant == "zero1":
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR)
@@ -136,6 +169,7 @@ class ZeroTrainer:
         self.module = build_model(cfg.model, device=cfg.device, seed=cfg.seed, attention=cfg.attention)
         sharded = cfg.variant not in ("zero0", "zero1")
         self.model = apply_fsdp(self.module, cfg) if sharded else apply_ddp(self.module, cfg)
+        maybe_corrupt_reduction(self.model, cfg)
         self.optimizer = make_optimizer(cfg.variant, self.model.parameters())
         self.inputs, self.targets = local_batch(cfg)
 
@@ -148,11 +182,17 @@ class ZeroTrainer:
         return loss.detach()
 
     def check(self) -> dict:
-        """CHECK_STEPS steps; the losses, and host copies of the whole weights after them."""
-        losses = [self.step().item() for _ in range(CHECK_STEPS)]
-        weights = {n: full_tensor(p, self.cfg.device).cpu().numpy().copy()
-                   for n, p in self.module.named_parameters()}
-        return {"losses": losses, "weights": weights}
+        """CHECK_STEPS steps; the losses, host copies of the whole gradients of the first step
+        (kept at rest after it) and of the whole weights after the last."""
+        losses = [self.step().item()]
+        grads = self.whole({n: p.grad for n, p in self.module.named_parameters()})
+        losses += [self.step().item() for _ in range(CHECK_STEPS - 1)]
+        weights = self.whole(dict(self.module.named_parameters()))
+        return {"losses": losses, "grads": grads, "weights": weights}
+
+    def whole(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """Host copies, gathered whole (collectives, in the same order on every rank)."""
+        return {n: full_tensor(t, self.cfg.device).cpu().numpy().copy() for n, t in tensors.items()}
 
     def params(self) -> list[torch.Tensor]:
         return list(self.module.parameters())  # DTensors: storage_bytes counts the local shard
@@ -175,15 +215,17 @@ def build(cfg: Config) -> Workload:
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
-    """This rank's losses and the whole weights after CHECK_STEPS steps, against plain DDP's."""
+    """The whole gradients of the first step, and this rank's losses and the whole weights after
+    CHECK_STEPS steps, against plain DDP's."""
+    _, grad_rel = gradient_difference(reference["grads"], outputs["grads"])
     _, max_rel = gradient_difference(reference["weights"], outputs["weights"])
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(outputs["losses"], reference["losses"]))
     tol = TOLERANCE["cuda" if cfg.device.startswith("cuda") else "cpu"]
-    ok = max_rel <= tol and loss_rel <= tol
-    message = "" if ok else (f"after {CHECK_STEPS} steps: weights max relative {max_rel:.2e}, "
-                             f"losses {loss_rel:.2e} (> {tol:g})")
-    return Comparison({"loss": outputs["losses"][-1], "weight_max_rel_diff": max_rel,
-                       "loss_rel_diff": loss_rel}, ok, message)
+    ok = max(grad_rel, max_rel, loss_rel) <= tol
+    message = "" if ok else (f"gradients max relative {grad_rel:.2e}; after {CHECK_STEPS} steps: "
+                             f"weights {max_rel:.2e}, losses {loss_rel:.2e} (> {tol:g})")
+    return Comparison({"loss": outputs["losses"][-1], "grad_max_rel_diff": grad_rel,
+                       "weight_max_rel_diff": max_rel, "loss_rel_diff": loss_rel}, ok, message)
 
 
 def at_rest_stages(variant: str) -> tuple[int, int, int]:
