@@ -57,7 +57,9 @@ LAST_FROM = 90  # 99_compare and later read the runs the others store
 # its technique against its reference, so that every notebook at the tiny preset runs within 10
 # minutes on 2 cores (two at a time). A notebook's own `parameters` (run_report's) replace these.
 CPU_REPORT_PARAMETERS: dict[str, dict[str, Any]] = {
-    "07_batch_finder": {"seq_lens": [16, 64]},  # a search per length and variant: the endpoints
+    # a search per length and variant: the endpoints, in the CLI's tiny budget
+    "07_batch_finder": {"seq_lens": [16, 64], "cpu_budget_gib": 0.2},
+    "10_data_parallel": {"overrides": {"timed_steps": 3}},  # seven variants, two ranks each
     "13_pipeline_parallel": {"sweep": {"micro_batches": [1, 2, 4]}},
     "17_attention": {"sweep": {"seq_len": [256, 1024]}},  # naive at 1024 is the costly point
     "21_memory_access": {"sweep": {"stride": [2, 16]}},

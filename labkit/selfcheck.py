@@ -479,8 +479,8 @@ CHECKS: dict[str, list[Check]] = {
               checked_ok("pipeline_parallel", "gpipe"), ">=", 1.0),
         Check("parallel", "hybrid", "FSDP x TP on a 2 x 2 mesh matches one process", checked_ok("hybrid", "fsdp_tp"),
               ">=", 1.0),
-        # issue 5's 1.4x is a benchmark on the whole default workload (minutes here, with the
-        # sequential reference), not a check; these are its mechanisms on the first requests
+        # issue 5's 1.4x is a benchmark on the preset's whole workload (`labkit run batching`),
+        # not a check; these are its mechanisms on the first requests
         Check("serving", "batching", "continuous batching: every token's log-prob as the sequential reference's",
               checked_ok("batching", "continuous"), ">=", 1.0),
         Check("serving", "batching", "static batching pads, continuous does not: padding waste static - continuous",

@@ -155,3 +155,26 @@ def test_the_cpu_without_a_budget_is_refused_with_the_reason():
                           overrides={**SIZES, "memory_budget_gib": None}).rows
     assert len(rows) == len(batch_finder.VARIANTS)
     assert all(r["status"] == "skipped" and "memory_budget_gib" in r["message"] for r in rows)
+
+
+@pytest.mark.parametrize("native, fp32, bf16, skipped", [
+    (True, 0.1, 0.4, False),  # AVX-512 BF16 at work: bf16 faster than fp32
+    (True, 0.1, 0.003, True),  # the flags say bf16, the measured rate says emulated
+    (False, 0.07, 0.001, True),  # AVX2 only
+])
+def test_bf16_searches_are_skipped_where_the_cpu_emulates_bf16(monkeypatch, native, fp32, bf16,
+                                                              skipped):
+    from labkit import hardware
+
+    flags = ("avx2", "avx512_bf16") if native else ("avx2",)
+    cpu = dataclasses.replace(hardware.cpu_info(), flags=flags)
+    ceil = dataclasses.replace(hardware.ceilings("cpu"),
+                               calibrated_tflops={"float32": fp32, "bfloat16": bf16})
+    monkeypatch.setattr(hardware, "cpu_info", lambda: cpu)
+    monkeypatch.setattr(hardware, "ceilings", lambda *a, **k: ceil)
+    cfg = resolve(batch_finder.Config, "tiny", {"device": "cpu", "variant": "bf16"},
+                  experiment="batch_finder")
+    reason = batch_finder.skip_reason(cfg)
+    assert (reason is not None) == skipped
+    if skipped:
+        assert f"{bf16 * 1e3:.3g} GFLOP/s against fp32's {fp32 * 1e3:.3g}" in reason

@@ -67,3 +67,16 @@ def test_panel_shows_bad_settings_inside_the_panel(tmp_path):
     panel.run()
     assert "longer than the model's context" in panel.error and panel.frame is None
     assert not panel.run_button.disabled and not list(tmp_path.glob("*.json"))
+
+
+def test_the_cpu_report_sweeps_name_notebooks_and_parameters_they_have():
+    """A typo in report.CPU_REPORT_PARAMETERS would be passed to no notebook, silently."""
+    import papermill
+
+    from labkit.report import CPU_REPORT_PARAMETERS, find_notebooks
+
+    found = find_notebooks()
+    for stem, params in CPU_REPORT_PARAMETERS.items():
+        assert stem in found, stem
+        known = papermill.inspect_notebook(str(found[stem]))
+        assert set(params) <= set(known), (stem, set(params) - set(known))
