@@ -99,14 +99,14 @@ def _cpu_static() -> tuple[str, tuple[str, ...], str]:
 
 
 def _parse_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str | None, set[str] | None]:
-    """First "model name" and first "flags" line of /proc/cpuinfo; (None, None) if unreadable."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return None, None
-    model = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    flags = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", text, re.MULTILINE)
-    return (model.group(1).strip() if model else None), set(flags.group(1).split() if flags else ())
+    """The first processor's "model name" and flags in /proc/cpuinfo; (None, None) if unreadable."""
+    fields = _cpuinfo_fields(_read_text(path))
+    return (fields.get("model name"), _cpuinfo_flags(fields)) if fields else (None, None)
+
+
+def _cpuinfo_flags(fields: dict[str, str]) -> set[str]:
+    """The CPU's flags ("Features" on ARM) from `_cpuinfo_fields`."""
+    return set((fields.get("flags") or fields.get("Features") or "").split())
 
 
 def _memory_total_bytes() -> int | None:
@@ -369,7 +369,7 @@ def cpu_peak(num_threads: int, cpuinfo: str | None = None, max_freq_khz: int | N
     if cpuinfo is None:
         cpuinfo, max_freq_khz = _read_text("/proc/cpuinfo"), _read_max_freq_khz()
     fields = _cpuinfo_fields(cpuinfo)
-    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    flags = _cpuinfo_flags(fields)
     if not cpuinfo:  # not Linux: the flags torch's kernel capability implies
         flags = set(_cpu_static()[1])
     cores = min(num_threads, num_cpus or os.cpu_count() or num_threads)

@@ -539,13 +539,13 @@ def share_s(cost: float, remaining: float) -> float:
 
 
 def spawn_family(family: str, device: str, runs_dir: str, timeout_s: float,
-                 runs: list[dict[str, Any]] | None = None) -> FamilyOutcome:
-    """The family in a fresh process (its own session, so a timeout ends its ranks too)."""
+                 runs: list[dict[str, Any]]) -> FamilyOutcome:
+    """The family's `runs` (`Sized.entry()`s) in a fresh process (its own session, so a timeout
+    ends its ranks too)."""
     t0, out = time.monotonic(), FamilyOutcome()
-    runs = runs if runs is not None else [Sized(r, r.sizes(device_kind(device))[0], 0.0).entry()
-                                          for r in FAMILIES[family].runs if r.sizes(device_kind(device))]
-    proc = subprocess.Popen(family_command(family, device, runs_dir, runs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(family_command(family, device, runs_dir, runs), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         text, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -599,19 +599,21 @@ def selfcheck(device: str = "auto", budget_s: float | None = None, runs_dir: str
         echo(f"{s.run.experiment}: {s.why}")
     sizing, runs_dir = {n: [s.entry() for s in runs] for n, runs in chosen.runs.items()}, str(store(runs_dir))
     write = functools.partial(make_record, device, runs_dir, budget_s=budget_s, sizing=sizing, machine=machine)
-    record = run_families(chosen, device, runs_dir, budget_s, lambda *a: write_record(write(*a), out), echo)
-    record = write(*record)
+    ran = run_families(chosen, sizing, device, runs_dir, budget_s,
+                       lambda *a: write_record(write(*a), out), echo)
+    record = write(*ran)
     write_record(record, out)
     echo(format_table(record["checks"]))
     return record
 
 
-def run_families(chosen: Plan, device: str, runs_dir: str, budget_s: float, save: Callable[..., None],
-                 echo: Callable[[str], None]) -> tuple[dict[str, FamilyOutcome], dict[str, str], float]:
-    """Each chosen family in its process, within its share; `save(outcomes, left, wall_s)` after
-    each. A family the ones before it left no time for is left out, said so."""
+def run_families(chosen: Plan, sizing: dict[str, list[dict]], device: str, runs_dir: str,
+                 budget_s: float, save: Callable[..., None], echo: Callable[[str], None]
+                 ) -> tuple[dict[str, FamilyOutcome], dict[str, str], float]:
+    """Each chosen family in its process with its runs (`sizing`: family -> `Sized.entry()`s),
+    within its share; `save(outcomes, left, wall_s)` after each. A family the ones before it left
+    no time for is left out, said so."""
     t_start, outcomes, left = time.monotonic(), {}, dict(chosen.left)
-    sizing = {n: [s.entry() for s in runs] for n, runs in chosen.runs.items()}
     for name, cost in chosen.estimate_s.items():
         remaining = budget_s - (time.monotonic() - t_start)
         if remaining < cost:  # the families before it ran long: do not overrun the budget

@@ -145,13 +145,22 @@ def _add_bars(fig: go.Figure, x: list[str], sel: pd.DataFrame, metric: str, scal
                 marker_color=COLORS[metric], hovertext=hover_values(metric, sel["value"]),
                 hovertemplate=HOVER, row=1, col=col)
     if sel["predicted"].notna().any():
-        first = not any(t.name == "predicted" for t in fig.data)
-        fig.add_scatter(x=x, y=sel["predicted"] / scale, mode="markers", name="predicted",
-                        legendgroup="predicted", showlegend=first, offsetgroup=metric, legendrank=2000,
-                        hovertext=hover_values(metric, sel["predicted"]),
-                        hovertemplate=HOVER.replace("%{fullData.name}", f"{metric} predicted"),
-                        row=1, col=col, marker={"symbol": "diamond-open", "size": 13,
-                                                "color": "black", "line": {"width": 2}})
+        add_predicted(fig, x, sel["predicted"], metric, scale, offsetgroup=metric, col=col,
+                      hovertemplate=HOVER.replace("%{fullData.name}", f"{metric} predicted"),
+                      marker={"size": 13, "line": {"width": 2}})
+
+
+def add_predicted(fig: go.Figure, x: list[str], predicted: pd.Series, metric: str, scale: float,
+                  *, offsetgroup: str, col: int, hovertemplate: str = HOVER,
+                  marker: dict | None = None) -> None:
+    """Predictions as open diamonds beside their bars; one "predicted" legend entry, listed last,
+    for every prediction in the figure."""
+    fig.add_scatter(x=x, y=predicted / scale, mode="markers", name="predicted",
+                    legendgroup="predicted", legendrank=2000, offsetgroup=offsetgroup,
+                    showlegend=not any(t.name == "predicted" for t in fig.data),
+                    hovertext=hover_values(metric, predicted), hovertemplate=hovertemplate,
+                    row=1, col=col,
+                    marker={"symbol": "diamond-open", "size": 12, "color": "black", **(marker or {})})
 
 
 def _not_run_note(frame: pd.DataFrame) -> str:
@@ -182,13 +191,8 @@ def rank_comparison(frame: pd.DataFrame, *, title: str = "",
                         hovertext=hover_values(metric, sel["value"]), hovertemplate=HOVER,
                         row=1, col=col)
             if sel["predicted"].notna().any():
-                fig.add_scatter(x=variants, y=sel["predicted"] / scale, mode="markers",
-                                name="predicted", legendgroup="predicted", offsetgroup=str(rank),
-                                legendrank=2000,
-                                showlegend=not any(t.name == "predicted" for t in fig.data),
-                                hovertext=hover_values(metric, sel["predicted"]),
-                                hovertemplate=HOVER, row=1, col=col,
-                                marker={"symbol": "diamond-open", "size": 12, "color": "black"})
+                add_predicted(fig, variants, sel["predicted"], metric, scale,
+                              offsetgroup=str(rank), col=col)
         fig.update_yaxes(title_text=f"{metric} ({unit})" if unit else metric, row=1, col=col,
                          side="right" if col == 2 == len(metrics) else "left")
     fig.update_layout(barmode="group", scattermode="group",

@@ -224,11 +224,11 @@ def time_shares(eng: Engine, makespan: float) -> dict[str, float]:
     """Where a replay's time went, from its step records: decode and prefill forward passes,
     waiting with nothing to run (arrivals, timeouts), and the rest, the engine's host work between
     passes (scheduling, block tables, slot indices); and the median decode pass."""
-    spent = {kind: sum(st.end_s - st.start_s for st in eng.steps if st.kind == kind)
-             for kind in ("decode", "prefill")}
+    passes = {kind: [st.end_s - st.start_s for st in eng.steps if st.kind == kind]
+              for kind in ("decode", "prefill")}
+    spent = {kind: sum(durations) for kind, durations in passes.items()}
     host = makespan - spent["decode"] - spent["prefill"] - eng.idle_s
-    decode = [st.end_s - st.start_s for st in eng.steps if st.kind == "decode"]
-    return {"decode_step_ms": 1e3 * quantile(decode, 50),
+    return {"decode_step_ms": 1e3 * quantile(passes["decode"], 50),
             "decode_time_pct": 100 * spent["decode"] / makespan,
             "prefill_time_pct": 100 * spent["prefill"] / makespan,
             "idle_time_pct": 100 * eng.idle_s / makespan, "host_time_pct": 100 * host / makespan}

@@ -21,8 +21,8 @@ Predicted: after the timed steps each stage times its own forward and backward o
 while the others wait, and stages 0 and 1 time one activation's send and receive; `replay` runs
 the schedule's ops on those durations (`labkit.techniques.pipeline_schedule`: a forward waits for
 the previous stage's plus a handoff, a backward for the next stage's) and reads the bubble off the
-replay as off the measurement. With equal stages and free handoffs that is (p-1)/(m+p-1), `ideal_bubble_fraction`. What the replay
-leaves out, and the measurement holds, is the host: the schedule's own time between ops, a
+replay as off the measurement. With equal stages and free handoffs that is (p-1)/(m+p-1),
+`ideal_bubble_fraction`. What the replay leaves out, and the measurement holds, is the host: the schedule's own time between ops, a
 waiting rank's wake-ups beyond one handoff, other processes on the cores (`stall_fraction`).
 `delay_stage` + `stage_delay_ms` make one stage sleep in every forward (an unequal stage);
 `corrupt` makes every stage send a wrong activation or gradient, which the check must catch.
@@ -45,7 +45,7 @@ from labkit import planner
 from labkit.config import ConfigError, knob
 from labkit.distributed import DistConfig, clock, default_nproc, world_size
 from labkit.model import build_model, rope_tables
-from labkit.techniques.pipeline_schedule import replayed_bubbles, step_bubbles
+from labkit.techniques.pipeline_schedule import ideal_bubble, replayed_bubbles, step_bubbles
 from labkit.techniques.training import (Trainer, gradient_difference, lm_loss, make_batch,
                                         optimizer_state, step_with_gradients)
 from labkit.workload import Comparison, Workload
@@ -338,7 +338,7 @@ class Pipeline:
             out = {k: v for k, v in out.items() if not k.startswith("stall")}
         self.fwd, self.bwd, self.handoff = self.calibration()
         p, m = len(self.fwd), self.cfg.micro_batches
-        return {**out, "ideal_bubble_fraction": (p - 1) / (m + p - 1),
+        return {**out, "ideal_bubble_fraction": ideal_bubble(p, m),
                 "stage_fwd_ms": self.fwd[self.rank] * 1e3,
                 "stage_bwd_ms": self.bwd[self.rank] * 1e3, "handoff_ms": self.handoff * 1e3,
                 "stage_cost_ms": self.stage_cost(self.rank)}
@@ -450,7 +450,7 @@ def expected(cfg: Config) -> dict[str, float]:
         bytes_ = planner.param_bytes(cfg.model, cfg.dtype)
         return {"param_bytes": bytes_, "optimizer_bytes": 2 * bytes_}  # AdamW: two fp32 moments
     p, m = num_stages(cfg), cfg.micro_batches
-    return {"ideal_bubble_fraction": (p - 1) / (m + p - 1)}
+    return {"ideal_bubble_fraction": ideal_bubble(p, m)}
 
 
 def notes(cfg: Config, bounds: list[int], costs: dict[str, float]) -> dict[str, str]:

@@ -62,3 +62,8 @@ def replayed_bubbles(variant: str, m: int, fwd: list[float], bwd: list[float],
     wall, busy = step_bubbles(replay([schedule_order(variant, s, p, m) for s in range(p)],
                                      fwd, bwd, handoff))
     return wall, [1 - b / wall for b in busy]
+
+
+def ideal_bubble(p: int, m: int) -> float:
+    """(p-1)/(m+p-1): the bubble of p equal stages, m micro-batches and free handoffs."""
+    return (p - 1) / (m + p - 1)

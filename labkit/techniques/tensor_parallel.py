@@ -266,17 +266,23 @@ def check_step(trainer: ShardedTrainer, measured: dict[str, float]) -> dict:
     return out
 
 
+def sharding(cfg: Config, n: int):
+    """The transform of the variant's model: apply_tp over n ranks, after (fault=corrupt_reduction)
+    the corrupting hooks, registered first so that they see the unreduced outputs."""
+    mesh = init_device_mesh(cfg.device.split(":")[0], (n,), mesh_dim_names=("tp",))
+    scale = corrupt_scale(cfg)
+
+    def apply(model: torch.nn.Module) -> torch.nn.Module:
+        if scale is not None:
+            corrupt_row_outputs(model, scale)
+        return apply_tp(model, mesh=mesh, sequence_parallel=cfg.variant == "tp_sp")
+    return apply
+
+
 def build(cfg: Config) -> Workload:
     n = world_size()
     check_tp_shape(cfg, n)
-    apply = None
-    if cfg.variant != REFERENCE:
-        mesh = init_device_mesh(cfg.device.split(":")[0], (n,), mesh_dim_names=("tp",))
-        apply = functools.partial(apply_tp, mesh=mesh, sequence_parallel=cfg.variant == "tp_sp")
-        scale, shard = corrupt_scale(cfg), apply
-        if scale is not None:  # the corrupting hooks first, so they see the unreduced outputs
-            apply = lambda model: shard(corrupt_row_outputs(model, scale))  # noqa: E731
-    trainer = ShardedTrainer(cfg, apply)
+    trainer = ShardedTrainer(cfg, None if cfg.variant == REFERENCE else sharding(cfg, n))
     measured: dict[str, float] = {}  # counted in check(): collectives, gradient bytes
     return Workload(step=trainer.step, check=functools.partial(check_step, trainer, measured),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,
