@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import json
 import numbers
 import os
@@ -70,11 +71,17 @@ def host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:16] or "host"
 
 
+# The id's last 6 hex digits: a random start per process (hosts with the same name), then counted
+# up, so that one process never repeats itself (24 fresh random bits would, by the birthday bound,
+# within a few thousand ids in one second).
+_RUN_SEQUENCE = itertools.count(secrets.randbits(24))
+
+
 def new_run_id(experiment: str) -> str:
     """Unique across processes and machines writing to one folder: time, experiment, host, pid
-    (one process on one host at a time) and random bits (hosts with the same name)."""
+    (one process on one host at a time) and a per-process sequence from a random start."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    return f"{stamp}-{experiment}-{host_tag()}-{os.getpid()}-{secrets.token_hex(3)}"
+    return f"{stamp}-{experiment}-{host_tag()}-{os.getpid()}-{next(_RUN_SEQUENCE) % 2**24:06x}"
 
 
 UNIT_SUFFIXES = (("_steps", "steps"), ("_ms", "ms"), ("_bytes_per_token", "bytes/token"), ("_bytes", "bytes"),
