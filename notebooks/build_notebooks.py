@@ -503,12 +503,14 @@ NOTEBOOKS["99_compare.ipynb"] = compare_notebook()
 
 def leaderboard_notebook() -> nbformat.NotebookNode:
     """A workshop's runs side by side and the best per challenge, from a shared folder (or bundles
-    imported into one). labkit.leaderboard holds the logic; every cell copes with an empty store."""
+    imported into one), and the learning view of the room's exercise attempts. labkit.leaderboard
+    holds the logic; every cell copes with an empty store."""
     parameters = '''runs_dir = None  # the room's shared folder (None: $LABKIT_RUNS_DIR or ./runs)
 # metric: tokens_per_s, useful_tokens_per_s, requests_per_s, tflops, gbps, step_ms, peak_mem_bytes,
 # bubble_fraction
 metric = "tokens_per_s"  # what the side-by-side tables and the bars rank
 preset = None  # only runs at this preset (tiny, small, medium, ...); None: every preset
+by = "participant"  # the learning view: participant or team
 interactive = True  # the live panel: choose the metric and grouping, Refresh as the room runs'''
     look_for = (
         "## What to look for\n\n"
@@ -516,12 +518,20 @@ interactive = True  # the live panel: choose the metric and grouping, Refresh as
         "who ran it (participant, team: `LABKIT_PARTICIPANT`, `LABKIT_TEAM` or `--set "
         "participant=...`), the machine (from the run's stored fingerprint, not from what anyone "
         "typed), the date and the preset. A surprising number is checked by opening that run.\n"
-        "- **Fair comparisons**: runs compete only at the same preset, and the memory challenges "
-        "only at the same batch size and sequence length: less work is not a better technique.\n"
+        "- **Fair comparisons**: runs compete only at the same model shape (every model field, "
+        "not just the preset name: one layer instead of four is less work, not a better "
+        "technique), the same number of ranks (ZeRO's memory per rank falls as ranks are added) "
+        "and dtype, on the same machine class (the GPU, or the CPU model; two laptops with the "
+        "same CPU compete), and the memory challenges only at the same batch size and sequence "
+        "length. The `group` names what was held fixed: the preset and only what differs "
+        "from it.\n"
         "- **Machines differ more than techniques**: the same variant is many times faster on a "
         "GPU than on a laptop CPU. Compare techniques within one machine column, machines within "
         "one technique row; memory (bytes of tensors) should agree across machines.\n"
-        "- **Unnamed runs** are shown as (unnamed): set your name before running.")
+        "- **Unnamed runs** are shown as (unnamed): set your name before running.\n"
+        "- **Learning**: `first_try_accuracy_pct` counts each person's first attempt at each "
+        "exercise, what they knew before retrying; an exercise most of the room gets wrong is "
+        "the one to go over together.")
     return new_notebook(metadata=KERNEL, cells=[
         new_markdown_cell(
             "# 98 · Workshop leaderboard\n\nEvery participant's stored runs, read from the room's "
@@ -541,8 +551,10 @@ interactive = True  # the live panel: choose the metric and grouping, Refresh as
                       "      f\"{len(people)} participants ({', '.join(people) or 'none yet'}) on \"\n"
                       '      f"{machines} machines, read from {store(runs_dir).resolve()}")'),
         new_markdown_cell("## The challenges and the best configuration for each\n\nOne row per "
-                          "challenge and comparison group (`group`: the preset and the settings held "
-                          "fixed); `entries`: the measurements that competed; `task`: what to try."),
+                          "challenge and comparison group (`group`: the preset, the model fields "
+                          "that differ from it, the settings held fixed, the ranks, the dtype and "
+                          "the machine class); `entries`: the measurements that competed; `task`: "
+                          "what to try."),
         new_code_cell("readable(lb.best_per_challenge(rows))"),
         new_markdown_cell("## Side by side by machine: each technique's best `metric` on each machine"),
         new_code_cell("readable(lb.side_by_side(rows, metric, by='machine'), metric=metric)"),
@@ -555,7 +567,16 @@ interactive = True  # the live panel: choose the metric and grouping, Refresh as
                       "else:\n"
                       "    lb.figure(rows, metric).show()\n"
                       "readable(best, metric=metric)"),
-        new_markdown_cell("## Live: refresh as the room runs"),
+        new_markdown_cell("## Learning: attempts and accuracy by topic and person\n\nEvery graded "
+                          "exercise attempt stored in the runs folder's `attempts/`: per person (or "
+                          "team, `by`) and topic, then over all topics and for the whole room."),
+        new_code_cell("attempts = lb.load_learning(runs_dir)\n"
+                      "if attempts.empty:\n"
+                      "    print('no exercise attempts yet: answer one in notebooks/exercises/')\n"
+                      "lb.learning_view(attempts, by)"),
+        new_markdown_cell("## The exercises the room gets wrong most"),
+        new_code_cell("lb.hardest_exercises(attempts)"),
+        new_markdown_cell("## Live: refresh as the room runs (runs or learning)"),
         new_code_cell("if interactive:\n"
                       "    display(lb.leaderboard_panel(runs_dir, metric, preset))"),
         new_markdown_cell(look_for),
@@ -564,34 +585,51 @@ interactive = True  # the live panel: choose the metric and grouping, Refresh as
 
 NOTEBOOKS["98_leaderboard.ipynb"] = leaderboard_notebook()
 
-QUIZ_PARAMETERS = '''topic = "all"  # all, memory, parallelism, distributed, profiling, inference, precision
-n = 10  # questions per quiz
-seed = None  # a number: the same questions every time (a class drawing one quiz)
+QUIZ_PARAMETERS = '''mode = "practice"  # practice (random draw), review (wrong answers first, then unseen), mock (timed exam)
+topic = "all"  # all, memory, parallelism, distributed, profiling, inference, precision, operations (not in mock)
+n = 10  # questions per quiz (mock: per exam)
+minutes = None  # mock only: the time allowed (None: 2 minutes a question, the exam's pace)
+seed = None  # a number: the same questions and choice order every time (a class sharing one quiz)
 progress = None  # progress file (None: $LABKIT_QUIZ_PROGRESS or ~/.labkit/quiz_progress.json)
 interactive = True  # the quiz widget; False: print the drawn questions with their answers (an answer key)'''
 
 NOTEBOOKS["25_quiz.ipynb"] = new_notebook(metadata=KERNEL, cells=[
-    new_markdown_cell("# 25 · Quiz: the exam's optimization topics\n\nMultiple-choice questions on memory "
-                      "and batch optimization, parallelism, multi-GPU setups, profiling and "
-                      "troubleshooting, inference (KV cache, batching), mixed precision and kernels. Pick "
-                      "a topic, answer, Submit: you see right or wrong, why (with the formula), and the "
-                      "notebook that measures it. Your progress per topic is kept between sessions."),
+    new_markdown_cell("# 25 · Quiz: GPU acceleration and model optimization\n\n"
+                      "**Scope.** This bank covers GPU acceleration and model optimization for LLMs: memory "
+                      "and batch optimization, parallelism, multi-GPU setups, profiling and troubleshooting, "
+                      "inference (KV cache, batching), mixed precision and kernels, GPU monitoring and "
+                      "operations. That is the optimization part of the NVIDIA-Certified Professional: "
+                      "Generative AI LLMs exam (NCP-GENL), **not the whole exam**: nothing here on prompting, "
+                      "data preparation, evaluation or safety, and fine-tuning only for its memory (LoRA, QLoRA).\n\n"
+                      "Pick a mode and a topic, answer, Submit: you see right or wrong, why your choice is "
+                      "right or what misunderstanding it reflects, the explanation (with the formula) and "
+                      "the notebook that measures it. Choices are shuffled at each draw (a shared `seed` "
+                      "gives everyone the same order). `review` brings back what you last got wrong, then "
+                      "what you have not seen. `mock` is a timed exam drawn by topic weight: no feedback "
+                      "until the end, answers after the deadline do not count, a result per topic at the "
+                      "end. The weights (`quiz.TOPIC_WEIGHTS`) are our topics' share of the exam's "
+                      "optimization areas as one study guide reports the blueprint (GPU Acceleration and "
+                      "Optimization 14%, Model Optimization 17%), split among our topics by us: they say "
+                      "how a mock exam is drawn from this bank, not how the whole exam is weighted."),
     new_code_cell(QUIZ_PARAMETERS, metadata={"tags": ["parameters"]}),
-    new_markdown_cell("## The question bank"),
-    new_code_cell("import collections\n\nfrom labkit import quiz\n\n"
+    new_markdown_cell("## The question bank: is it fair?\n\nCounts by topic, how often the longest "
+                      "choice is the answer (a test-wise learner's cue; ties split), and where the "
+                      "answers land after one seeded shuffle (about 1/4 each for 4 choices)."),
+    new_code_cell("from labkit import quiz\n\n"
                   "bank = quiz.load_bank()\n"
-                  "counts = collections.Counter(q.topic for q in bank)\n"
-                  'print(f"{len(bank)} questions")\n'
-                  "for key, title in quiz.TOPICS.items():\n"
-                  '    print(f"  {title}: {counts[key]}")'),
+                  "print(quiz.format_stats(quiz.bank_stats(bank, seed=0)))\n"
+                  'print("mock-exam weights:", quiz.TOPIC_WEIGHTS)'),
     new_markdown_cell("## The quiz"),
     new_code_cell("if interactive:\n"
-                  "    display(quiz.quiz_panel(topic, n, seed=seed, progress=progress))\n"
+                  "    display(quiz.quiz_panel(topic, n, seed=seed, progress=progress, mode=mode, minutes=minutes))\n"
                   "else:\n"
-                  "    for i, q in enumerate(quiz.draw(topic, n, seed, bank), 1):\n"
+                  "    drawn = (quiz.mock_exam(n, minutes, seed, bank).questions if mode == \"mock\" else\n"
+                  "             quiz.draw(topic, n, seed, bank, order=\"review\" if mode == \"review\" else \"random\",\n"
+                  "                       progress=progress))\n"
+                  "    for i, q in enumerate(drawn, 1):\n"
                   '        print(f"{i}. [{quiz.TOPICS[q.topic]}] {q.question}")\n'
-                  "        for j, choice in enumerate(q.choices):\n"
-                  "            print(f\"   {'*' if j == q.answer else ' '} {chr(65 + j)}. {choice}\")\n"
+                  "        for j, (choice, why) in enumerate(zip(q.choices, q.feedback)):\n"
+                  "            print(f\"   {'*' if j == q.answer else ' '} {chr(65 + j)}. {choice}\\n        {why}\")\n"
                   '        print(f"   Why: {q.explanation}\\n   Measure it: {q.notebook}\\n")'),
     new_markdown_cell("## Your progress per topic"),
     new_code_cell("quiz.progress_summary(progress)"),

@@ -1,5 +1,6 @@
 """Workshop mechanisms: names on runs, a shared results folder many processes write at once,
-bundles for machines that share nothing, the leaderboard's choices, and the container recipe.
+bundles for machines that share nothing, and the container recipe (the leaderboard's
+choices: tests/test_leaderboard.py).
 
 The concurrent writers are plain subprocesses that import only `labkit.results` (no torch), so
 they start in a fraction of a second and all write at the same moment (a start file releases them).
@@ -22,7 +23,6 @@ import pandas as pd
 import pytest
 
 from conftest import FAST
-from labkit import leaderboard as lb
 from labkit.cli import main
 from labkit.config import ConfigError, RunConfig, resolve
 from labkit.results import (BundleError, RunRecord, export_bundle, import_bundle, load_results,
@@ -280,96 +280,6 @@ def test_the_panel_has_name_fields_filled_from_the_environment(monkeypatch):
     assert panel.controls["participant"].value == "ana" and panel.controls["team"].value == ""
     panel.controls["team"].value = "red"
     assert panel.overrides()["participant"] == "ana" and panel.overrides()["team"] == "red"
-
-
-# ---- the leaderboard ------------------------------------------------------------------------
-
-def _env(gpu: str | None) -> dict:
-    return ({"device": "cuda", "gpus": [{"name": gpu}]} if gpu
-            else {"device": "cpu", "cpu": {"model": "Laptop", "num_cores": 8}})
-
-
-def _result(run_id, participant, experiment, variant, metric, value, *, gpu=None, preset="small",
-            status="ok", rank=0, date="2026-01-01T10:00:00+00:00", **settings):
-    params = {"participant": participant, "team": participant.upper(), "preset": preset,
-              "device": "cuda" if gpu else "cpu", "sweep": dict(settings), **settings}
-    return {"run_id": run_id, "timestamp": date, "experiment": experiment, "variant": variant,
-            "params": params, "metric": metric, "value": value, "unit": unit_of(metric),
-            "predicted": None, "status": status, "message": "", "rank": rank, "env": _env(gpu)}
-
-
-@pytest.fixture
-def room() -> pd.DataFrame:
-    rows = [
-        _result("k1", "ana", "kv_cache", "static", "tokens_per_s", 900.0, gpu="NVIDIA H100"),
-        _result("k2", "ben", "kv_cache", "paged", "tokens_per_s", 1200.0, gpu="NVIDIA L4"),
-        _result("k3", "cy", "kv_cache", "paged", "tokens_per_s", 5000.0, gpu="NVIDIA H100",
-                status="oom"),  # not measured: never wins
-        _result("k4", "dee", "kv_cache", "paged", "tokens_per_s", 9000.0, preset="medium",
-                gpu="NVIDIA H200"),  # another preset: its own group
-        _result("k5", "ben", "kv_cache", "paged", "tokens_per_s", 1200.0, gpu="NVIDIA L4",
-                date="2026-01-01T11:00:00+00:00"),  # a later tie: the earlier run keeps the lead
-        _result("c1", "ana", "checkpointing", "full", "peak_mem_bytes", 3e9, batch_size=8, seq_len=512),
-        _result("c2", "ben", "checkpointing", "none", "peak_mem_bytes", 2e9, batch_size=4, seq_len=512),
-        _result("c3", "cy", "checkpointing", "selective", "peak_mem_bytes", 4e9, batch_size=8,
-                seq_len=512),
-        _result("z1", "ana", "zero", "zero3", "peak_mem_bytes", 1e9, rank=1),  # rank 1: left out
-        _result("z1", "ana", "zero", "zero3", "peak_mem_bytes", 2e9, rank=0),
-    ]
-    return lb.board(pd.DataFrame(rows))
-
-
-def test_best_per_challenge_picks_the_right_run_with_its_provenance(room):
-    best = lb.best_per_challenge(room)
-    kv = best[best["experiment"] == "kv_cache"].set_index("group")
-    assert kv.loc["preset=small", "run_id"] == "k2"  # highest tokens/s, ok rows only, earliest tie
-    assert kv.loc["preset=small", ["participant", "team", "machine", "preset", "variant"]].tolist() == [
-        "ben", "BEN", "NVIDIA L4", "small", "paged"]
-    assert kv.loc["preset=small", "date"] == "2026-01-01T10:00:00+00:00"
-    assert kv.loc["preset=small", "entries"] == 3  # k1, k2, k5 (k3 was an OOM)
-    assert kv.loc["preset=medium", "run_id"] == "k4"
-    ck = best[best["experiment"] == "checkpointing"].set_index("group")
-    # lowest peak memory, compared only at the same batch: c2's smaller batch is its own group
-    assert ck.loc["preset=small, batch_size=8, seq_len=512", "run_id"] == "c1"
-    assert ck.loc["preset=small, batch_size=8, seq_len=512", "settings"] == "batch_size=8, seq_len=512"
-    assert ck.loc["preset=small, batch_size=4, seq_len=512", "run_id"] == "c2"
-    zero = best[best["experiment"] == "zero"]
-    assert zero["value"].tolist() == [2e9]  # rank 0's number
-    nobody = best[best["experiment"] == "batching"]
-    assert nobody["entries"].tolist() == [0] and nobody["run_id"].isna().all()
-    assert set(lb.PROVENANCE) <= set(best.columns)
-    assert list(best["challenge"].drop_duplicates()) == [c.name for c in lb.CHALLENGES]
-
-
-def test_side_by_side_by_machine_and_by_participant(room):
-    table = lb.side_by_side(room, "tokens_per_s", by="machine")
-    assert table.loc["kv_cache/paged", "NVIDIA L4"] == 1200.0
-    assert table.loc["kv_cache/paged", "NVIDIA H200"] == 9000.0
-    assert pd.isna(table.loc["kv_cache/paged", "NVIDIA H100"])  # cy's OOM is no result
-    assert table.loc["kv_cache/static", "NVIDIA H100"] == 900.0
-    mem = lb.side_by_side(room, "peak_mem_bytes", by="participant")
-    assert mem.loc["checkpointing/full", "ana"] == 3e9 and mem.loc["zero/zero3", "ana"] == 2e9
-    entries = lb.entries(room, "peak_mem_bytes")
-    assert set(lb.PROVENANCE) <= set(entries.columns) and len(entries) == 4
-    with pytest.raises(ConfigError, match="unknown metric 'speed'; valid: tokens_per_s"):
-        lb.entries(room, "speed")
-    assert lb.better("step_ms") == "min" and lb.better("tflops") == "max"
-    assert lb.figure(room, "tokens_per_s").data  # bars drawn
-    empty = lb.board(load_results(Path("/nonexistent")))
-    assert lb.side_by_side(empty).empty and len(lb.best_per_challenge(empty)) == len(lb.CHALLENGES)
-
-
-def test_the_live_panel_reads_the_shared_folder_again_on_refresh(tmp_path, capsys):
-    pytest.importorskip("ipywidgets")
-    panel = lb.leaderboard_panel(tmp_path, "tokens_per_s")
-    (pick, by, refresh), _ = panel.children[0].children, panel.children[1]
-    assert pick.value == "tokens_per_s" and by.options == ("machine", "participant", "team")
-    _store(tmp_path, "r-late", participant="zoe")  # a participant's run lands in the folder
-    capsys.readouterr()
-    refresh.click()
-    assert "zoe" in capsys.readouterr().out  # outside a kernel, display() prints
-    with pytest.raises(ConfigError, match="unknown metric"):
-        lb.leaderboard_panel(tmp_path, "speed")
 
 
 # ---- the container recipe -------------------------------------------------------------------
