@@ -513,6 +513,8 @@ def ceilings(device: str | torch.device = "auto", *, num_threads: int = 1) -> Ce
     <1 s matmul calibration (``calibrated_tflops``) with ``num_threads`` torch threads, cached per
     ``num_threads`` for the life of the process.
     """
+    if _SIMULATED_GPU and str(device).startswith("cuda") and not torch.cuda.is_available():
+        return _spec_ceilings(str(device), _SIMULATED_GPU[-1], None)
     resolved = _resolve_device(device)
     if resolved == "cpu":
         if num_threads < 1:
@@ -534,18 +536,40 @@ def _resolve_device(device: str | torch.device) -> str:
     return f"cuda:{parsed.index or 0}"
 
 
+# The GPU whose datasheet `ceilings("cuda")` answers with on a machine without one, inside
+# `simulated_gpu()`: formulas (an exercise's reference for a GPU) need no GPU to be computed.
+_SIMULATED_GPU: list[str] = []
+
+
+@contextlib.contextmanager
+def simulated_gpu(name: str = "NVIDIA H200"):
+    """Within the block, `ceilings("cuda")` on a machine without a GPU gives `name`'s datasheet
+    ceilings (nothing is measured; a real GPU, when present, still wins)."""
+    if gpu_spec(name) is None:
+        raise ValueError(f"{name!r} is not in data/gpus.json")
+    _SIMULATED_GPU.append(name)
+    try:
+        yield
+    finally:
+        _SIMULATED_GPU.pop()
+
+
 def _gpu_ceilings(index: int) -> Ceilings:
     props = torch.cuda.get_device_properties(index)
-    spec = gpu_spec(props.name, memory_bytes=props.total_memory)
+    return _spec_ceilings(f"cuda:{index}", props.name, props.total_memory)
+
+
+def _spec_ceilings(device: str, name: str, memory_bytes: int | None) -> Ceilings:
+    spec = gpu_spec(name, memory_bytes=memory_bytes)
     if spec is None:
-        return Ceilings(f"cuda:{index}", props.name, {}, None, props.total_memory,
-                        "unknown GPU: not in data/gpus.json", measured=False)
+        return Ceilings(device, name, {}, None, memory_bytes, "unknown GPU: not in data/gpus.json",
+                        measured=False)
     return Ceilings(
-        device=f"cuda:{index}",
-        name=props.name,
+        device=device,
+        name=name,
         peak_tflops={k: float(v) for k, v in spec["peak_tflops"].items()},
         bandwidth_gbps=float(spec["bandwidth_gbps"]),
-        memory_bytes=props.total_memory,
+        memory_bytes=memory_bytes or int(spec["memory_gib"] * 2**30),
         source=spec["source"],
         measured=False,
     )

@@ -53,3 +53,15 @@ def fault_fixtures(experiment: str, overrides: dict):
         return [r for r in run if r["params"]["fault"] == "corrupt_reduction"]
 
     return run, rows, corrupted
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory):
+    """Every Run behind the exercises measured once per session, into one folder that the
+    exercise tests and notebooks reuse (exercises that share a Run share its rows)."""
+    from labkit import exercises
+
+    folder = tmp_path_factory.mktemp("exercise-runs")
+    for run in exercises.RUNS.values():
+        exercises.measure(run, "cpu", str(folder), reuse=False)
+    return str(folder)

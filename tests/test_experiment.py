@@ -112,7 +112,8 @@ def test_a_variant_that_disagrees_with_the_reference_is_an_error_and_is_not_time
                           variants=["bf16"], progress=False).rows
     bf16 = [r for r in rows if r["variant"] == "bf16"]
     assert {r["status"] for r in bf16} == {"error"}
-    assert {r["metric"] for r in bf16} == {"loss", "loss_delta"}  # the quality delta, no timing
+    # the quality delta and what the steps showed (labkit.techniques.mixed_precision), no timing
+    assert {r["metric"] for r in bf16} == {"loss", "loss_delta", *mixed_precision.STEP_FIGURES}
     assert "does not match fp32" in bf16[0]["message"]
 
 

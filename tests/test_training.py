@@ -91,3 +91,30 @@ def test_an_fp16_step_without_overflow_updates_the_weights_and_keeps_the_scale()
     assert trainer.skipped_steps == 0 and trainer.scaler.get_scale() == scale
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)]
     assert changed == list(before) and trainer.optimizer.state
+
+
+# --- the knobs that break fp16 on purpose (the troubleshooting labs) -----------------------------
+
+def fp16_run(**knobs) -> dict:
+    """Three steps of the small fp16 trainer with `knobs`; what train() reports of them."""
+    overrides = {**TINY_TRAIN, "device": "cpu", "variant": "fp16", "hidden_size": 32, "num_heads": 2,
+                 "num_kv_heads": 1, "num_layers": 1, **knobs}
+    cfg = resolve(mixed_precision.Config, "tiny", overrides, experiment="mixed_precision")
+    return mixed_precision.PrecisionTrainer(cfg).train(3)
+
+
+def test_mlp_scale_overflows_the_fp16_forward_and_loss_scaling_cannot_help():
+    plain = fp16_run()
+    assert plain["nonfinite_losses"] == 0 and plain["skipped_steps"] == 0
+    for scaling in (False, True):  # the first loss is already nan: before any backward
+        out = fp16_run(mlp_scale=1e7, loss_scaling=scaling)
+        assert out["nonfinite_losses"] == 3 and math.isnan(out["loss_first"])
+    assert fp16_run(mlp_scale=1e7, loss_scaling=True)["skipped_steps"] == 3
+
+
+def test_a_tiny_loss_weight_flushes_fp16_gradients_to_zero_unless_scaled():
+    unscaled = fp16_run(loss_weight=1e-7, loss_scaling=False)
+    assert unscaled["zero_grad_pct"] == 100.0 and unscaled["grad_norm"] == 0.0
+    assert unscaled["losses"][-1] == pytest.approx(unscaled["losses"][0], rel=1e-5)  # decay only
+    scaled = fp16_run(loss_weight=1e-7, loss_scaling=True)
+    assert scaled["zero_grad_pct"] < 90 and scaled["nonfinite_losses"] == 0

@@ -7,6 +7,14 @@
 - `bf16`: autocast to bfloat16 (fp32's exponent range, so no scaling), fp32 weights.
 - `bf16_weights`: the weights themselves in bf16 (half the bytes), with an fp32 master copy that
   the optimizer updates, so small updates are not lost to bf16 rounding.
+
+Two knobs break a run on purpose (the troubleshooting lab's faults): `mlp_scale` multiplies every
+block's MLP output weights (w2) at initialisation, so its fp16 output passes 65504 and becomes inf
+in the forward (large activations, as in models with outlier features; bf16 and fp32 hold them);
+`loss_weight` multiplies the loss before backward, so gradients shrink below fp16's smallest
+subnormal (2^-24) and flush to zero without loss scaling (`loss_scaling=False`). What the check
+records of its steps shows it: `nonfinite_losses`, `zero_grad_pct` (of the gradient elements of
+the last step, exactly zero) and, with a GradScaler, `skipped_steps`.
 """
 from __future__ import annotations
 
@@ -27,6 +35,8 @@ AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # The planner's precision recipe for the variants it models (bf16_weights = its "mixed": 16-bit
 # weights and gradients, fp32 master weights and AdamW states).
 PLANNER_RECIPE = {"fp32": "fp32", "tf32": "fp32", "bf16_weights": "mixed"}
+# What the check's steps show of the precision: kept in the comparison, so also in a failed one's rows
+STEP_FIGURES = ("nonfinite_losses", "zero_grad_pct", "loss_first", "grad_norm")
 # Relative loss difference against fp32 after `steps` steps that still counts as a match.
 TOLERANCE = {"fp32": 0.0, "tf32": 0.01, "fp16": 0.02, "bf16": 0.05, "bf16_weights": 0.05}
 
@@ -36,6 +46,12 @@ class Config(RunConfig):
     variant: str = knob(REFERENCE, choices=VARIANTS, help="precision recipe")
     steps: int = knob(3, min=1, help="training steps compared with fp32")
     lr: float = knob(1e-3, min=0.0, help="AdamW learning rate")
+    loss_scaling: bool = knob(True, help="fp16: a GradScaler (False: plain backward, so small "
+                                         "gradients flush to zero in fp16)")
+    loss_weight: float = knob(1.0, min=0.0, help="the loss is multiplied by this before backward "
+                                                 "(tiny: tiny gradients)")
+    mlp_scale: float = knob(1.0, min=0.0, help="every block's MLP output weights (w2) multiplied "
+                                               "by this at init (large: large activations)")
 
 
 def validate(cfg: Config) -> None:
@@ -75,10 +91,22 @@ class PrecisionTrainer(Trainer):
 
     def __init__(self, cfg: Config):
         self.variant, self.device_type = cfg.variant, torch.device(cfg.device).type
-        self.scaler = torch.amp.GradScaler(self.device_type) if cfg.variant == "fp16" else None
-        self.skipped_steps = 0
+        scaled = cfg.variant == "fp16" and cfg.loss_scaling
+        self.scaler = torch.amp.GradScaler(self.device_type) if scaled else None
+        self.skipped_steps, self.loss_weight, self.zero_grad_pct = 0, cfg.loss_weight, math.nan
         weights = torch.bfloat16 if cfg.variant == "bf16_weights" else torch.float32
         super().__init__(cfg, weights=weights, lr=cfg.lr)
+        if cfg.mlp_scale != 1.0:
+            with torch.no_grad():
+                for block in self.model.layers:
+                    block.mlp.w2.weight.mul_(cfg.mlp_scale)
+
+    def record_grads(self) -> None:
+        """The gradient norm and the share of gradient elements that are exactly zero (%)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.grad_norm = total_norm(self.model.parameters())
+        total = sum(g.numel() for g in grads)
+        self.zero_grad_pct = 100 * sum(int((g == 0).sum()) for g in grads) / total if total else math.nan
 
     def make_optimizer(self, lr: float):
         if self.variant == "bf16_weights":
@@ -93,12 +121,16 @@ class PrecisionTrainer(Trainer):
         return contextlib.nullcontext()
 
     def backward_and_update(self, loss: torch.Tensor) -> None:
+        loss = loss * self.loss_weight if self.loss_weight != 1.0 else loss
         if self.scaler is None:
-            return super().backward_and_update(loss)
+            loss.backward()
+            self.record_grads()
+            self.optimizer.step()
+            return
         scale = self.scaler.get_scale()
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
-        self.grad_norm = total_norm(self.model.parameters())
+        self.record_grads()
         self.scaler.step(self.optimizer)  # skipped when the unscaled grads hold inf or nan
         self.scaler.update()
         self.skipped_steps += self.scaler.get_scale() < scale  # the scale halves on a skip
@@ -113,6 +145,14 @@ class PrecisionTrainer(Trainer):
         if self.scaler is not None:
             out.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
         return out
+
+    def train(self, steps: int) -> dict[str, object]:
+        """The base's losses and gradient norm, and what they show of the precision: losses that
+        are inf or nan, the last step's zero gradient elements (%), steps GradScaler skipped."""
+        out = super().train(steps)
+        nonfinite = sum(not math.isfinite(x) for x in self.losses)
+        return {**out, "nonfinite_losses": nonfinite, "zero_grad_pct": self.zero_grad_pct,
+                "loss_first": self.losses[0], "skipped_steps": self.skipped_steps}
 
 
 @contextlib.contextmanager
@@ -160,7 +200,11 @@ def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
     rel = delta / abs(ref)
     ok = math.isfinite(got) and rel <= TOLERANCE[cfg.variant]
     message = "" if ok else f"loss {got:.5f} vs {ref:.5f} ({100 * rel:.2f}% > {100 * TOLERANCE[cfg.variant]:.0f}%)"
-    return Comparison({"loss": got, "loss_delta": delta}, ok, message)
+    # What the steps showed of the precision, kept also when the check fails (a nan loss)
+    steps = {k: outputs[k] for k in STEP_FIGURES if k in outputs}
+    if cfg.variant == "fp16" and cfg.loss_scaling:
+        steps["skipped_steps"] = outputs["skipped_steps"]
+    return Comparison({"loss": got, "loss_delta": delta, **steps}, ok, message)
 
 
 def expected(cfg: Config) -> dict[str, float]:

@@ -1,0 +1,288 @@
+"""The troubleshooting labs: symptoms that never name the cause, evidence that really shows the
+fault (measured in the broken run), a reference fix graded fixed and the broken settings graded
+not fixed, feedback for every diagnosis, one-line errors, decoys, stored attempts, and one lab
+played through end to end in a notebook executed by papermill.
+
+Each Run behind the labs is measured once per session (`lab_runs`, into the exercises' shared
+folder, so the pipeline Run is the exercises' one), and each reference fix is measured once."""
+import concurrent.futures
+import math
+from pathlib import Path
+
+import pytest
+
+from labkit import exercises, planner
+from labkit.config import ConfigError
+from labkit.exercises import labs
+from labkit.exercises.core import Setup
+
+ROOT = Path(__file__).resolve().parents[1] / "notebooks" / "exercises"
+DEVICE = "cpu"
+# Words that would give each cause away in a symptom.
+GIVEAWAYS = {
+    labs.DIAGNOSES[0]: ("out of memory", "oom", "activation", "checkpoint"),
+    labs.DIAGNOSES[1]: ("loader", "loading", "worker", "data"),
+    labs.DIAGNOSES[2]: ("overflow", "inf", "nan", "65504", "range"),
+    labs.DIAGNOSES[3]: ("underflow", "scal", "zero", "gradient"),
+    labs.DIAGNOSES[4]: ("padding", "pad", "static", "continuous"),
+    labs.DIAGNOSES[5]: ("unbalanced", "balance", "slow stage", "delay", "stage 0"),
+    labs.DIAGNOSES[6]: ("align", "255", "4095", "multiple", "tensor core", "shape"),
+    labs.DIAGNOSES[7]: ("checkpoint", "recomput"),
+    labs.DIAGNOSES[8]: ("cache", "kv", "prefix"),
+    labs.HEALTHY: ("nothing is wrong", "healthy", "as planned"),
+}
+
+
+@pytest.fixture(scope="session")
+def lab_runs(shared_runs):
+    """Every lab Run measured once, into the exercises' folder (RUNS["pipe"] is already there)."""
+    for run in labs.LAB_RUNS.values():
+        exercises.measure(run, DEVICE, shared_runs, reuse=False)
+    return shared_runs
+
+
+@pytest.fixture(scope="session")
+def evidence(lab_runs):
+    return {key: labs.investigate(key, DEVICE, lab_runs) for key in labs.LABS}
+
+
+@pytest.fixture(scope="session")
+def fixed(lab_runs):
+    """Each lab's reference fix, measured again once (a stored run of its settings is reused)."""
+    return {key: labs.apply_fix(key, labs.reference_fix(key), device=DEVICE, runs_dir=lab_runs)
+            for key in labs.LABS}
+
+
+def reading(evidence, key):
+    ev = evidence[key]
+    return ev.reading, Setup(ev.reading.trial.run, DEVICE)
+
+
+def test_ten_labs_by_level_with_shared_diagnoses():
+    assert len(labs.LABS) >= 10
+    levels = [lab.level for lab in labs.LABS.values()]
+    assert set(levels) <= {2, 3} and levels == sorted(levels)
+    assert all(lab.key.startswith("lab_") and lab.diagnosis in labs.DIAGNOSES for lab in labs.LABS.values())
+    assert set(exercises.LABS) == set(labs.LABS) and not set(labs.LABS) & set(exercises.EXERCISES)
+    assert len(exercises.EXERCISES) + len(labs.LABS) >= 40
+
+
+def test_lab_runs_are_single_process():
+    from labkit.techniques import get_experiment
+
+    assert not any(getattr(get_experiment(r.experiment), "DISTRIBUTED", False) for r in labs.LAB_RUNS.values())
+
+
+@pytest.mark.parametrize("key", list(labs.LABS))
+def test_symptoms_never_name_the_cause(key):
+    lab = labs.LABS[key]
+    said = lab.symptoms.lower()
+    assert not any(d.lower() in said for d in labs.DIAGNOSES)
+    assert not [w for w in GIVEAWAYS[lab.diagnosis] if w in said], said
+    assert lab.symptoms in labs.symptoms(key)
+
+
+def test_decoys_a_healthy_lab_and_overlapping_symptoms():
+    healthy = [lab for lab in labs.LABS.values() if lab.diagnosis == labs.HEALTHY]
+    assert healthy and healthy[0].key == "lab_healthy"
+    overlaps = {"does not learn": ("lab_fp16_overflow", "lab_fp16_underflow"),
+                "longer than the planner": ("lab_data_loading", "lab_healthy", "lab_recompute")}
+    for phrase, keys in overlaps.items():
+        found = [k for k, lab in labs.LABS.items() if phrase in lab.symptoms]
+        assert set(keys) <= set(found), (phrase, found)
+        assert len({labs.LABS[k].diagnosis for k in keys}) == len(keys)
+
+
+def _evidence_oom(r, s):
+    c = s.cfg("none")
+    assert r.status == "oom" and "budget" in r.message
+    assert s.expected("none")["peak_mem_bytes"] > c.memory_budget_gib * 2**30
+    assert r.get("peak_mem_bytes", variant="full") < c.memory_budget_gib * 2**30  # a fix exists
+
+
+def _evidence_data(r, s):
+    assert r.get("data_wait_pct") > 25 and r.get("flops") == s.expected("baseline")["flops"]
+
+
+def _evidence_overflow(r, s):
+    steps = s.cfg().steps
+    assert r.get("loss_first") is None and "nan" in r.message  # the first forward, before any update
+    assert r.get("nonfinite_losses") == steps and math.isfinite(r.get("loss_first", variant="fp32"))
+
+
+def _evidence_underflow(r, s):
+    assert r.get("nonfinite_losses") == 0 and r.get("zero_grad_pct") == 100.0 and r.get("grad_norm") == 0
+    assert r.get("loss") == pytest.approx(r.get("loss_first"), rel=1e-4)  # nothing moved
+    assert r.reference("zero_grad_pct") < 50 and r.reference("loss") < r.reference("loss_first")
+
+
+def _evidence_padding(r, s):
+    assert r.get("padding_waste_pct") > 20 and r.get("padding_waste_pct", variant="continuous") == 0
+
+
+def _evidence_pipeline(r, s):
+    busy = [r.get("stage_busy_ms", rank=i) for i in (0, 1)]
+    m = s.cfg("gpipe").micro_batches
+    assert busy[0] > 2 * busy[1] and busy[0] >= m * labs.SLOW_STAGE_MS  # the sleep counts as busy
+
+
+def _evidence_shape(r, s):
+    assert not exercises.tensor_core_friendly(*labs._shape_dims(s, "off_by_one"))
+    assert exercises.tensor_core_friendly(*labs._shape_dims(s, "aligned"))
+    assert r.trial.variant == "fp16" and r.get("tflops") is not None  # measured in fp16
+
+
+def _evidence_kv(r, s):
+    c = s.cfg()
+    no_cache = planner.generate_flops(c.model, batch=c.batch_size, prompt_len=c.prompt_len,
+                                      new_tokens=c.new_tokens, cached=False)
+    assert r.get("flops") == pytest.approx(no_cache, rel=0.01)
+
+
+def _evidence_healthy(r, s):
+    assert r.status == "ok" and r.get("flops") == pytest.approx(labs._plain_flops(s), rel=0.01)
+
+
+def _evidence_recompute(r, s):
+    assert r.get("flops") > 1.1 * labs._plain_flops(s)
+    assert r.get("activation_bytes") < 0.5 * r.get("activation_bytes", variant="none")
+
+
+MECHANISM = {"lab_oom": _evidence_oom, "lab_data_loading": _evidence_data,
+             "lab_fp16_overflow": _evidence_overflow, "lab_fp16_underflow": _evidence_underflow,
+             "lab_padding": _evidence_padding, "lab_pipeline": _evidence_pipeline,
+             "lab_shape": _evidence_shape, "lab_kv_cache": _evidence_kv,
+             "lab_healthy": _evidence_healthy, "lab_recompute": _evidence_recompute}
+
+
+@pytest.mark.parametrize("key", list(labs.LABS))
+def test_evidence_really_shows_the_fault(key, evidence):
+    assert set(MECHANISM) == set(labs.LABS)
+    MECHANISM[key](*reading(evidence, key))
+    text = evidence[key].report()
+    assert text.startswith("Evidence (") and "reused" in text and "{" not in text
+
+
+@pytest.mark.parametrize("key", list(labs.LABS))
+def test_reference_fix_fixed_and_broken_settings_not(key, fixed, lab_runs):
+    lab = labs.LABS[key]
+    assert fixed[key].passed, fixed[key].report()
+    assert "graded fixed" in fixed[key].report() and "Rule: " in fixed[key].report()
+    noop = labs.apply_fix(key, dict(lab.broken), device=DEVICE, runs_dir=lab_runs)
+    assert "reused" in noop.source  # the broken run itself
+    assert noop.passed == (lab.diagnosis == labs.HEALTHY), noop.report()
+
+
+def test_the_healthy_lab_made_worse_is_graded_not_fixed(lab_runs):
+    worse = labs.apply_fix("lab_healthy", {"checkpointing": "full"}, device=DEVICE, runs_dir=lab_runs)
+    assert not worse.passed and "reused" in worse.source
+
+
+def test_loss_scaling_does_not_fix_a_forward_overflow(lab_runs):
+    """GradScaler multiplies the loss after the forward: every step is skipped, the loss stays nan."""
+    out = labs.apply_fix("lab_fp16_overflow", {"loss_scaling": True}, device=DEVICE, runs_dir=lab_runs)
+    assert not out.passed and "GradScaler skipped 3" in out.grade.figure, out.report()
+
+
+@pytest.mark.parametrize("key", list(labs.LABS))
+def test_every_diagnosis_has_feedback_and_only_the_cause_is_right(key, lab_runs):
+    lab = labs.LABS[key]
+    for choice in labs.DIAGNOSES:
+        text = lab.feedback_for(choice)
+        assert text and "{" not in text
+    plausible = [d for d in lab.feedback if d != lab.diagnosis]
+    assert plausible and labs.HEALTHY in lab.feedback or lab.diagnosis == labs.HEALTHY
+    wrong = plausible[0]
+    out = labs.diagnose(key, wrong, device=DEVICE, runs_dir=lab_runs)
+    assert not out.correct and out.feedback == lab.feedback[wrong]
+    assert out.report().startswith(f"Diagnosis {wrong!r}: wrong")
+    right = labs.diagnose(key, lab.diagnosis.upper(), device=DEVICE, runs_dir=lab_runs)
+    assert right.correct and "Why: " in right.report()
+    assert labs.diagnose(key, solution=True).diagnosis == lab.diagnosis
+
+
+def test_bad_input_is_one_line_naming_the_valid():
+    cases = [(lambda: labs.apply_fix("lab_data_loading", {"workers": 2}), "valid knobs: num_workers: 0, 1, 2"),
+             (lambda: labs.apply_fix("lab_data_loading", {"num_workers": 8}), "valid: 0, 1, 2"),
+             (lambda: labs.apply_fix("lab_oom", None), "valid knobs: checkpointing"),
+             (lambda: labs.diagnose("lab_oom", "gremlins"), "valid: out of memory"),
+             (lambda: labs.symptoms("lab_nope"), "valid: lab_oom")]
+    for call, words in cases:
+        with pytest.raises(ConfigError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert labs.parse_fix("lab_fp16_underflow", {"loss_scaling": "true"})["loss_scaling"] is True
+
+
+def test_attempts_are_stored_with_participant_and_team(lab_runs):
+    labs.diagnose("lab_padding", labs.HEALTHY, device=DEVICE, runs_dir=lab_runs, participant="ada", team="red")
+    labs.apply_fix("lab_padding", {"scheduler": "continuous"}, device=DEVICE, runs_dir=lab_runs,
+                   participant="ada", team="red")
+    table = exercises.load_attempts(lab_runs)
+    mine = table[(table.participant == "ada") & (table.exercise == "lab_padding")]
+    assert list(mine.kind) == ["diagnosis", "fix"] and list(mine.correct) == [False, True]
+    assert set(mine.team) == {"red"} and all(mine.run_id) and mine.iloc[1].measured["figure"]
+
+
+def test_widget_grades_the_diagnosis_and_the_fix(lab_runs, capsys):
+    pytest.importorskip("ipywidgets")
+    panel = labs.widget("lab_kv_cache", device=DEVICE, runs_dir=lab_runs)
+    (choice, ask), (knob, apply_) = panel.children[0].children, panel.children[1].children
+    choice.value = labs.HEALTHY
+    ask.click()
+    knob.value = "dynamic"
+    apply_.click()
+    out = capsys.readouterr().out
+    assert "wrong" in out and "graded fixed" in out
+
+
+def execute(path, out, parameters):
+    import nbformat
+    import papermill as pm
+
+    pm.execute_notebook(str(path), str(out), parameters=parameters, kernel_name="python3",
+                        progress_bar=False, store_widget_state=False)
+    nb = nbformat.read(out, as_version=4)
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def lab_path(key):
+    return next(ROOT.glob(f"[0-9][0-9]_{key}.ipynb"))
+
+
+def test_a_lab_played_through_in_a_notebook(lab_runs, tmp_path):
+    """Symptoms, evidence, a wrong diagnosis and its feedback, the right one, the reference fix
+    applied and the re-measurement that grades it."""
+    pytest.importorskip("papermill")
+    key, lab = "lab_fp16_overflow", labs.LABS["lab_fp16_overflow"]
+    wrong = labs.DIAGNOSES[3]
+    text = execute(lab_path(key), tmp_path / "played.ipynb", {
+        "diagnosis": [wrong, lab.diagnosis], "fix": labs.reference_fix(key), "interactive": False,
+        "device": DEVICE, "runs_dir": lab_runs})
+    assert lab.symptoms in text and "Evidence (" in text and "inf/nan" in text
+    assert f"Diagnosis {wrong!r}: wrong" in text and lab.feedback[wrong] in text
+    assert f"Diagnosis {lab.diagnosis!r}: correct" in text
+    assert "graded fixed" in text and "steps with an inf/nan loss: 3 before, 0 after" in text
+    played = exercises.load_attempts(lab_runs)
+    assert {"diagnosis", "fix"} <= set(played[played.exercise == key].kind)
+
+
+def test_every_lab_notebook_in_solution_mode(lab_runs, tmp_path):
+    pytest.importorskip("papermill")
+    params = {"solution": True, "interactive": False, "device": DEVICE, "runs_dir": lab_runs}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        texts = list(pool.map(lambda k: execute(lab_path(k), tmp_path / f"{k}.ipynb", params), labs.LABS))
+    for key, text in zip(labs.LABS, texts):
+        assert "Solution mode: the reference diagnosis" in text and ": correct." in text, (key, text[-1500:])
+        assert "graded fixed" in text, (key, text[-1500:])
+
+
+def test_lab_notebooks_committed_clean_with_one_parameters_cell():
+    import nbformat
+
+    for key in labs.LABS:
+        nb = nbformat.read(lab_path(key), as_version=4)
+        tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1 and "diagnosis = None  #" in tagged[0].source
+        assert "fix = None  #" in tagged[0].source and "solution = False  #" in tagged[0].source
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), key
