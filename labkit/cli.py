@@ -210,13 +210,10 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from labkit.techniques import EXPERIMENTS, get_experiment
+    from labkit.techniques import records
 
-    entries = []
-    for name in EXPERIMENTS:
-        exp = get_experiment(name)
-        entries.append({"experiment": name, "reference": exp.REFERENCE, "variants": list(exp.VARIANTS),
-                        "summary": (exp.__doc__ or "").strip().splitlines()[0]})
+    entries = [{"experiment": name, "reference": exp.reference, "variants": list(exp.variants),
+                "summary": exp.summary} for name, exp in records().items()]
     if args.json:
         for e in entries:
             print(json.dumps(e))
@@ -241,10 +238,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
 def cmd_run(args: argparse.Namespace) -> int:
     """Rows on stdout (rank 0 only under torchrun); a multi-process run that a rank cut short
     prints what was measured, then one line naming the rank and the cause, and exits 1."""
-    from labkit import distributed
+    from labkit import launch
     from labkit.distributed import RunFailed
     from labkit.experiment import run_experiment
-    from labkit.techniques import get_experiment
+    from labkit.techniques import record
 
     overrides = _overrides(args)
     if args.nproc is not None:
@@ -258,14 +255,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         _print_result(e.result, args.json)
         print(f"labkit: error: {e}", file=sys.stderr)
         return 1
-    failed = reference_failure(get_experiment(args.name).REFERENCE, result.rows)
+    failed = reference_failure(record(args.name).reference, result.rows)
     if os.environ.get("RANK", "0") == "0":
         _print_result(result, args.json)
         if failed:
             print(f"labkit: error: {failed}", file=sys.stderr)
     code = 1 if failed else 0
-    if "RANK" in os.environ and getattr(get_experiment(args.name), "DISTRIBUTED", False):
-        distributed.leave(code)  # a torchrun rank, its rows stored: see distributed.leave
+    if "RANK" in os.environ and record(args.name).distributed:
+        launch.leave(code)  # a torchrun rank, its rows stored: see launch.leave
     return code
 
 
@@ -282,10 +279,10 @@ def reference_failure(reference: str, rows: list[dict]) -> str:
 
 
 def _check_multiprocess(name: str) -> None:
-    from labkit.techniques import EXPERIMENTS, get_experiment
+    from labkit.techniques import record, records
 
-    if not getattr(get_experiment(name), "DISTRIBUTED", False):
-        multi = [n for n in EXPERIMENTS if getattr(get_experiment(n), "DISTRIBUTED", False)]
+    if not record(name).distributed:
+        multi = [n for n, exp in records().items() if exp.distributed]
         raise ConfigError(f"{name} runs in one process; --nproc applies to: {', '.join(multi)}")
 
 

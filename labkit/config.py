@@ -12,7 +12,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from labkit import hardware
 
@@ -106,34 +106,19 @@ MODELS: dict[str, ModelConfig] = {
                          ffn_size=14336, vocab_size=32000, max_seq_len=32768),
 }
 
-# Default run sizes (and, where an experiment needs one, model-shape fields) per preset, then per
-# experiment where one differs. GPU presets decode in bf16,
-# as GPU inference does; the uncached reference recomputes the prefix, so lengths stay modest.
-_GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "bfloat16"}
+# Default run sizes per preset, the same for every experiment. An experiment's own sizes per preset
+# (and, where it needs one, model-shape fields) live in its module's SIZES, next to the reason,
+# and reach resolve() through its record.
 PRESET_SIZES: dict[str, dict[str, Any]] = {
-    # batch_finder on the CPU searches a virtual budget (there is nothing else to run out of)
-    "tiny": {"batch_size": 4, "seq_len": 64, "kv_cache": {"batch_size": 1},
-             # fp16 and bf16 steps are emulated (15-70x slower than fp32) on a CPU without
-             # AVX-512 FP16/BF16: half the batch keeps the three 16-bit variants to seconds there
-             "mixed_precision": {"batch_size": 2},
-             # a CPU-sized workload; the KV budget holds 5 reserved rows (576 // its longest 104) of 8
-             "batching": {"batch_size": 8, "workload": "short", "kv_budget_tokens": 576},
-             # attention's seq_len is its own (no positions); 4096 rows pass the CPU caches
-             "attention": {"seq_len": 512}, "fused_kernel": {"rows": 4096},
-             "batch_finder": {"memory_budget_gib": 0.2, "mode": "dynamic"},
-             # 4-way tensor parallel splits the kv heads four ways
-             "hybrid": {"num_kv_heads": 4},
-             # micro_batches 1, 2, 4 and 8 each split the batch
-             "pipeline_parallel": {"batch_size": 8}},
-    "reference": {"batch_size": 8, "seq_len": 128, "kv_cache": {"batch_size": 1}},
-    # attention on a GPU in bf16: the fused kernels (flash, cuDNN) take no fp32
-    "small": {"batch_size": 8, "seq_len": 512, "kv_cache": _GPU_DECODE, "attention": {"dtype": "bfloat16"}},
-    "medium": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE, "attention": {"dtype": "bfloat16"}},
-    "gpt2-124m": {"batch_size": 8, "seq_len": 1024, "kv_cache": _GPU_DECODE},
-    "llama-2-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
-    "llama-3-8b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
-    "llama-3-70b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
-    "mistral-7b": {"batch_size": 1, "seq_len": 2048, "kv_cache": {**_GPU_DECODE, "batch_size": 1}},
+    "tiny": {"batch_size": 4, "seq_len": 64},
+    "reference": {"batch_size": 8, "seq_len": 128},
+    "small": {"batch_size": 8, "seq_len": 512},
+    "medium": {"batch_size": 8, "seq_len": 1024},
+    "gpt2-124m": {"batch_size": 8, "seq_len": 1024},
+    "llama-2-7b": {"batch_size": 1, "seq_len": 2048},
+    "llama-3-8b": {"batch_size": 1, "seq_len": 2048},
+    "llama-3-70b": {"batch_size": 1, "seq_len": 2048},
+    "mistral-7b": {"batch_size": 1, "seq_len": 2048},
 }
 PRESETS = tuple(MODELS)
 # A GPU with at least this much memory gets the `medium` preset by default, else `small`.
@@ -301,12 +286,28 @@ def _check_lengths(cfg: RunConfig) -> None:
                           f"context ({ctx})")
 
 
+# Each experiment's own sizes per preset live in its module (`SIZES`, read through its record).
+# `labkit.techniques` registers the lookup here when it is imported (any experiment's Config
+# imports it first): config sits below the techniques and never imports them.
+_SIZE_LOOKUP: list[Callable[[str, str], dict[str, Any]]] = []
+
+
+def register_sizes(lookup: Callable[[str, str], dict[str, Any]]) -> None:
+    """Set the function that gives an experiment's sizes at a preset (`labkit.techniques`)."""
+    _SIZE_LOOKUP[:] = [lookup]
+
+
+def experiment_sizes(experiment: str, preset: str) -> dict[str, Any]:
+    """The sizes `experiment` sets at `preset`; none for an empty or unregistered name."""
+    return dict(_SIZE_LOOKUP[0](experiment, preset)) if experiment and _SIZE_LOOKUP else {}
+
+
 def resolve(config_cls: type[RunConfig], preset: str | None = None,
             overrides: dict[str, Any] | None = None, *, experiment: str = "") -> RunConfig:
     """Build and validate one experiment config.
 
-    Order: the class defaults, then the preset's sizes (and the preset's sizes for this
-    `experiment`), then `overrides`. Overrides may name run fields or model-shape fields; values
+    Order: the class defaults, then the preset's sizes (and this `experiment`'s own at that
+    preset: experiment_sizes), then `overrides`. Overrides may name run fields or model-shape fields; values
     may be strings (from the command line) or typed values (widgets, papermill).
     """
     overrides = dict(overrides or {})
@@ -320,8 +321,7 @@ def resolve(config_cls: type[RunConfig], preset: str | None = None,
     preset = preset or overrides.pop("preset", None) or default_preset(device)
     overrides.pop("preset", None)
     _check_range("preset", preset, {"choices": PRESETS})
-    sizes = {k: v for k, v in PRESET_SIZES[preset].items() if not isinstance(v, dict)}
-    sizes.update(PRESET_SIZES[preset].get(experiment, {}))
+    sizes = {**PRESET_SIZES[preset], **experiment_sizes(experiment, preset)}
     run_values = {k: v for k, v in {**sizes, **overrides}.items() if k in run_names}
     model = _apply(MODELS[preset], {k: v for k, v in {**sizes, **overrides}.items() if k in model_names})
     _check_model(model)

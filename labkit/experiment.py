@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
 
-from labkit import distributed, hardware
+from labkit import distributed, hardware, launch
 from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
 from labkit.measure.flops import count_flops
 from labkit.measure.memory import (ActivationMeter, MemoryMeter, free_device_memory,
                                    is_out_of_memory, storage_bytes)
 from labkit.measure.roofline import roofline
 from labkit.measure.timer import Timing, cpu_threads, time_step
-from labkit.results import RunRecord, RunsDirError, expand_row, unit_of, writable_runs_dir
-from labkit.techniques import EXPERIMENTS, get_experiment
+from labkit.results import (RunRecord, RunResult, RunsDirError, expand_row, unit_of,  # noqa: F401
+                            writable_runs_dir)  # RunResult: re-exported, its old home
+from labkit.techniques import REGISTRY, Experiment, record
 from labkit.workload import Comparison, SkipVariant, Workload
 
 if TYPE_CHECKING:
@@ -36,33 +35,21 @@ class Mismatch(Exception):
         self.comparison = comparison
 
 
-@dataclass
-class RunResult:
-    run_id: str
-    path: str
-    rows: list[dict[str, Any]]
-
-    def frame(self):
-        import pandas as pd
-
-        return pd.DataFrame(self.rows)
-
-
-def choose_variants(exp: ModuleType, variants: list[str] | None) -> list[str]:
+def choose_variants(exp: Experiment, variants: list[str] | None) -> list[str]:
     """The reference first, then the requested variants (all by default), each once."""
     for v in variants or []:
-        if v not in exp.VARIANTS:
-            raise ConfigError(f"unknown variant {v!r}; valid: {', '.join(exp.VARIANTS)}")
-    chosen = variants or list(exp.VARIANTS)
-    return [exp.REFERENCE] + [v for v in dict.fromkeys(chosen) if v != exp.REFERENCE]
+        if v not in exp.variants:
+            raise ConfigError(f"unknown variant {v!r}; valid: {', '.join(exp.variants)}")
+    chosen = variants or list(exp.variants)
+    return [exp.reference] + [v for v in dict.fromkeys(chosen) if v != exp.reference]
 
 
 def plan_points(name: str, preset: str | None, overrides: dict[str, Any] | None,
                 sweep: dict[str, list[Any]] | None) -> list[tuple[dict[str, Any], RunConfig]]:
     """Resolve every sweep point before anything runs, so bad input fails before measuring."""
-    exp = get_experiment(name)
+    exp = record(name)
     if "variant" in {**(overrides or {}), **(sweep or {})}:
-        raise ConfigError(f"variants are chosen with --variant, not set; valid: {', '.join(exp.VARIANTS)}")
+        raise ConfigError(f"variants are chosen with --variant, not set; valid: {', '.join(exp.variants)}")
     points = []
     for point in expand_sweep(sweep or {}):
         cfg = checked(exp, resolve(exp.Config, preset, {**(overrides or {}), **point}, experiment=name))
@@ -77,25 +64,25 @@ def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str,
                    on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> RunResult:
     """Run one experiment over its sweep and variants; store and return every row. A
     multi-process experiment starts its ranks (or, under torchrun, is one of them)."""
-    exp = get_experiment(name)
+    exp = record(name)
     chosen = choose_variants(exp, variants)
     points = plan_points(name, preset, overrides, sweep)
     try:
         writable_runs_dir(runs_dir)  # refused now, not after the first point has been measured
     except RunsDirError as e:
         raise ConfigError(str(e)) from None
-    if getattr(exp, "DISTRIBUTED", False):
-        return distributed.run(name, chosen, points, runs_dir=runs_dir, on_rows=on_rows)
-    record = RunRecord(name, hardware.fingerprint(), points[0][1].params(), runs_dir)
+    if exp.distributed:
+        return launch.run(name, chosen, points, run_points, runs_dir=runs_dir, on_rows=on_rows)
+    store = RunRecord(name, hardware.fingerprint(), points[0][1].params(), runs_dir)
     bar = _progress(len(points) * len(chosen), name, progress)
     status = "interrupted"
     try:
-        run_points(exp, chosen, points, record, on_rows=on_rows, bar=bar)
+        run_points(exp, chosen, points, store, on_rows=on_rows, bar=bar)
         status = "complete"
     finally:
-        record.finish(status)
+        store.finish(status)
         bar.close()
-    return RunResult(record.run_id, str(record.path), record.full_rows())
+    return RunResult(store.run_id, str(store.path), store.full_rows())
 
 
 def profile_experiment(name: str, *, preset: str | None = None, overrides: dict[str, Any] | None = None,
@@ -105,16 +92,16 @@ def profile_experiment(name: str, *, preset: str | None = None, overrides: dict[
     trace. For a multi-process experiment profile the ranks with `nsys` (see `profiler`)."""
     from labkit.measure import profiler  # torch.profiler and its tables: only when profiling
 
-    exp = get_experiment(name)
-    chosen = variant or exp.REFERENCE
-    if chosen not in exp.VARIANTS:
-        raise ConfigError(f"unknown variant {chosen!r} of {name}; valid: {', '.join(exp.VARIANTS)}")
-    if getattr(exp, "DISTRIBUTED", False):
+    exp = record(name)
+    chosen = variant or exp.reference
+    if chosen not in exp.variants:
+        raise ConfigError(f"unknown variant {chosen!r} of {name}; valid: {', '.join(exp.variants)}")
+    if exp.distributed:
         raise ConfigError(f"{name} runs several processes; profile its ranks with nsys "
                           f"({profiler.nsys_command(name, variant=None, capture_range=False)})")
     (_, cfg), = plan_points(name, preset, overrides, None)
     cfg = dataclasses.replace(cfg, variant=chosen)
-    reason = exp.skip_reason(cfg) if hasattr(exp, "skip_reason") else None
+    reason = exp.why_skipped(cfg)
     if reason:
         raise ConfigError(f"{name} {chosen} cannot run here: {reason}")
     with cpu_threads(cfg.num_threads):
@@ -124,8 +111,8 @@ def profile_experiment(name: str, *, preset: str | None = None, overrides: dict[
     return prof
 
 
-def run_points(exp: ModuleType, chosen: list[str], points: list[tuple[dict[str, Any], RunConfig]],
-               record: RunRecord, *, on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
+def run_points(exp: Experiment, chosen: list[str], points: list[tuple[dict[str, Any], RunConfig]],
+               store: RunRecord, *, on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
                bar: Any = None, before_variant: Callable[[int, RunConfig], None] | None = None) -> None:
     """Every variant at every point, the reference first at each; rows stored as they come."""
     bar = bar or _NoBar()
@@ -139,12 +126,12 @@ def run_points(exp: ModuleType, chosen: list[str], points: list[tuple[dict[str, 
             try:
                 rows, outputs = measure_variant(exp, cfg_v, reference, point)
             except distributed.RankAbort as e:
-                record.add(e.rows)
+                store.add(e.rows)
                 raise
-            reference = outputs if variant == exp.REFERENCE else reference
-            record.add(rows)
+            reference = outputs if variant == exp.reference else reference
+            store.add(rows)
             if on_rows:
-                on_rows([expand_row(r, record.record) for r in rows])
+                on_rows([expand_row(r, store.record) for r in rows])
             bar.update(1)
 
 
@@ -152,29 +139,27 @@ def lab_plan(device: str = "auto", preset: str | None = None) -> list[dict[str, 
     """What the lab will do on `device`: each experiment's variants, the preset, and which will be
     skipped and why (without running anything)."""
     plan = []
-    for name in EXPERIMENTS:
-        exp = get_experiment(name)
+    for name in REGISTRY:
+        exp = record(name)
         cfg = resolve(exp.Config, preset, {"device": device}, experiment=name)
         refused = _refusal(exp, cfg)
-        for variant in exp.VARIANTS:
-            reason = refused or (exp.skip_reason(dataclasses.replace(cfg, variant=variant))
-                                 if hasattr(exp, "skip_reason") else None)
+        for variant in exp.variants:
+            reason = refused or exp.why_skipped(dataclasses.replace(cfg, variant=variant))
             plan.append({"experiment": name, "variant": variant, "preset": cfg.preset,
                          "device": cfg.device, "runs": reason is None, "reason": reason or ""})
     return plan
 
 
-def checked(exp: ModuleType, cfg: RunConfig) -> RunConfig:
+def checked(exp: Experiment, cfg: RunConfig) -> RunConfig:
     """`cfg` with a multi-process experiment's world size filled in (validate() may read it),
     validated by the experiment: a ConfigError otherwise."""
-    if getattr(exp, "DISTRIBUTED", False):
-        cfg = distributed.resolve_world(cfg, getattr(exp, "CPU_RANKS", 2))
-    if hasattr(exp, "validate"):
-        exp.validate(cfg)
+    if exp.distributed:
+        cfg = distributed.resolve_world(cfg, exp.cpu_ranks)
+    exp.check(cfg)
     return cfg
 
 
-def _refusal(exp: ModuleType, cfg: RunConfig) -> str | None:
+def _refusal(exp: Experiment, cfg: RunConfig) -> str | None:
     """Why the whole experiment cannot run here with its defaults (too few GPUs for its ranks)."""
     try:
         checked(exp, cfg)
@@ -183,7 +168,7 @@ def _refusal(exp: ModuleType, cfg: RunConfig) -> str | None:
     return None
 
 
-def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
+def measure_variant(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,
                     point: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Rows for one variant at one point, and its check outputs (None unless it ran)."""
     row = _row_maker(cfg, point)
@@ -194,7 +179,7 @@ def measure_variant(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] |
     except SkipVariant as e:
         rows = [row(None, None, status="skipped", message=str(e))]
     except Mismatch as e:
-        rows = [row(m, v, status="error", message=f"does not match {exp.REFERENCE}: {e}")
+        rows = [row(m, v, status="error", message=f"does not match {exp.reference}: {e}")
                 for m, v in e.comparison.metrics.items()]
     except Exception as e:  # any other failure is a result too; the sweep goes on
         rows = [_failure_row(e, row)]
@@ -213,9 +198,9 @@ def _failure_row(e: Exception, row: Callable[..., dict[str, Any]]) -> dict[str, 
     return row(None, None, status="error", message=f"{type(e).__name__}: {e}".splitlines()[0])
 
 
-def _measure(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
+def _measure(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,
              row: Callable[..., dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    reason = exp.skip_reason(cfg) if hasattr(exp, "skip_reason") else None
+    reason = exp.why_skipped(cfg)
     if reason:
         raise SkipVariant(reason)
     budget = int(cfg.memory_budget_gib * 2**30) if cfg.memory_budget_gib else None
@@ -258,14 +243,14 @@ def _time(step: Callable[[], Any], wl: Workload, cfg: RunConfig) -> Timing:
                      min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
 
 
-def _compare(exp: ModuleType, cfg: RunConfig, reference: dict[str, Any] | None,
+def _compare(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,
              outputs: dict[str, Any]) -> Comparison:
     """The variant against the reference's outputs; the reference against itself (its quality
     rows: a zero delta). When the reference did not run here, say so instead of checking."""
-    if cfg.variant == exp.REFERENCE:
+    if cfg.variant == exp.reference:
         return exp.compare(outputs, outputs, cfg)
     if reference is None:
-        return Comparison({}, True, f"NOT CHECKED: the reference ({exp.REFERENCE}) did not run "
+        return Comparison({}, True, f"NOT CHECKED: the reference ({exp.reference}) did not run "
                                     "at this point.")
     return exp.compare(reference, outputs, cfg)
 

@@ -27,12 +27,13 @@ import re
 import socket
 import statistics
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from labkit.measure.clock import repeat_seconds
 
 DATA_DIR: Path = Path(__file__).resolve().parents[1] / "data"
 REPO_DIR = Path(__file__).resolve().parents[1]  # the source checkout
@@ -621,14 +622,7 @@ def over_ceiling(measured: dict[str, float], peaks: dict[str, float]) -> tuple[s
 
 def _median_seconds(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> float:
     """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs (CPU only: no sync)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(repeat_seconds(fn, device="cpu", repeats=repeats, warmup=warmup))
 
 
 def _matmul_tflops(n: int, dtype: torch.dtype) -> float:

@@ -4,12 +4,14 @@ stacked bars and widget panel, and the worked example. Pure presentation over
 are imported where they are used, so the CLI runs with the core packages only."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import pandas as pd
 
 from labkit import planner
+from labkit.results import format_value
 
 GIB = 2**30
 TERMS = ("param", "grad", "optimizer", "activation", "overhead")
@@ -205,6 +207,65 @@ def measured_vs_predicted(frame: pd.DataFrame) -> pd.DataFrame:
         "seq_len": params.map(lambda p: p["seq_len"]), "metric": rows["metric"],
         "measured": rows["value"], "predicted": rows["predicted"],
         "ratio": rows["predicted"] / rows["value"]}).reset_index(drop=True)
+
+
+# --- A notebook's predictions for its own config ("what to look for") ------------------------------
+
+# The settings a prediction line names (those the config has), besides the swept ones.
+CONFIG_FIELDS = ("batch_size", "seq_len", "micro_batches", "prompt_len", "new_tokens", "dtype", "nproc")
+
+
+def predicted_lines(name: str, metrics: tuple[str, ...], *, preset: str | None = None,
+                    overrides: dict[str, Any] | None = None, sweep: dict[str, list] | None = None,
+                    variants: list[str] | None = None,
+                    fields: tuple[str, ...] = CONFIG_FIELDS) -> str:
+    """Markdown: `expected(cfg)` of experiment `name` for `metrics`, for the configs a run with
+    these settings resolves (the reference and `variants`, all by default, at every sweep point),
+    one block per point naming its preset, device, swept values and the config's `fields` (run
+    or model fields). Variants that cannot run here are named, not predicted. Nothing is built
+    or measured; bad settings raise ConfigError as the run does."""
+    from labkit.experiment import choose_variants, plan_points
+    from labkit.techniques import record
+
+    rec = record(name)
+    chosen = choose_variants(rec, variants)
+    blocks = []
+    for point, cfg in plan_points(name, preset, overrides, sweep):
+        configs = {v: dataclasses.replace(cfg, variant=v) for v in chosen}
+        skipped = [v for v, c in configs.items() if rec.why_skipped(c)]
+        predicted = {v: rec.expected(c) for v, c in configs.items() if v not in skipped}
+        lines = [_prediction_line(m, predicted) for m in metrics]
+        if skipped:
+            lines.append(f"- not predicted, cannot run here: {', '.join(skipped)}")
+        blocks.append("\n".join([_config_header(point, cfg, fields), *lines]))
+    return "\n\n".join(blocks)
+
+
+def _config_header(point: dict[str, Any], cfg: Any, fields: tuple[str, ...]) -> str:
+    params = cfg.params()
+    values = {**(params.pop("model") or {}), **params}  # run fields win over the model's of one name
+    shown = [f for f in fields if f in values and f not in point and (f != "seq_len" or cfg.uses_seq_len)]
+    at = f" at {', '.join(f'{k}={v}' for k, v in point.items())}" if point else ""
+    settings = ", ".join([f"preset {cfg.preset}"] + [f"{f} {values[f]}" for f in shown]
+                         + [f"on {cfg.device}"])
+    return f"**Predicted by `expected()`{at}** for this config ({settings}):"
+
+
+def _prediction_line(metric: str, predicted: dict[str, dict[str, float]]) -> str:
+    values = {v: out[metric] for v, out in predicted.items() if out.get(metric) is not None}
+    if not values:
+        return f"- `{metric}`: not predicted for this config"
+    shown = {v: format_value(metric, x) for v, x in values.items()}
+    if len(predicted) > 1 and len(values) == len(predicted) and len(set(shown.values())) == 1:
+        return f"- `{metric}`: {next(iter(shown.values()))} (every variant)"
+    return f"- `{metric}`: " + " · ".join(f"{v} {text}" for v, text in shown.items())
+
+
+def show_predicted(name: str, metrics: tuple[str, ...], **settings: Any) -> Any:
+    """`predicted_lines` as a Markdown output, for a notebook cell."""
+    from IPython.display import Markdown
+
+    return Markdown(predicted_lines(name, metrics, **settings))
 
 
 # --- The widget panel -----------------------------------------------------------------------------

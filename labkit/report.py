@@ -44,12 +44,14 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
+from typing import TYPE_CHECKING, Any
 
 from labkit import hardware
 from labkit.config import ConfigError
 from labkit.results import now
+
+if TYPE_CHECKING:
+    from labkit.techniques import Experiment
 
 NOTEBOOKS_DIR = hardware.REPO_DIR / "notebooks"
 LAST_FROM = 90  # 99_compare and later read the runs the others store
@@ -109,7 +111,7 @@ def choose_notebooks(found: dict[str, Path], only: list[str] | None) -> list[str
         raise ConfigError(f"no notebooks found at {NOTEBOOKS_DIR}: labkit report runs from a source checkout")
     if not only:
         return list(found)
-    by_name = {stem.split("_", 1)[-1]: stem for stem in found}
+    by_name = {exp.name: stem for stem, exp in notebook_experiments().items() if stem in found}
     chosen = []
     for name in only:
         stem = name if name in found else by_name.get(name)
@@ -120,23 +122,33 @@ def choose_notebooks(found: dict[str, Path], only: list[str] | None) -> list[str
     return chosen
 
 
-def experiment_settings(stem: str) -> set[str] | None:
-    """The settings (run and model-shape fields) the experiment of notebook `stem` takes; None
-    for a notebook that is not one experiment's (00_environment, 08_memory_planner, ...)."""
-    from labkit.config import ModelConfig
-    from labkit.techniques import EXPERIMENTS, get_experiment
+def notebook_experiments() -> dict[str, Experiment]:
+    """The experiment each experiment notebook belongs to, by notebook stem
+    (`labkit.techniques.by_notebook`)."""
+    from labkit.techniques import by_notebook
 
-    name = stem.split("_", 1)[-1]
-    if name not in EXPERIMENTS:
-        return None
-    return {f.name for cls in (get_experiment(name).Config, ModelConfig) for f in dataclasses.fields(cls)}
+    return by_notebook()
+
+
+def settings_of(exp: Experiment) -> set[str]:
+    """The settings (run and model-shape fields) experiment `exp` takes."""
+    from labkit.config import ModelConfig
+
+    return {f.name for cls in (exp.Config, ModelConfig) for f in dataclasses.fields(cls)}
+
+
+def experiment_settings(stem: str) -> set[str] | None:
+    """The settings the experiment of notebook `stem` takes; None for a notebook that is not one
+    experiment's (00_environment, 08_memory_planner, ...)."""
+    exp = notebook_experiments().get(stem)
+    return None if exp is None else settings_of(exp)
 
 
 def check_settings(keys: list[str]) -> None:
     """A setting no experiment takes: one line naming the valid ones."""
-    from labkit.techniques import EXPERIMENTS
+    from labkit.techniques import records
 
-    valid = set().union(*(experiment_settings(f"_{name}") for name in EXPERIMENTS))
+    valid = set().union(*(settings_of(exp) for exp in records().values()))
     for key in keys:
         if key not in valid:
             raise ConfigError(f"unknown setting {key!r}; valid: {', '.join(sorted(valid))}")

@@ -124,7 +124,10 @@ def index_html(report: Any, frames: dict[str, pd.DataFrame], settings: dict[str,
         f"<td class='{esc(n.status)}'>{esc(n.status)}</td><td>{n.seconds:.1f} s</td>"
         f"<td>{esc(n.error or n.note)}</td><td><a href='{esc(n.stem)}.ipynb'>.ipynb</a></td></tr>"
         for n in report.notebooks)
-    pages = {n.stem.split("_", 1)[-1]: n.stem for n in report.notebooks}
+    from labkit.techniques import by_notebook as notebook_experiments  # the records' notebooks
+
+    reported = {n.stem for n in report.notebooks}
+    pages = {exp.name: stem for stem, exp in notebook_experiments().items() if stem in reported}
     sections = "".join(_experiment_html(name, frame, pages.get(name)) for name, frame in frames.items())
     figure = ratio_figure(frames).to_html(include_plotlyjs=False, full_html=False) if frames else ""
     return (

@@ -15,6 +15,7 @@ import datetime as dt
 import hashlib
 import itertools
 import json
+import math
 import numbers
 import os
 import re
@@ -23,6 +24,7 @@ import socket
 import tempfile
 import warnings
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,20 @@ def write_json_atomic(path: Path, record: dict[str, Any] | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@dataclass
+class RunResult:
+    """One finished run: its id, its record's file and every row (all ranks')."""
+
+    run_id: str
+    path: str
+    rows: list[dict[str, Any]]
+
+    def frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
 
 
 class RunRecord:
@@ -349,9 +365,12 @@ DIGITS = 4  # significant digits shown
 
 def format_number(x: float, digits: int = DIGITS) -> str:
     """`digits` significant digits, thousands separated, no exponent between 1e-3 and 1e12:
-    60.03, 58,752, 0.004213; outside that a short exponent (8.324e-9, 1.2e15)."""
+    60.03, 58,752, 0.004213; outside that a short exponent (8.324e-9, 1.2e15); inf and nan
+    as such."""
     if x == 0:
         return "0"
+    if not math.isfinite(x):
+        return f"{x:g}"  # inf, -inf, nan
     if abs(x) < 1e-3 or abs(x) >= 1e12:
         mantissa, exponent = f"{x:.{digits - 1}e}".split("e")
         return f"{float(mantissa):g}e{int(exponent)}"

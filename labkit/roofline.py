@@ -29,6 +29,7 @@ import pandas as pd
 from labkit import hardware
 from labkit.results import load_results
 from labkit.techniques import memory_access
+from labkit.views import device_identity
 
 # The matmul experiment's variants and the peak_tflops key (data/gpus.json) of each.
 MATMUL_DTYPES = {"fp32": "float32", "tf32": "tf32", "fp16": "float16", "bf16": "bfloat16",
@@ -65,23 +66,10 @@ def attainable_tflops(intensity: float, peak_tflops: float, bandwidth_gbps: floa
 
 # --- the ceilings -----------------------------------------------------------------------------
 
-def device_name(device: str) -> str:
-    """What a fingerprint calls `device` ("cpu" or "cuda:N"): the CPU model or the GPU's name."""
-    if device == "cpu":
-        return hardware.cpu_info().model
-    import torch
-
-    return torch.cuda.get_device_name(int(device.split(":")[1]))
-
-
-def _row_device(params: dict[str, Any], env: dict[str, Any]) -> tuple[str, str | None]:
-    """("cpu" or "cuda:N", the name the run's fingerprint gives that device)."""
-    device = str(params.get("device", ""))
-    if not device.startswith("cuda"):
-        return device, (env.get("cpu") or {}).get("model")
-    index = int(device.split(":")[1]) if ":" in device else 0
-    gpus = env.get("gpus") or []
-    return f"cuda:{index}", gpus[index]["name"] if index < len(gpus) else None
+def device_name(device: str) -> str | None:
+    """What this machine's fingerprint calls `device` ("cpu" or "cuda:N"): the CPU model or the
+    GPU's name (`views.device_identity`)."""
+    return device_identity(hardware.fingerprint(), device)[1]
 
 
 def on_device(frame: pd.DataFrame, device: str, num_threads: int = 1) -> pd.DataFrame:
@@ -93,7 +81,7 @@ def on_device(frame: pd.DataFrame, device: str, num_threads: int = 1) -> pd.Data
 
     def here(row) -> bool:
         params = row["params"] if isinstance(row["params"], dict) else {}
-        if _row_device(params, row["env"] if isinstance(row["env"], dict) else {}) != (device, name):
+        if device_identity(row["env"], params.get("device")) != (device, name):
             return False
         return device != "cpu" or params.get("num_threads") == num_threads
 

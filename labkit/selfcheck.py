@@ -206,14 +206,14 @@ def work_gflop(run: Run, size: Size) -> dict[str, float]:
 
 def _count_work(run: Run, size: Size) -> dict[str, float]:
     from labkit.config import resolve
-    from labkit.techniques import get_experiment
+    from labkit.techniques import record
 
-    exp = get_experiment(run.experiment)
+    exp = record(run.experiment)
     overrides = {k: v for k, v in size.settings.items() if k not in ("sweep", "preset")}
     cfg = resolve(exp.Config, size.settings.get("preset"), {**overrides, "device": "cpu"},
                   experiment=run.experiment)
     work: dict[str, float] = {}
-    for variant in dict.fromkeys((exp.REFERENCE, *size.variants)):
+    for variant in dict.fromkeys((exp.reference, *size.variants)):
         flops = exp.expected(dataclasses.replace(cfg, variant=variant)).get("flops", 0.0)
         dtype = run.dtypes.get(variant, "float32")
         work[dtype] = work.get(dtype, 0.0) + run.calls * flops / 1e9

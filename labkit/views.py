@@ -17,7 +17,7 @@ import pandas as pd
 
 from labkit import hardware, planner, viz
 from labkit.config import PRESETS, ConfigError
-from labkit.results import load_results, load_runs
+from labkit.results import format_number, load_results, load_runs
 
 GIB = 2**30
 TOKEN_METRICS = ("tokens_per_s", "useful_tokens_per_s")  # what a cost per token can come from
@@ -27,17 +27,42 @@ RUN_COLORS = ("#264653", "#e76f51", "#2a9d8f", "#8e7dbe", "#f4a261", "#457b9d", 
 
 # --- Which machine a run ran on --------------------------------------------------------------------
 
-def machine_name(env: dict | None, device: str | None = None) -> str:
-    """The device a run measured on, from its stored fingerprint: the GPU's name for a `cuda`
-    run, else the CPU model and core count (a CPU run on a GPU machine says CPU)."""
+# Every name for a machine or device is read from a fingerprint (`hardware.fingerprint()`, stored
+# with every run as `env`) here: `device_identity`, `machine_name`, `machine_key`.
+
+def gpu_names(env: dict | None) -> tuple[str | None, ...]:
+    """The names of the fingerprint's GPUs, in index order."""
     env = env if isinstance(env, dict) else {}
-    device = device or env.get("device") or "cpu"
-    gpus = env.get("gpus") or []
-    if str(device).startswith("cuda") and gpus:
-        index = int(device.split(":")[1]) if ":" in device else 0
-        return gpus[min(index, len(gpus) - 1)].get("name", "GPU")
-    cpu = env.get("cpu") or {}
-    return f"CPU {cpu.get('model') or '?'} ({cpu.get('num_cores') or '?'} cores)"
+    return tuple(g.get("name") for g in env.get("gpus") or [] if isinstance(g, dict))
+
+
+def device_identity(env: dict | None, device: str | None = None) -> tuple[str, str | None]:
+    """Which device a run measured on and what its fingerprint calls it: ("cpu", the CPU model)
+    or ("cuda:N", the GPU's name); the name is None where the fingerprint does not hold it.
+    `device` ("cpu", "cuda", "cuda:N") defaults to the fingerprint's own default device."""
+    env = env if isinstance(env, dict) else {}
+    device = str(device or env.get("device") or "cpu")
+    if not device.startswith("cuda"):
+        return "cpu", (env.get("cpu") or {}).get("model")
+    index, names = int(device.split(":")[1]) if ":" in device else 0, gpu_names(env)
+    return f"cuda:{index}", names[index] if index < len(names) else None
+
+
+def machine_name(env: dict | None, device: str | None = None) -> str:
+    """The device a run measured on, as people read it: the GPU's name for a `cuda` run, else
+    the CPU model and core count (a CPU run on a GPU machine says CPU)."""
+    device, name = device_identity(env, device)
+    if device != "cpu":
+        return name or "GPU"
+    cores = ((env if isinstance(env, dict) else {}).get("cpu") or {}).get("num_cores")
+    return f"CPU {name or '?'} ({cores or '?'} cores)"
+
+
+def machine_key(env: dict | None) -> tuple:
+    """What identifies the machine (not only its kind) behind a fingerprint, to match stored runs
+    (a shared runs folder holds many machines'): host, default device, torch, GPU names."""
+    env = env if isinstance(env, dict) else {}
+    return env.get("hostname"), env.get("device"), env.get("torch"), gpu_names(env)
 
 
 def short_id(run_id: str) -> str:
@@ -219,7 +244,7 @@ def _cost_row(r: Any, gpu_price: float | None, num_gpus: int, cpu_price: float |
                 "CPU run: enter cpu_price_per_hour to price it") + " (no price is assumed)"
     else:
         cost = price * devices / 3600 / r.value * 1e6
-        note = f"{price:g} {unit} x {devices} / 3600 s / {r.value:,.4g} tokens/s x 1e6"
+        note = f"{price:g} {unit} x {devices} / 3600 s / {format_number(r.value)} tokens/s x 1e6"
     return {"run_id": r.run_id, "label": run_label(r.run_id, r.env, device), "experiment": r.experiment,
             "variant": r.point, "metric": r.metric, "measured_tokens_per_s": r.value,
             "device": device, "price_per_hour": price, "devices": devices,

@@ -24,23 +24,23 @@ import typing
 from typing import Any
 
 import ipywidgets as W
-import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from IPython.display import display
-from plotly.subplots import make_subplots
 
 from labkit import hardware, viz
 from labkit.config import (PRESETS, ConfigError, default_preset, expand_sweep, parse_sweep, resolve,
                            resolve_device)
 from labkit.distributed import RunFailed
 from labkit.experiment import choose_variants, run_experiment
-from labkit.measure.monitor import DeviceMonitor
-from labkit.techniques import get_experiment
+from labkit.measure.monitor import DeviceMonitor, timeline_figure
+from labkit.techniques import record
 
 # Fields the panel shows in its own controls (or not at all).
 _SPECIAL = {"variant", "preset", "device", "model"}
 SLIDER_MAX_STEPS = 64  # an int range with at most this many values gets a slider, else a box
+# The monitor beside the live figure, small: the first two of these with readings
+MONITOR_FIELDS = ("utilization_pct", "memory_used_bytes", "cpu_pct", "rss_bytes")
 
 
 class StopRun(Exception):
@@ -103,29 +103,6 @@ def replace_figure(target: go.FigureWidget, source: go.Figure) -> None:
         target.layout = source.layout
 
 
-def monitor_figure(frame: pd.DataFrame, markers: pd.DataFrame, *, title: str = "") -> go.Figure:
-    """The device monitor, small: one panel per reading (GPU utilization and memory, or CPU % and
-    RSS), a diamond where each variant at each point began (hover: which)."""
-    fields = [f for f in ("utilization_pct", "memory_used_bytes", "cpu_pct", "rss_bytes")
-              if f in frame and frame[f].notna().any()][:2] or ["cpu_pct"]
-    fig = make_subplots(rows=len(fields), cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=[f.replace("_bytes", " (MiB)") for f in fields])
-    for row, name in enumerate(fields, start=1):
-        scale = viz.MIB if name.endswith("_bytes") else 1
-        y = frame[name] / scale if name in frame else pd.Series(dtype=float)
-        fig.add_scatter(x=frame["t_s"], y=y, mode="lines", name=name, showlegend=False,
-                        line={"color": "#457b9d"}, row=row, col=1)
-        known = frame.dropna(subset=[name]) if name in frame else frame.iloc[:0]
-        at = (np.interp(markers["t_s"], known["t_s"], known[name] / scale) if len(known)
-              else np.zeros(len(markers)))
-        fig.add_scatter(x=markers["t_s"], y=at, mode="markers", name=f"{name} marks",
-                        hovertext=markers["phase"], showlegend=False, row=row, col=1,
-                        marker={"symbol": "diamond", "size": 9, "color": "#e76f51"})
-    fig.update_layout(title=title, height=170 * len(fields) + 60, margin={"t": 60, "b": 30},
-                      xaxis_title="seconds" if len(fields) == 1 else None)
-    return fig
-
-
 class Panel:
     """Controls, Run and Stop, a live figure, a device monitor and an output area for one
     experiment. `start()` is what Run does (a background thread; `wait()` joins it); `run()` is the
@@ -135,10 +112,10 @@ class Panel:
                  overrides: dict[str, Any] | None = None, runs_dir: str | None = None,
                  min_interval_s: float = 0.5):
         self.name, self.runs_dir, self.min_interval_s = name, runs_dir, min_interval_s
-        exp = get_experiment(name)
-        self.distributed = getattr(exp, "DISTRIBUTED", False)
-        self.variants = W.SelectMultiple(options=list(exp.VARIANTS), value=list(exp.VARIANTS),
-                                         description="variants", rows=len(exp.VARIANTS))
+        exp = record(name)
+        self.distributed = exp.distributed
+        self.variants = W.SelectMultiple(options=list(exp.variants), value=list(exp.variants),
+                                         description="variants", rows=len(exp.variants))
         preset = preset or default_preset(resolve_device(device))
         self.preset = W.Dropdown(options=list(PRESETS), value=preset, description="preset")
         self.device = W.Dropdown(options=["auto"] + hardware.available_devices(), value=device,
@@ -172,7 +149,7 @@ class Panel:
 
     def load(self, overrides: dict[str, Any]) -> None:
         """Fill the controls with the resolved config of the chosen preset (plus `overrides`)."""
-        cfg = resolve(get_experiment(self.name).Config, self.preset.value,
+        cfg = resolve(record(self.name).Config, self.preset.value,
                       {**overrides, "device": self.device.value}, experiment=self.name)
         for key, widget in self.controls.items():
             value = getattr(cfg, key)
@@ -233,7 +210,7 @@ class Panel:
             self._finish()
 
     def _run(self) -> None:
-        exp = get_experiment(self.name)
+        exp = record(self.name)
         variants, sweep = list(self.variants.value), parse_sweep_text(self.sweep.value)
         chosen = choose_variants(exp, variants)
         points = expand_sweep(sweep)
@@ -277,8 +254,9 @@ class Panel:
             replace_figure(self.figure, viz.variant_comparison(frame, title=self.name))
         if self.monitor is not None:
             title = f"device monitor ({self.monitor.device}, {self.monitor.source})"
-            replace_figure(self.monitor_figure, monitor_figure(self.monitor.frame(),
-                                                               self.monitor.markers(), title=title))
+            replace_figure(self.monitor_figure, timeline_figure(
+                self.monitor.frame(), self.monitor.markers(), title=title, fields=MONITOR_FIELDS,
+                max_fields=2))
 
     def _finish(self) -> None:
         """The last update always lands; tables and errors go to the output area; buttons back."""

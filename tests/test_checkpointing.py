@@ -11,7 +11,7 @@ from labkit.experiment import run_experiment
 from labkit.measure.flops import count_flops
 from labkit.measure.memory import LiveTensorTracker
 from labkit.techniques import checkpointing as ckpt
-from labkit.techniques.training import Trainer
+from labkit.techniques.training import Trainer, gradient_difference
 
 TINY = {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2, "device": "cpu"}
 # The tiny preset's own sizes: the backward's start (activations) sets the peak, not the step.
@@ -36,7 +36,7 @@ def test_recomputation_gives_bitwise_equal_gradients(variant):
     got = ckpt.step_with_gradients(trained(config(variant))[0])
     assert got["loss"] == reference["loss"]
     assert all(np.array_equal(got["grads"][n], g) for n, g in reference["grads"].items())
-    assert ckpt.gradient_difference(reference["grads"], got["grads"]) == (0.0, 0.0)
+    assert gradient_difference(reference["grads"], got["grads"]) == (0.0, 0.0)
 
 
 def test_counted_recomputation_flops_are_one_forward_of_each_block_less_its_down_projection():

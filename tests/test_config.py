@@ -108,3 +108,55 @@ def test_assignments_and_sweeps():
 
 def test_dtype_aliases_are_canonical():
     assert set(DTYPE_ALIASES.values()) == {"float32", "bfloat16", "float16"}
+
+
+# The per-experiment sizes as config.PRESET_SIZES held them before they moved into each module's
+# SIZES (issue 16): every resolved config must be what it was.
+_OLD_GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "bfloat16"}
+OLD_EXPERIMENT_SIZES = {
+    "tiny": {"kv_cache": {"batch_size": 1}, "mixed_precision": {"batch_size": 2},
+             "batching": {"batch_size": 8, "workload": "short", "kv_budget_tokens": 576},
+             "attention": {"seq_len": 512}, "fused_kernel": {"rows": 4096},
+             "batch_finder": {"memory_budget_gib": 0.2, "mode": "dynamic"},
+             "hybrid": {"num_kv_heads": 4}, "pipeline_parallel": {"batch_size": 8}},
+    "reference": {"kv_cache": {"batch_size": 1}},
+    "small": {"kv_cache": _OLD_GPU_DECODE, "attention": {"dtype": "bfloat16"}},
+    "medium": {"kv_cache": _OLD_GPU_DECODE, "attention": {"dtype": "bfloat16"}},
+    "gpt2-124m": {"kv_cache": _OLD_GPU_DECODE},
+    **{p: {"kv_cache": {**_OLD_GPU_DECODE, "batch_size": 1}}
+       for p in ("llama-2-7b", "llama-3-8b", "llama-3-70b", "mistral-7b")},
+}
+OLD_PRESET_SIZES = {"tiny": (4, 64), "reference": (8, 128), "small": (8, 512), "medium": (8, 1024),
+                    "gpt2-124m": (8, 1024), "llama-2-7b": (1, 2048), "llama-3-8b": (1, 2048),
+                    "llama-3-70b": (1, 2048), "mistral-7b": (1, 2048)}  # (batch_size, seq_len)
+
+
+def test_preset_sizes_keep_only_the_settings_every_experiment_shares():
+    assert {p: (s["batch_size"], s["seq_len"]) for p, s in config.PRESET_SIZES.items()} == OLD_PRESET_SIZES
+    assert all(len(s) == 2 for s in config.PRESET_SIZES.values())
+
+
+def test_every_resolved_config_is_what_the_old_preset_table_gave(monkeypatch):
+    """The old table's entry given as overrides to a resolve that adds no experiment sizes: the
+    same config, field by field, for every experiment at every preset."""
+    from labkit.techniques import records
+
+    monkeypatch.delenv("LABKIT_PARTICIPANT", raising=False)
+    monkeypatch.delenv("LABKIT_TEAM", raising=False)
+    for name, exp in records().items():
+        for preset in PRESETS:
+            old = OLD_EXPERIMENT_SIZES[preset].get(name, {})
+            assert config.experiment_sizes(name, preset) == old, (name, preset)
+            new = resolve(exp.Config, preset, {"device": "cpu"}, experiment=name).params()
+            before = resolve(exp.Config, preset, {"device": "cpu", **old}).params()
+            assert new == before, (name, preset)
+
+
+def test_experiment_sizes_come_from_the_module_and_go_under_overrides():
+    assert mixed_precision.SIZES["tiny"] == {"batch_size": 2}
+    assert resolve(mixed_precision.Config, "tiny", {"device": "cpu"},
+                   experiment="mixed_precision").batch_size == 2
+    assert resolve(mixed_precision.Config, "tiny", {"device": "cpu"}).batch_size == 4  # no experiment
+    assert resolve(mixed_precision.Config, "tiny", {"device": "cpu", "batch_size": 3},
+                   experiment="mixed_precision").batch_size == 3
+    assert config.experiment_sizes("", "tiny") == {} and config.experiment_sizes("nope", "tiny") == {}

@@ -71,3 +71,11 @@ def test_a_bad_name_is_refused_in_one_line_and_an_empty_store_is_an_empty_table(
         attempts.who("ana/../../etc")
     assert attempts.load_attempts(tmp_path).empty
     assert list(attempts.load_attempts(tmp_path).columns) == list(attempts.COLUMNS)
+
+
+def test_exercise_numbers_use_the_one_number_formatter():
+    from labkit.exercises.core import show
+    from labkit.results import format_number
+    for x in (0.0, 12345.0, 1234567.0, 0.0001234, 60.03, float("inf")):
+        assert show(x, "bytes") == f"{format_number(x)} bytes"
+    assert show(12345.0) == "12,345" and show(None) == "none" and show("x") == "'x'"

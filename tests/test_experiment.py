@@ -177,3 +177,73 @@ def test_a_variant_whose_reference_did_not_run_says_it_is_unchecked():
     assert [r["status"] for r in rows if r["variant"] == "none"] == ["oom"]
     step = by(rows, "full", "step_ms")
     assert step["status"] == "ok" and "NOT CHECKED" in step["message"]
+
+
+def test_every_registered_experiment_has_a_record_with_its_pieces():
+    from pathlib import Path
+
+    from labkit.config import RunConfig
+    from labkit.techniques import REGISTRY, records
+
+    recs = records()
+    assert list(recs) == list(REGISTRY)
+    for name, exp in recs.items():
+        assert exp.name == name and issubclass(exp.Config, RunConfig)
+        assert exp.reference in exp.variants and exp.variants == tuple(exp.module.VARIANTS)
+        assert exp.build is exp.module.build and exp.expected is exp.module.expected
+        assert exp.cpu_ranks >= (2 if exp.distributed else 1) and (exp.distributed or exp.cpu_ranks == 1)
+        assert exp.notebook is None or (Path(__file__).resolve().parents[1] / exp.notebook).is_file()
+    assert recs["hybrid"].cpu_ranks == 4 and recs["zero"].cpu_ranks == 2
+    assert recs["zero"].notebook == "notebooks/11_zero.ipynb" and not recs["matmul"].distributed
+    assert recs["offload"].validate is None and recs["offload"].skip_reason is not None
+    assert recs["compile"].module.__name__ == "labkit.techniques.compiling"
+
+
+def test_record_of_an_unknown_experiment_names_the_valid_ones():
+    from labkit.techniques import record
+
+    with pytest.raises(ConfigError, match="unknown experiment 'nope'; valid: mixed_precision, kv_cache"):
+        record("nope")
+
+
+def test_a_module_that_breaks_the_contract_fails_saying_how():
+    import types
+
+    from labkit.techniques.record import from_module
+
+    broken = types.ModuleType("labkit.techniques.broken")
+    broken.Config, broken.VARIANTS, broken.REFERENCE = kv_cache.Config, ("a", "b"), "a"
+    with pytest.raises(ImportError, match=r"'broken' \(labkit.techniques.broken\) lacks build, "
+                                          "compare, expected; an experiment module defines"):
+        from_module("broken", broken, None)
+    broken.build = broken.compare = broken.expected = lambda *a: None
+    assert from_module("broken", broken, None).cpu_ranks == 1
+    broken.SIZES = {"huge": {"batch_size": 1}}
+    with pytest.raises(ImportError, match="SIZES names unknown preset 'huge'; valid: tiny"):
+        from_module("broken", broken, None)
+    broken.SIZES, broken.REFERENCE = {}, "c"
+    with pytest.raises(ImportError, match="REFERENCE 'c' is not one of VARIANTS"):
+        from_module("broken", broken, None)
+
+
+def test_a_function_patched_on_the_module_is_the_one_the_record_holds(monkeypatch):
+    from labkit.techniques import record
+
+    def build(cfg):
+        raise AssertionError
+
+    monkeypatch.setattr(kv_cache, "build", build)
+    assert record("kv_cache").build is build
+
+
+def test_no_caller_probes_an_experiment_module_for_its_pieces():
+    """Only the record (labkit/techniques/record.py) reads an experiment module's optional names."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "labkit"
+    probe = re.compile(r"(getattr|hasattr)\(exp\b|\"(DISTRIBUTED|CPU_RANKS|skip_reason|validate|SIZES)\""
+                       r"|\bsplit\(\"_\", 1\)\[-1\]")
+    found = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "record.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
+    assert found == []

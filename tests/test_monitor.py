@@ -43,8 +43,12 @@ def test_cpu_monitor_samples_the_process_with_phase_marks():
     assert (frame["rss_bytes"] > 0).all()
     assert list(monitor.markers()["phase"]) == ["forward", "backward"]
     fig = monitor.figure()
-    assert len(fig.layout.shapes) == 2 * 2  # one line per mark in each of the two panels
-    assert {t.name for t in fig.data} >= {"forward", "backward"}
+    marks = [t for t in fig.data if t.mode == "markers"]  # a diamond per mark in each of the two panels
+    assert [len(t.x) for t in marks] == [2, 2] and list(marks[0].hovertext) == ["forward", "backward"]
+    assert {t.name for t in fig.data if t.mode == "lines"} >= {"forward", "backward"}
+    small = mon.timeline_figure(frame, monitor.markers(), fields=("utilization_pct", "rss_bytes",
+                                                                  "cpu_pct"), max_fields=1)
+    assert [t.name for t in small.data if t.mode == "markers"] == ["rss_bytes marks"]  # no NVML here
 
 
 def test_rss_is_read_from_statm(tmp_path):

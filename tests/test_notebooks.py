@@ -174,8 +174,10 @@ def _built(names: dict) -> dict[str, str]:
 
 @pytest.mark.parametrize("folder", ["", "exercises"])
 def test_committed_notebooks_are_what_their_builder_writes(folder, monkeypatch):
-    """The prose and cells live in the builders: a notebook edited by hand, or a builder edited
-    without a rebuild, is drift."""
+    """Every notebook regenerated in memory equals the committed file (cells' source and
+    metadata, ids, the notebook's metadata): the cells live in the builders and the prose in
+    notebooks/text/, so a notebook edited by hand, or a builder or text edited without a
+    rebuild, is drift."""
     import importlib.util
 
     root = NOTEBOOKS / folder
@@ -191,3 +193,100 @@ def test_committed_notebooks_are_what_their_builder_writes(folder, monkeypatch):
     assert sorted(built) == sorted(p.name for p in root.glob("*.ipynb"))
     stale = [f for f, text in built.items() if (root / f).read_text() != text]
     assert not stale, f"rebuild with python {builder.relative_to(NOTEBOOKS.parent)}: {stale}"
+
+
+# Readings from one machine go stale on any other: core counts, "this CPU", measured times and
+# rates in prose. Predicted numbers are rendered at run time instead (plan_view.show_predicted).
+SINGLE_MACHINE = re.compile(r"\b\d+-core\b|\bthis (?:loaded |shared )?CPU\b|\bin one run here\b"
+                            r"|\b(?:reached|measured|ran at|took) \d|\b\d[\d.,]*(?:-\d[\d.,]*)? ?(?:ms|s)\b"
+                            r"|\b\d[\d.,]* tokens/s\b", re.IGNORECASE)
+
+
+def _markdown(path: Path) -> str:
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+def test_no_notebook_text_holds_one_machines_readings():
+    texts = {p.name: p.read_text() for p in (NOTEBOOKS / "text").glob("*.md")}
+    texts.update({p.name: _markdown(p) for p in NOTEBOOKS.glob("*.ipynb")})
+    assert len(texts) > 2 * 28
+    found = {name: SINGLE_MACHINE.findall(text) for name, text in texts.items()}
+    assert not {name: hits for name, hits in found.items() if hits}
+    for reading in ("on a 2-core CPU", "on this CPU", "reached 0.22 TFLOP/s", "85-90 ms", "2.4 s",
+                    "348 tokens/s", "in one run here"):
+        assert SINGLE_MACHINE.search(reading), reading  # the check can fail
+
+
+def _builder():
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(NOTEBOOKS))
+    try:
+        spec = importlib.util.spec_from_file_location("_builder_text", NOTEBOOKS / "build_notebooks.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(NOTEBOOKS))
+    return module
+
+
+def test_every_experiment_notebook_comes_from_its_record_and_every_section_is_used():
+    """The builder makes one notebook per experiment record with a notebook, with the record's
+    CPU ranks; each text file is a notebook's (or the template's), and no section goes unread."""
+    from labkit.techniques import records
+
+    builder = _builder()
+    for name, rec in records().items():
+        nb = builder.NOTEBOOKS[Path(rec.notebook).name]
+        parameters = "".join(nb.cells[1].source)
+        assert (f"else {rec.cpu_ranks} CPU ranks" in parameters) == rec.distributed, name
+    stems = {Path(f).stem for f in builder.NOTEBOOKS} | {"_experiment"}
+    assert {p.stem for p in (NOTEBOOKS / "text").glob("*.md")} == stems
+    sources = "\n".join("".join(c.source) for nb in builder.NOTEBOOKS.values() for c in nb.cells)
+    for stem in stems:
+        for section, body in builder.read_text(stem).items():
+            assert body and body in sources, (stem, section)
+
+
+def test_each_notebooks_predicted_metrics_are_predicted_on_the_cpu():
+    """A metric named for a notebook's predictions that expected() never returns would always
+    read "not predicted": every one is predicted at the tiny preset on the CPU."""
+    from labkit import plan_view
+
+    builder = _builder()
+    for name, spec in builder.EXPERIMENTS.items():
+        sweep = json.loads(spec.get("sweep", "{}"))
+        first = {k: v[:1] for k, v in sweep.items()}
+        text = plan_view.predicted_lines(name, spec["predicted"], preset="tiny",
+                                         overrides={"device": "cpu"}, sweep=first)
+        assert "not predicted for this config" not in text, (name, text)
+        assert all(f"`{m}`" in text for m in spec["predicted"]), name
+
+
+def test_predicted_lines_render_expected_for_the_notebooks_own_config():
+    import dataclasses
+
+    from labkit import plan_view
+    from labkit.config import ConfigError
+    from labkit.experiment import plan_points
+    from labkit.results import format_value
+    from labkit.techniques import record
+
+    settings = dict(preset="tiny", overrides={"device": "cpu", "nproc": 2}, sweep={"micro_batches": [1, 2]})
+    text = plan_view.predicted_lines("pipeline_parallel", ("ideal_bubble_fraction",), **settings)
+    blocks = text.split("\n\n")
+    assert len(blocks) == 2 and blocks[0].startswith("**Predicted by `expected()` at micro_batches=1**")
+    assert "preset tiny" in blocks[0] and "nproc 2" in blocks[0] and "on cpu" in blocks[0]
+    # (p - 1) / (m + p - 1) on 2 stages: 1/2 at m = 1, 1/3 at m = 2; 1F1B needs m >= p
+    assert "gpipe 50%" in blocks[0] and "not predicted, cannot run here: 1f1b" in blocks[0]
+    (_, cfg), = plan_points("pipeline_parallel", "tiny", {"device": "cpu", "nproc": 2}, {"micro_batches": [2]})
+    third = record("pipeline_parallel").expected(dataclasses.replace(cfg, variant="1f1b"))
+    assert third["ideal_bubble_fraction"] == pytest.approx(1 / 3)
+    assert f"1f1b {format_value('ideal_bubble_fraction', third['ideal_bubble_fraction'])}" in blocks[1]
+    same = plan_view.predicted_lines("load_balance", ("param_bytes", "wait_ms"), preset="tiny",
+                                     overrides={"device": "cpu"})
+    assert "(every variant)" in same and "- `wait_ms`: not predicted for this config" in same
+    with pytest.raises(ConfigError, match="valid"):
+        plan_view.predicted_lines("load_balance", ("param_bytes",), preset="tiny", variants=["nope"])

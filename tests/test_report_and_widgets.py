@@ -30,7 +30,7 @@ def test_report_reports_a_failed_notebook_runs_the_others_and_exits_1(tmp_path, 
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--only", "nope"], "unknown experiment or notebook 'nope'; valid: environment, mixed_precision"),
+    (["--only", "nope"], "unknown experiment or notebook 'nope'; valid: mixed_precision, kv_cache"),
     (["--only", "matmul,21_nope"], "unknown experiment or notebook '21_nope'"),
     (["--preset", "huge"], "unknown preset 'huge'; valid: tiny"),
     (["--set", "no_such_knob=1"], "unknown setting 'no_such_knob'; valid: "),
@@ -80,3 +80,20 @@ def test_the_cpu_report_sweeps_name_notebooks_and_parameters_they_have():
         assert stem in found, stem
         known = papermill.inspect_notebook(str(found[stem]))
         assert set(params) <= set(known), (stem, set(params) - set(known))
+
+
+def test_notebooks_are_matched_to_experiments_by_their_records():
+    from pathlib import Path
+
+    from labkit.report import (choose_notebooks, experiment_settings, find_notebooks,
+                               notebook_experiments)
+    from labkit.techniques import records
+
+    found = find_notebooks()
+    for name, exp in records().items():
+        assert choose_notebooks(found, [name]) == [Path(exp.notebook).stem]
+    assert choose_notebooks(found, ["compile", "18_compile", "00_environment"]) == ["18_compile",
+                                                                                   "00_environment"]
+    assert notebook_experiments()["18_compile"].name == "compile"
+    assert experiment_settings("00_environment") is None and experiment_settings("99_compare") is None
+    assert "target" in experiment_settings("18_compile") and "num_layers" in experiment_settings("18_compile")

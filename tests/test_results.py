@@ -7,6 +7,7 @@ a second. Everything here uses only labkit.results (pandas is imported lazily by
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import time
@@ -297,6 +298,11 @@ def test_format_value_gives_the_unit_and_four_significant_digits(metric, value, 
 @pytest.mark.parametrize("value, shown", [(None, ""), (float("nan"), ""), ("n/a", "n/a"), (True, "True")])
 def test_format_value_leaves_missing_values_blank_and_text_as_it_is(value, shown):
     assert results.format_value("step_ms", value) == shown
+
+
+def test_format_number_names_infinities_and_nan():
+    assert results.format_number(math.inf) == "inf" and results.format_number(-math.inf) == "-inf"
+    assert results.format_number(math.nan) == "nan" and results.format_value("step_ms", math.inf) == "inf ms"
 
 
 def test_format_value_takes_a_rows_own_unit_over_the_metric_name():

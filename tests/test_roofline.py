@@ -135,3 +135,16 @@ def test_calibrate_then_figure_one_roofline_for_every_experiment_run(tmp_path):
     cache = roofline._cache_slope(pts, ceil.bandwidth_gbps)
     assert roofline.over_roof(pts, ceil, cache[0] if cache else ceil.bandwidth_gbps) == []
     assert len(roofline.figure_for("cpu", runs).data) == len(fig.data)
+
+
+def test_on_device_keeps_the_rows_of_this_device_kind_by_its_fingerprint_name():
+    here = hardware.fingerprint()
+    assert roofline.device_name("cpu") == hardware.cpu_info().model == here["cpu"]["model"]
+    other = {**here, "cpu": {**here["cpu"], "model": "another CPU"}}
+    gpu_row = {"status": "ok", "params": {"device": "cuda:0", "num_threads": 1}, "env": here}
+    frame = pd.DataFrame([{"status": "ok", "params": {"device": "cpu", "num_threads": 1}, "env": here},
+                          {"status": "ok", "params": {"device": "cpu", "num_threads": 2}, "env": here},
+                          {"status": "ok", "params": {"device": "cpu", "num_threads": 1}, "env": other},
+                          gpu_row])
+    assert list(roofline.on_device(frame, "cpu").index) == [0]
+    assert list(roofline.on_device(frame, "cpu", num_threads=2).index) == [1]

@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_TRAIN
 from labkit.config import resolve
 from labkit.techniques import mixed_precision
-from labkit.techniques.training import gradient_difference
+from labkit.techniques.training import CopyAdamW, compare_grads, gradient_difference
 
 
 def grads(**tensors) -> dict[str, np.ndarray]:
@@ -52,6 +52,72 @@ def test_missing_or_reshaped_gradients_are_refused_and_extra_ones_ignored():
     with pytest.raises(ValueError, match="shape"):  # would broadcast silently
         gradient_difference(grads(w=[1.0]), grads(w=[1.0, 1.0]))
     assert gradient_difference(ref, {**ref, **grads(extra=[5.0])}) == (0.0, 0.0)
+
+
+# --- compare_grads: gradient_difference, the tolerances and the Comparison in one place -------
+
+def test_compare_grads_passes_equal_gradients_and_reports_every_difference_in_order():
+    ref = {"grads": grads(w=[3.0, 4.0]), "loss": 2.0}
+    same = compare_grads(ref, {"grads": grads(w=[3.0, 4.0]), "loss": 2.5}, 1e-6,
+                         extra={"loss_abs_diff": 0.0})
+    assert same.ok and same.message == ""
+    assert list(same.metrics.items()) == [("loss", 2.5), ("loss_abs_diff", 0.0),
+                                          ("grad_max_abs_diff", 0.0), ("grad_max_rel_diff", 0.0)]
+    assert list(compare_grads(ref, ref, 1e-6, reported={}).metrics) == ["grad_max_abs_diff",
+                                                                       "grad_max_rel_diff"]
+
+
+def test_compare_grads_fails_beyond_a_tolerance_or_an_own_limit_and_on_nan():
+    ref = {"grads": grads(w=[3.0, 4.0]), "loss": 2.0}
+    off = {"grads": grads(w=[3.0, 4.5]), "loss": 2.0}  # normwise 0.5 / 5 = 0.1
+    assert compare_grads(ref, off, 0.1).ok and not compare_grads(ref, off, 0.09).ok
+    assert compare_grads(ref, off, 0.09).message == "gradients max relative 1.00e-01 (<= 0.09)"
+    loose = compare_grads(ref, ref, 0.1, extra={"loss_rel_diff": 0.5}, limits={"loss_rel_diff": 0.4})
+    assert not loose.ok and loose.message.endswith("loss_rel_diff 5.00e-01 (<= 0.4)")
+    assert compare_grads(ref, ref, 0.1, extra={"loss_rel_diff": 0.5}, limits={"loss_rel_diff": 1}).ok
+    bad = {"grads": grads(w=[3.0, np.nan]), "loss": 2.0}
+    assert not compare_grads(ref, bad, 1.0).ok
+    assert not compare_grads(ref, ref, 1.0, extra={"loss_rel_diff": math.nan}).ok
+
+
+# --- CopyAdamW: AdamW on master (another dtype) or host (another device) copies of the weights
+
+def adamw_steps(params: list[torch.Tensor], make, num_steps: int = 3) -> list[torch.Tensor]:
+    """`num_steps` steps of the optimizer `make(params)` with fixed seeded gradients (values bf16
+    holds exactly, so a bf16 weight and an fp32 copy of it get the same ones)."""
+    opt, gen = make(params), torch.Generator().manual_seed(0)
+    for _ in range(num_steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16).to(p.dtype)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return params
+
+
+def test_master_copies_update_in_fp32_and_round_into_the_16_bit_weights():
+    start = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    weight = [torch.nn.Parameter(start.to(torch.bfloat16))]
+    opt = CopyAdamW(weight, 1e-2, dtype=torch.float32)
+    assert opt.copies[0].dtype == torch.float32 and opt.staging == [None]
+    assert torch.equal(opt.copies[0], weight[0].float())
+    adamw_steps(weight, lambda _: opt)
+    # the same steps by hand: AdamW on an fp32 copy fed the upcast bf16 gradients
+    master = [torch.nn.Parameter(start.to(torch.bfloat16).float())]
+    adamw_steps(master, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    assert torch.equal(weight[0], master[0].detach().to(torch.bfloat16))
+    assert torch.equal(opt.copies[0], master[0])  # the fp32 update is kept, not the rounded one
+    assert opt.bytes_per_step == 2 * 64 * 2  # bf16 gradients in, bf16 weights out
+
+
+def test_host_copies_stage_the_gradients_and_give_plain_adamws_weights():
+    start = torch.randn(32, generator=torch.Generator().manual_seed(2))
+    weight, plain = [torch.nn.Parameter(start.clone())], [torch.nn.Parameter(start.clone())]
+    opt = CopyAdamW(weight, 1e-2, device="cpu")
+    staging = opt.staging[0]
+    adamw_steps(weight, lambda _: opt)
+    adamw_steps(plain, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    assert torch.equal(weight[0], plain[0]) and opt.staging[0] is staging  # allocated once
+    assert len(opt.state_tensors()) == 1 + 3  # the copy, two moments and the step counter
 
 
 # --- fp16 with a GradScaler: an overflowing step is skipped and the scale halves ----------------

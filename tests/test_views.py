@@ -182,3 +182,15 @@ def test_comparison_figures_put_the_legend_above_the_plot_area():
     assert [t.name for t in bars].count("predicted") == 2
     assert sum(bool(t.showlegend is not False) for t in bars if t.name == "predicted") == 1
     assert bars[0].hovertext == ("170 MiB", "255 MiB")
+
+
+def test_one_machine_identity_read_from_the_fingerprint():
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert views.device_identity(GPU_ENV) == views.device_identity(GPU_ENV, "cuda") == ("cuda:0", h100)
+    assert views.device_identity(GPU_ENV, "cpu") == ("cpu", "Xeon")  # a CPU run on a GPU host
+    assert views.device_identity(GPU_ENV, "cuda:3") == ("cuda:3", None)  # not in the fingerprint
+    assert views.machine_name(GPU_ENV, "cuda:3") == "GPU" and views.machine_name(None) == "CPU ? (? cores)"
+    assert views.machine_name(GPU_ENV, "cpu") == "CPU Xeon (64 cores)"
+    assert views.machine_key(GPU_ENV) == ("colleague-box", "cuda", None, (h100,))
+    from labkit.exercises import core
+    assert core.machine is views.machine_key  # the stored-run key of the exercises

@@ -12,8 +12,9 @@ from typing import Any, Callable
 from labkit import hardware, planner, quiz
 from labkit.config import ConfigError, RunConfig
 from labkit.experiment import plan_points, run_experiment
-from labkit.results import load_runs
+from labkit.results import format_number, load_runs
 from labkit.techniques import get_experiment
+from labkit.views import machine_key
 
 MiB, KiB = 2**20, 2**10
 # The quiz's topics (defined once, in labkit.quiz), in this order, plus the troubleshooting lab.
@@ -178,10 +179,11 @@ class Outcome:
 
 
 def show(value: Any, unit: str = "") -> str:
+    """A number in an exercise's text: `results.format_number` (4 significant digits, thousands
+    separated) and `unit` as written; text quoted, None as "none"."""
     if isinstance(value, str) or value is None:
         return repr(value) if isinstance(value, str) else "none"
-    text = f"{value:.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
-    return f"{text} {unit}".strip()
+    return f"{format_number(value)} {unit}".strip()
 
 
 def mib(x: float | None) -> str:
@@ -220,10 +222,7 @@ def parse_prediction(ex: Exercise, prediction: Any) -> Any:
     return number
 
 
-def machine(env: dict[str, Any]) -> tuple:
-    """What identifies the machine a run measured: a shared runs folder holds many machines'."""
-    gpus = tuple(g.get("name") for g in env.get("gpus") or [] if isinstance(g, dict))
-    return env.get("hostname"), env.get("device"), env.get("torch"), gpus
+machine = machine_key  # what identifies the machine a run measured (`views.machine_key`)
 
 
 def find_stored(run: Run, setup: Setup, runs_dir: str | None) -> dict[str, Any] | None:

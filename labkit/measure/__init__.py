@@ -1,1 +1,3 @@
-"""Measurement: timing, memory, FLOPs and roofline units. Techniques never import this package."""
+"""Measurement: the one clock (`clock`), memory, FLOPs, roofline units, and the meters' blind
+spots (`modes`). Techniques import its primitives (`clock`, `modes`, `memory.is_out_of_memory`);
+the harness (`labkit.experiment`) runs the meters around them."""

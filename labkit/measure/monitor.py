@@ -25,6 +25,8 @@ from labkit import hardware
 
 GPU_FIELDS = ("utilization_pct", "memory_used_bytes", "power_draw_w", "sm_clock_mhz", "temperature_c")
 CPU_FIELDS = ("cpu_pct", "rss_bytes")
+MIB = 2**20
+PHASE_COLORS = ("#457b9d", "#2a9d8f", "#8e7dbe", "#f4a261", "#264653", "#e9c46a", "#6d597a")
 # sample field -> (Prometheus gauge, help, which device label it carries)
 GAUGES = {
     "utilization_pct": ("labkit_gpu_utilization_pct", "GPU utilization (NVML), percent", "gpu"),
@@ -137,8 +139,7 @@ class DeviceMonitor:
             return len(self._samples)
 
     def figure(self, max_markers: int = 40):
-        """A plotly timeline: one panel per field with data, points coloured by phase, the first
-        `max_markers` phase marks as vertical lines."""
+        """The plotly timeline of every field with readings (`timeline_figure`)."""
         return timeline_figure(self.frame(), self.markers(), title=f"device monitor ({self.device}, "
                                f"{self.source})", max_markers=max_markers)
 
@@ -149,22 +150,32 @@ class DeviceMonitor:
 
 
 def timeline_figure(frame: pd.DataFrame, markers: pd.DataFrame, *, title: str = "device monitor",
+                    fields: tuple[str, ...] | None = None, max_fields: int | None = None,
                     max_markers: int = 40):
-    import plotly.graph_objects as go
+    """The device timeline: one panel per field with readings (of `fields`, default all, at most
+    `max_fields`; bytes in MiB), its samples as a line per phase (coloured, legend: the phase),
+    and a diamond where each of the first `max_markers` phases began (hover: which)."""
+    import numpy as np
     from plotly.subplots import make_subplots
 
-    fields = [c for c in frame.columns if c not in ("t_s", "phase") and frame[c].notna().any()]
-    fig = make_subplots(rows=max(len(fields), 1), cols=1, shared_xaxes=True,
-                        subplot_titles=fields or ["no readings"])
-    for row, name in enumerate(fields, start=1):
-        fig.add_trace(go.Scatter(x=frame["t_s"], y=frame[name], mode="lines", name=name,
-                                 line={"color": "lightgray"}, showlegend=False), row=row, col=1)
-        for phase, part in frame.groupby("phase", sort=False):
-            fig.add_trace(go.Scatter(x=part["t_s"], y=part[name], mode="markers", name=phase or "-",
-                                     legendgroup=phase, showlegend=row == 1), row=row, col=1)
-    for t, phase in markers.head(max_markers).itertuples(index=False):
-        fig.add_vline(x=t, line={"width": 1, "dash": "dot", "color": "gray"})
-    fig.update_layout(title=title, height=220 * max(len(fields), 1), xaxis_title="seconds")
+    names = [c for c in (fields or frame.columns) if c in frame and c not in ("t_s", "phase")
+             and frame[c].notna().any()][:max_fields]
+    fig = make_subplots(rows=max(len(names), 1), cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=[n.replace("_bytes", " (MiB)") for n in names] or ["no readings"])
+    marks = markers.head(max_markers)
+    for row, name in enumerate(names, start=1):
+        scale = MIB if name.endswith("_bytes") else 1
+        for i, (phase, part) in enumerate(frame.groupby("phase", sort=False)):
+            fig.add_scatter(x=part["t_s"], y=part[name] / scale, mode="lines", name=phase or "-",
+                            legendgroup=phase, showlegend=row == 1, row=row, col=1,
+                            line={"color": PHASE_COLORS[i % len(PHASE_COLORS)]})
+        known = frame.dropna(subset=[name])
+        at = np.interp(marks["t_s"], known["t_s"], known[name] / scale)
+        fig.add_scatter(x=marks["t_s"], y=at, mode="markers", name=f"{name} marks",
+                        hovertext=marks["phase"], showlegend=False, row=row, col=1,
+                        marker={"symbol": "diamond", "size": 9, "color": "#e76f51"})
+    fig.update_layout(title=title, height=170 * max(len(names), 1) + 60, margin={"t": 60, "b": 30},
+                      xaxis_title="seconds" if len(names) <= 1 else None)
     return fig
 
 

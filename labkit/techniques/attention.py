@@ -32,6 +32,9 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("naive", "sdpa", "math", "efficient", "flash", "cudnn", "flex_sliding")
 REFERENCE = "naive"
+# seq_len is attention's own (no positions); on a GPU bf16: the fused kernels (flash, cuDNN) take
+# no fp32
+SIZES = {"tiny": {"seq_len": 512}, "small": {"dtype": "bfloat16"}, "medium": {"dtype": "bfloat16"}}
 BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 CAN_USE = {"efficient": "can_use_efficient_attention", "flash": "can_use_flash_attention",

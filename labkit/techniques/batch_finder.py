@@ -39,6 +39,8 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "fp32_ckpt", "bf16", "bf16_ckpt")
 REFERENCE = "fp32"
+# on the CPU it searches a virtual budget (there is nothing else to run out of)
+SIZES = {"tiny": {"memory_budget_gib": 0.2, "mode": "dynamic"}}
 PROBE_STEPS = 2  # the first step allocates AdamW's state; the second runs with it resident
 # The planner has no autocast recipe. Autocast keeps fp32 weights, gradients, moments and optimizer
 # temporaries, which is the planner's "fp32"; it differs in the activations: some are saved in bf16

@@ -41,6 +41,8 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("sequential", "static", "dynamic", "continuous", "priority")
 REFERENCE = "sequential"
+# a CPU-sized workload; the KV budget holds 5 reserved rows (576 // its longest 104) of 8
+SIZES = {"tiny": {"batch_size": 8, "workload": "short", "kv_budget_tokens": 576}}
 WORKLOADS_DIR = hardware.DATA_DIR / "workloads"
 # Largest difference of a token's log-probability from the reference's, same context: batching
 # changes only the order of floating-point sums (about 1e-5 in fp32).

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +24,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
+from labkit.measure.clock import repeat_seconds
 from labkit.model import Decoder
-from labkit.techniques.training import Trainer, gradient_difference, step_with_gradients
+from labkit.techniques.training import Trainer, compare_grads, step_with_gradients
 from labkit.workload import Comparison, Workload
 
 aten = torch.ops.aten
@@ -122,12 +122,8 @@ def build(cfg: Config) -> Workload:
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
     """Every gradient after one step from the same weights and batch, against `none`'s."""
-    max_abs, max_rel = gradient_difference(reference["grads"], outputs["grads"])
     tolerance = GRAD_TOLERANCE["cuda" if cfg.device.startswith("cuda") else "cpu"]
-    ok = max_rel <= tolerance
-    message = "" if ok else f"gradients differ: normwise {max_rel:.2e} > {tolerance:g}"
-    return Comparison({"loss": outputs["loss"], "grad_max_abs_diff": max_abs,
-                       "grad_max_rel_diff": max_rel}, ok, message)
+    return compare_grads(reference, outputs, tolerance)
 
 
 # --- budget: which blocks to checkpoint, from a measured per-block table --------------------------
@@ -227,15 +223,8 @@ def held_bytes(forward, model: Decoder, shared: tuple) -> int:
 
 def forward_seconds(forward, device: torch.device) -> float:
     """Median wall time of a forward with grad (what recomputation runs), after one warm-up."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(TIMING_REPEATS + 1):
-        sync()
-        start = time.perf_counter()
-        forward()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return statistics.median(repeat_seconds(forward, device=str(device), repeats=TIMING_REPEATS,
+                                            warmup=1))
 
 
 def choose_blocks(costs: list[BlockCost], excess_bytes: int) -> tuple[int, ...]:

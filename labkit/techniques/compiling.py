@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +39,8 @@ from torch._dynamo.utils import counters, guard_failures
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob, torch_dtype
+from labkit.measure.clock import seconds
+from labkit.measure.modes import unmetered
 from labkit.model import Block, build_model, rope_tables
 from labkit.techniques.kv_caches import StaticCache
 from labkit.workload import Comparison, Workload
@@ -178,20 +179,6 @@ def clone(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # --- the experiment --------------------------------------------------------------------------------
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: str) -> float:
-    """Wall seconds of one call, the device drained before and after."""
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
 def compile_fn(fn: Callable, cfg: Config) -> Callable:
     mode = None if cfg.variant == "default" else cfg.variant
     compiled = torch.compile(fn, mode=mode)
@@ -220,14 +207,12 @@ def build(cfg: Config) -> Workload:
     def check() -> dict:
         # The harness's memory tracker is a TorchDispatchMode, under which Dynamo will not compile
         # (it runs eager); step outside it so the cold call really compiles, and is timed here.
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes(), torch.compiler.config.patch(
+        with unmetered(), torch.compiler.config.patch(
                 force_disable_caches=not cfg.inductor_cache):
             runs = []
-            found["first_call_s"] = timed(lambda: runs.append(target.check(fn, 0)), cfg.device)
+            found["first_call_s"] = seconds(lambda: runs.append(target.check(fn, 0)), cfg.device)
             runs += check_runs(target, fn, start=1)  # the next positions: do they recompile?
-            found["second_call_s"] = timed(lambda: target.run(fn), cfg.device)
+            found["second_call_s"] = seconds(lambda: target.run(fn), cfg.device)
         return {"runs": runs}
 
     def report() -> dict[str, float]:  # after the harness's timing: both paths are warm by now
@@ -250,8 +235,8 @@ def probe(target: Target, fn: Callable, cfg: Config) -> dict[str, float]:
     eager, compiled = [], []
     target.run(target.fn), target.run(fn)
     for _ in range(cfg.probe_calls):
-        eager.append(timed(lambda: target.run(target.fn), cfg.device))
-        compiled.append(timed(lambda: target.run(fn), cfg.device))
+        eager.append(seconds(lambda: target.run(target.fn), cfg.device))
+        compiled.append(seconds(lambda: target.run(fn), cfg.device))
     return {"probe_eager_s": statistics.median(eager), "probe_compiled_s": statistics.median(compiled)}
 
 

@@ -37,7 +37,7 @@ from labkit import hardware, planner
 from labkit.config import ConfigError, knob
 from labkit.distributed import DistConfig, clock, corrupt_scale, lined_up, rank, world_size
 from labkit.model import build_model
-from labkit.techniques.training import Trainer, gradient_difference, lm_loss, make_batch
+from labkit.techniques.training import Trainer, compare_grads, lm_loss, make_batch
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -246,19 +246,16 @@ def build(cfg: Config) -> Workload:
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
     """The first step's gradients and loss (same weights, same global batch) against one
     process's; the loss after `steps` steps is reported beside the reference's."""
-    max_abs, max_rel = gradient_difference(reference["grads"], outputs["grads"])
     losses, ref_losses = outputs["losses"], reference["losses"]
     loss_rel = abs(losses[0] - ref_losses[0]) / abs(ref_losses[0])  # the first step's
-    metrics = {"loss": losses[-1], "loss_delta": losses[-1] - ref_losses[-1],
-               "grad_max_abs_diff": max_abs, "grad_max_rel_diff": max_rel}
     tol = TOLERANCE.get(cfg.variant, FP32_TOLERANCE)
+    checked = compare_grads(reference, outputs, float("inf") if tol is None else tol,
+                            extra={"loss_rel_diff": loss_rel},
+                            reported={"loss": losses[-1], "loss_delta": losses[-1] - ref_losses[-1]})
     if tol is None:
-        return Comparison(metrics, True, f"{cfg.variant} is lossy: its gradient and loss deltas "
-                                         "are reported, not checked.")
-    ok = max_rel <= tol and loss_rel <= tol
-    message = "" if ok else (f"gradients or loss differ from one process's: max relative "
-                             f"{max_rel:.2e}, loss {loss_rel:.2e} > {tol:g}")
-    return Comparison(metrics, ok, message)
+        return Comparison(checked.metrics, True, f"{cfg.variant} is lossy: its gradient and loss "
+                                                 "deltas are reported, not checked.")
+    return checked
 
 
 def grad_shapes(cfg: Config) -> list[torch.Size]:

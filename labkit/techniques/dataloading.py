@@ -37,6 +37,7 @@ worker (seconds each); `fork` is the Linux default, kept to compare. Startup sho
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import statistics
@@ -45,11 +46,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.data import DataLoader, Dataset
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
+from labkit.measure.clock import CudaSpan, clock, repeat_seconds
+from labkit.measure.modes import is_metered
 from labkit.techniques.training import Trainer
 from labkit.workload import Comparison, Workload
 
@@ -98,12 +100,9 @@ def hash_rounds(x: np.ndarray, rounds: int) -> int:
 def round_us(length: int) -> float:
     """µs per hashing round over `length` elements on this machine (best of 5, cached)."""
     if length not in _ROUND_US:
-        x, best = np.arange(length, dtype=np.uint64), math.inf
-        for _ in range(5):
-            start = time.perf_counter()
-            hash_rounds(x, 50)
-            best = min(best, (time.perf_counter() - start) / 50)
-        _ROUND_US[length] = best * 1e6
+        x = np.arange(length, dtype=np.uint64)
+        best = min(repeat_seconds(lambda: hash_rounds(x, 50), device="cpu", repeats=5, warmup=0))
+        _ROUND_US[length] = best / 50 * 1e6
     return _ROUND_US[length]
 
 
@@ -179,36 +178,35 @@ class LoaderTrainer(Trainer):
             batch = next(self.iterator, None)
             if batch is not None:
                 return batch
-        start = time.perf_counter()
+        start = clock(self.cfg.device)
         self.iterator = iter(self.loader)  # starts the workers (or reuses persistent ones)
         batch = next(self.iterator)
         if math.isnan(self.first_batch_s):
-            self.first_batch_s = time.perf_counter() - start
+            self.first_batch_s = clock(self.cfg.device) - start
         return batch
 
     def step(self) -> float:
         cuda = is_cuda(self.cfg)
-        start = time.perf_counter()
+        # Host seconds on the one clock (on CUDA it drains the device first: nothing of this
+        # step is queued yet); the copy by CUDA events: a non_blocking copy returns before it ends.
+        start = clock(self.cfg.device)
         batch = self.next_batch()
-        waited = time.perf_counter() - start
-        if cuda:
-            copy_start, copy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            copy_start.record()
-        tokens = batch["tokens"].to(self.cfg.device, non_blocking=self.non_blocking)  # (B, T+1)
-        if cuda:
-            copy_end.record()
-        else:
-            waited = time.perf_counter() - start
+        waited = clock(self.cfg.device) - start
+        copy = CudaSpan() if cuda else contextlib.nullcontext()
+        with copy:
+            tokens = batch["tokens"].to(self.cfg.device, non_blocking=self.non_blocking)  # (B, T+1)
+        if not cuda:
+            waited = clock(self.cfg.device) - start
         loss = super().forward(tokens[:, :-1], tokens[:, 1:])
         self.backward_and_update(loss)
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(loss.item())  # .item() synchronizes: the step's work is done
-        copy_s = copy_start.elapsed_time(copy_end) / 1e3 if cuda else 0.0
+        copy_s = copy.seconds if cuda else 0.0
         # On CUDA the compute stream waits for the copy whether or not the host did: count it.
-        self.records.append((waited + copy_s, time.perf_counter() - start, copy_s))
+        self.records.append((waited + copy_s, clock(self.cfg.device) - start, copy_s))
         if len(self.batches) < self.cfg.steps:
             self.batches.append(batch)
-        if _get_current_dispatch_mode() is not None:  # a harness meter (memory, FLOPs) slowed it
+        if is_metered():  # a harness meter (memory, FLOPs) slowed this step: not a timing
             self.records.pop()
         return self.losses[-1]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
 
-from labkit.techniques.training import Trainer, gradient_difference, make_batch, total_norm
+from labkit.techniques.training import Trainer, compare_grads, make_batch, total_norm
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("one_batch", "accumulate")
@@ -82,11 +82,7 @@ def build(cfg: Config) -> Workload:
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
     """Every parameter's gradient after one step from the same weights and batch, against one batch."""
-    max_abs, max_rel = gradient_difference(reference["grads"], outputs["grads"])
-    ok = max_rel <= TOLERANCE
-    message = "" if ok else f"gradients differ from one batch's: max relative {max_rel:.2e} > {TOLERANCE:g}"
-    return Comparison({"loss": outputs["loss"], "grad_max_abs_diff": max_abs,
-                       "grad_max_rel_diff": max_rel}, ok, message)
+    return compare_grads(reference, outputs, TOLERANCE)
 
 
 def piece_size(cfg: Config) -> int:

@@ -22,7 +22,8 @@ import torch
 
 from labkit import hardware, planner
 from labkit.config import RunConfig, knob
-from labkit.techniques.training import Trainer, optimizer_state
+from labkit.measure.clock import CudaSpan
+from labkit.techniques.training import CopyAdamW, Trainer
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("none", "activations", "optimizer", "both")
@@ -71,41 +72,10 @@ class save_activations_on_host(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-class HostAdamW:
-    """AdamW whose state lives in host memory: the gradients are copied into pinned host buffers,
-    fp32 host copies of the weights are updated there, and the weights are copied back."""
-
-    def __init__(self, params, lr: float, *, pin_memory: bool = True):
-        self.params = list(params)
-        self.host = [torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, pin_memory=pin_memory))
-                     for p in self.params]
-        self.grads = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin_memory)  # staging
-                      for p in self.params]
-        with torch.no_grad():
-            for h, p in zip(self.host, self.params):
-                h.copy_(p)
-        self.inner = torch.optim.AdamW(self.host, lr=lr)
-        # gradients down and weights up
-        self.bytes_per_step = sum(2 * p.numel() * p.element_size() for p in self.params)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p, h, g in zip(self.params, self.host, self.grads):
-            h.grad = None if p.grad is None else g.copy_(p.grad, non_blocking=True)
-        if self.params[0].is_cuda:
-            # The gradients must land before the CPU reads them; this also orders the previous
-            # step's weight copies (which read the host weights) before the update rewrites them.
-            torch.cuda.synchronize(self.params[0].device)
-        self.inner.step()
-        for p, h in zip(self.params, self.host):
-            p.copy_(h, non_blocking=True)  # from pinned memory: asynchronous, ordered on the stream
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return self.host + optimizer_state(self.inner)
+# AdamW whose state lives in host memory (`CopyAdamW(params, lr, device="cpu")`): the gradients
+# are copied into pinned host buffers, fp32 host copies of the weights are updated there, and
+# the weights are copied back.
+HostAdamW = CopyAdamW
 
 
 class OffloadTrainer(Trainer):
@@ -118,7 +88,8 @@ class OffloadTrainer(Trainer):
 
     def make_optimizer(self, lr: float):
         if self.host_optimizer:
-            return HostAdamW(self.model.parameters(), lr, pin_memory=torch.cuda.is_available())
+            return CopyAdamW(self.model.parameters(), lr, device="cpu",
+                             pin_memory=torch.cuda.is_available())
         return super().make_optimizer(lr)
 
     def forward(self, inputs=None, targets=None) -> torch.Tensor:
@@ -129,7 +100,7 @@ class OffloadTrainer(Trainer):
             return super().forward(inputs, targets)
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
-        if isinstance(self.optimizer, HostAdamW):
+        if isinstance(self.optimizer, CopyAdamW):
             return self.optimizer.state_tensors()
         return super().optimizer_tensors()
 
@@ -152,13 +123,10 @@ def link_gbps(device: str) -> tuple[float, float]:
 
 def _copy_gbps(dst: torch.Tensor, src: torch.Tensor, repeats: int = 5) -> float:
     dst.copy_(src, non_blocking=True)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return repeats * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9  # elapsed_time: ms
+    with CudaSpan() as span:
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+    return repeats * src.numel() / span.seconds / 1e9
 
 
 def train_and_watch(trainer: OffloadTrainer, steps: int, device: str) -> dict:
@@ -170,13 +138,11 @@ def train_and_watch(trainer: OffloadTrainer, steps: int, device: str) -> dict:
     with torch.cuda.device(device):
         torch.cuda.reset_peak_memory_stats(device)
         trainer.train(steps - 1)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = trainer.train(1)
-        end.record()
-        end.synchronize()
+        with CudaSpan() as span:
+            out = trainer.train(1)
+        last_step_ms = span.seconds * 1e3
     return {**out, "device_peak_bytes": torch.cuda.max_memory_allocated(device),
-            "last_step_ms": start.elapsed_time(end)}
+            "last_step_ms": last_step_ms}
 
 
 def skip_reason(cfg: Config) -> str | None:

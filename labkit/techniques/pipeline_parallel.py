@@ -39,20 +39,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.utils._python_dispatch import _disable_current_modes
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, clock, default_nproc, world_size
+from labkit.distributed import DistConfig, default_nproc, world_size
+from labkit.measure.clock import clock, repeat_seconds
+from labkit.measure.modes import unmetered
 from labkit.model import build_model, rope_tables
 from labkit.techniques.pipeline_schedule import ideal_bubble, replayed_bubbles, step_bubbles
-from labkit.techniques.training import (Trainer, gradient_difference, lm_loss, make_batch,
+from labkit.techniques.training import (Trainer, compare_grads, lm_loss, make_batch,
                                         optimizer_state, step_with_gradients)
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
 VARIANTS = ("single", "gpipe", "1f1b")
 REFERENCE = "single"
+SIZES = {"tiny": {"batch_size": 8}}  # micro_batches 1, 2, 4 and 8 each split the batch
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # fp32, relative: the mean of m equal-sized micro-batch means against one mean, and m partial
 # gradient sums against one sum, differ by a few ulps (1.2e-7 each).
@@ -140,13 +142,7 @@ class StageModule(nn.Module):
 
 def _fastest_ms(fn, device: str) -> float:
     """The fastest of COST_REPEATS runs after a warm-up: noise on a shared host only adds time."""
-    fn()
-    times = []
-    for _ in range(COST_REPEATS):
-        start = clock(device)
-        fn()
-        times.append(clock(device) - start)
-    return min(times) * 1e3
+    return min(repeat_seconds(fn, device=device, repeats=COST_REPEATS, warmup=1)) * 1e3
 
 
 def measure_costs(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
@@ -159,7 +155,7 @@ def measure_costs(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
     probes = {"embed": lambda: model.embed(tokens).sum().backward(),
               "block": lambda: stage(x).sum().backward(),
               "head": lambda: lm_loss(model.lm_head(model.norm(x)), targets).backward()}
-    with _disable_current_modes():
+    with unmetered():
         costs = {part: _fastest_ms(fn, device) for part, fn in probes.items()}
     model.zero_grad(set_to_none=True)  # the probes' gradients must not reach the check
     return costs
@@ -436,13 +432,9 @@ def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
     """The batch's loss, and this rank's stage's gradients against the same parameters' in the
     reference, after one step from the same weights and batch."""
     loss_diff = abs(outputs["loss"] - reference["loss"]) / abs(reference["loss"])
-    ref = {n: reference["grads"][n] for n in outputs["grads"]}
-    max_abs, max_rel = gradient_difference(ref, outputs["grads"])
-    ok = loss_diff <= LOSS_TOLERANCE and max_rel <= GRAD_TOLERANCE
-    message = "" if ok else (f"loss relative difference {loss_diff:.2e} (<= {LOSS_TOLERANCE:g}), "
-                             f"gradients max relative {max_rel:.2e} (<= {GRAD_TOLERANCE:g})")
-    return Comparison({"loss": outputs["loss"], "loss_rel_diff": loss_diff,
-                       "grad_max_abs_diff": max_abs, "grad_max_rel_diff": max_rel}, ok, message)
+    stage = {"grads": {n: reference["grads"][n] for n in outputs["grads"]}}  # this rank's stage
+    return compare_grads(stage, outputs, GRAD_TOLERANCE, extra={"loss_rel_diff": loss_diff},
+                         limits={"loss_rel_diff": LOSS_TOLERANCE})
 
 
 def expected(cfg: Config) -> dict[str, float]:

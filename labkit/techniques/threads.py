@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -41,7 +40,8 @@ from labkit import hardware
 from labkit.config import ConfigError, ModelConfig, RunConfig, knob
 from labkit.model import build_model
 # The timing of a knob read at process start must happen in that process: this module times
-# its fresh processes itself, with the harness's Timing (see `child_main`).
+# its fresh processes itself, on the one clock, with the harness's Timing (see `child_main`).
+from labkit.measure.clock import timed_calls
 from labkit.measure.timer import Timing, cpu_threads, time_step
 from labkit.workload import Comparison, Workload
 
@@ -148,17 +148,11 @@ def per_step(cfg: Config) -> dict[str, float]:
 
 
 def time_calls(fn: Callable[[], Any], warmup: int, min_run_time_s: float, min_repeats: int = 3) -> Timing:
-    """Each call timed on its own, touching no thread setting (the knob under test stays as set)."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < MAX_CALLS and (len(times) < min_repeats
-                                      or time.perf_counter() - start < min_run_time_s):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return Timing(tuple(times), warmup)
+    """Each call timed on its own, touching no thread setting (the knob under test stays as set);
+    CPU work only (skip_reason refuses another device)."""
+    times = timed_calls(fn, device="cpu", warmup=warmup, min_run_time_s=min_run_time_s,
+                        min_repeats=min_repeats, max_calls=MAX_CALLS)
+    return Timing(times, warmup)
 
 
 # --- fresh processes --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from labkit.config import RunConfig
 from labkit.model import build_model
+from labkit.workload import Comparison
 
 
 def make_batch(cfg: RunConfig, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +42,52 @@ def total_norm(params) -> float:
     if not grads:
         return math.nan
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+class CopyAdamW:
+    """AdamW on copies of the weights, elsewhere or in another dtype: fp32 master copies of
+    16-bit weights on their device (`dtype=torch.float32`), or host copies (`device="cpu"`).
+    Each step hands the gradients to the copies (upcast to `dtype`; with `device`, copied into
+    staging buffers there, pinned when `pin_memory`, so a GPU copies asynchronously), updates the
+    copies and copies the result back into the weights (rounding to their dtype)."""
+
+    def __init__(self, params, lr: float, *, dtype: torch.dtype | None = None,
+                 device: str | None = None, pin_memory: bool = False):
+        self.params = list(params)
+        self.copies = [torch.nn.Parameter(torch.empty_like(p, dtype=dtype, device=device,
+                                                           pin_memory=pin_memory))
+                       for p in self.params]
+        # with `device`: gradient staging buffers there, allocated once
+        self.staging = [torch.empty_like(c, pin_memory=pin_memory) if device else None
+                        for c in self.copies]
+        with torch.no_grad():
+            for c, p in zip(self.copies, self.params):
+                c.copy_(p)
+        self.inner = torch.optim.AdamW(self.copies, lr=lr)
+        # gradients to the copies and weights back, per step
+        self.bytes_per_step = sum(2 * p.numel() * p.element_size() for p in self.params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, c, g in zip(self.params, self.copies, self.staging):
+            c.grad = None if p.grad is None else (
+                p.grad.to(c.dtype) if g is None else g.copy_(p.grad, non_blocking=True))
+        if self.staging[0] is not None and self.params[0].is_cuda:
+            # The gradients must land before the CPU reads them; this also orders the previous
+            # step's weight copies (which read the host weights) before the update rewrites them.
+            torch.cuda.synchronize(self.params[0].device)
+        self.inner.step()
+        for p, c in zip(self.params, self.copies):
+            p.copy_(c, non_blocking=True)  # from pinned memory: asynchronous, ordered on the stream
+            c.grad = None  # an upcast gradient is freed here; a staging buffer stays
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The copies and AdamW's moments (and step counters)."""
+        return self.copies + optimizer_state(self.inner)
 
 
 class Trainer:
@@ -130,3 +177,23 @@ def gradient_difference(reference: dict, grads: dict) -> tuple[float, float]:
         max_abs = float(np.maximum(max_abs, largest))
         max_rel = float(np.maximum(max_rel, float(np.linalg.norm(diff)) / norm if norm else largest))
     return max_abs, max_rel
+
+
+def compare_grads(reference: dict, outputs: dict, tolerance: float, *,
+                  extra: dict[str, float] | None = None, limits: dict[str, float] | None = None,
+                  reported: dict[str, float] | None = None) -> Comparison:
+    """`outputs["grads"]` against `reference["grads"]` (`gradient_difference`): a match when the
+    normwise relative difference and every `extra` difference are within `tolerance` (or that
+    difference's own limit in `limits`); a nan never matches. Metrics, in order: `reported`
+    (default: `outputs["loss"]`; shown, not checked), `extra`, grad_max_abs_diff,
+    grad_max_rel_diff. The message names every checked difference and its limit."""
+    max_abs, max_rel = gradient_difference(reference["grads"], outputs["grads"])
+    extra, limits = extra or {}, limits or {}
+    checked = {"gradients max relative": (max_rel, tolerance),
+               **{name: (value, limits.get(name, tolerance)) for name, value in extra.items()}}
+    ok = all(value <= limit for value, limit in checked.values())
+    message = "" if ok else ", ".join(f"{name} {value:.2e} (<= {limit:g})"
+                                      for name, (value, limit) in checked.items())
+    reported = {"loss": outputs["loss"]} if reported is None else reported
+    return Comparison({**reported, **extra, "grad_max_abs_diff": max_abs,
+                       "grad_max_rel_diff": max_rel}, ok, message)
