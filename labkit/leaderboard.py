@@ -27,7 +27,7 @@ import pandas as pd
 
 from labkit.config import DTYPE_ALIASES, MODELS, check_choice
 from labkit.results import format_value, load_results
-from labkit.views import machine_name
+from labkit.views import device_identity, machine_name
 
 # The metrics the leaderboard ranks by (one vocabulary: the unit is in the name).
 METRICS = ("tokens_per_s", "useful_tokens_per_s", "requests_per_s", "tflops", "gbps", "step_ms",
@@ -90,8 +90,7 @@ def machine_class(env: dict | None, device: str | None = None) -> str:
     name = machine_name(env, device)
     if not name.startswith("CPU "):
         return name
-    cpu = (env if isinstance(env, dict) else {}).get("cpu") or {}
-    return f"CPU {cpu.get('model') or '?'}"
+    return f"CPU {device_identity(env, 'cpu')[1] or '?'}"
 
 
 def board(frame: pd.DataFrame) -> pd.DataFrame:

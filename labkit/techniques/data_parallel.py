@@ -35,7 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, clock, corrupt_scale, lined_up, rank, world_size
+from labkit.distributed import DistConfig, corrupt_scale, rank, world_size
+from labkit.measure.clock import clock, lined_up
 from labkit.model import build_model
 from labkit.techniques.training import Trainer, compare_grads, lm_loss, make_batch
 from labkit.workload import Comparison, Workload

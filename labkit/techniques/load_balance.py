@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, clock, rank, world_size
+from labkit.distributed import DistConfig, rank, world_size
+from labkit.measure.clock import clock
 from labkit.techniques.training import Trainer, compare_grads, lm_loss, make_batch
 from labkit.workload import Comparison, Workload
 
