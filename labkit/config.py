@@ -289,17 +289,18 @@ def _check_lengths(cfg: RunConfig) -> None:
 # Each experiment's own sizes per preset live in its module (`SIZES`, read through its record).
 # `labkit.techniques` registers the lookup here when it is imported (any experiment's Config
 # imports it first): config sits below the techniques and never imports them.
-_SIZE_LOOKUP: list[Callable[[str, str], dict[str, Any]]] = []
+_size_lookup: Callable[[str, str], dict[str, Any]] | None = None
 
 
 def register_sizes(lookup: Callable[[str, str], dict[str, Any]]) -> None:
     """Set the function that gives an experiment's sizes at a preset (`labkit.techniques`)."""
-    _SIZE_LOOKUP[:] = [lookup]
+    global _size_lookup
+    _size_lookup = lookup
 
 
 def experiment_sizes(experiment: str, preset: str) -> dict[str, Any]:
     """The sizes `experiment` sets at `preset`; none for an empty or unregistered name."""
-    return dict(_SIZE_LOOKUP[0](experiment, preset)) if experiment and _SIZE_LOOKUP else {}
+    return dict(_size_lookup(experiment, preset)) if experiment and _size_lookup else {}
 
 
 def resolve(config_cls: type[RunConfig], preset: str | None = None,

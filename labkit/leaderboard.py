@@ -87,10 +87,8 @@ def _point(params: Any) -> str:
 def machine_class(env: dict | None, device: str | None = None) -> str:
     """What the device is, not which host: the GPU's name for a `cuda` run (`views.machine_name`),
     else `CPU <model>` (two hosts with the same CPU model are one class)."""
-    name = machine_name(env, device)
-    if not name.startswith("CPU "):
-        return name
-    return f"CPU {device_identity(env, 'cpu')[1] or '?'}"
+    kind, model = device_identity(env, device)
+    return f"CPU {model or '?'}" if kind == "cpu" else machine_name(env, device)
 
 
 def board(frame: pd.DataFrame) -> pd.DataFrame:

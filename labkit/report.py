@@ -140,8 +140,10 @@ def settings_of(exp: Experiment) -> set[str]:
 def experiment_settings(stem: str) -> set[str] | None:
     """The settings the experiment of notebook `stem` takes; None for a notebook that is not one
     experiment's (00_environment, 08_memory_planner, ...)."""
-    exp = notebook_experiments().get(stem)
-    return None if exp is None else settings_of(exp)
+    from labkit.techniques import notebook_names, record
+
+    name = notebook_names().get(stem)
+    return None if name is None else settings_of(record(name))
 
 
 def check_settings(keys: list[str]) -> None:

@@ -34,7 +34,7 @@ from labkit.config import ConfigError
 from labkit.exercises import inference, memory, parallel, precision, profiling
 from labkit.exercises.attempts import load_attempts, record_attempt
 from labkit.exercises.core import (LEVELS, SOURCES, TOPICS, Exercise, Outcome, Rows, Run, Setup, grade,
-                                   measure, parse_prediction, show)
+                                   measure, measure_setup, parse_prediction, show)
 from labkit.exercises.formulas import (faster, fp16_demo, fp16_round, ring_allreduce_bytes,
                                        tensor_core_friendly)
 from labkit.exercises.labs import (DIAGNOSES, LAB_RUNS, LABS, Lab, apply_fix, diagnose, investigate,
@@ -94,13 +94,14 @@ def check(key: str, prediction: Any = None, *, solution: bool = False, device: s
     attempt (not an answer key) is stored in `runs_dir`/attempts with the participant and team."""
     ex = get(key)
     setup = Setup(RUNS[ex.run], device)
+    setup.require_present()  # before any formula: a simulated GPU is for reference_answer only
     reference = ex.answer(setup)
     if solution:
         prediction = reference
     if prediction is None:
         raise ConfigError(f"{key}: enter a prediction ({ex.tolerance_words()}), or set solution = True")
     prediction = parse_prediction(ex, prediction)
-    rows = measure(RUNS[ex.run], device, runs_dir, reuse=reuse)
+    rows = measure_setup(setup, runs_dir, reuse=reuse)
     words = {v: v if isinstance(v, str) else show(v, ex.unit) for v in (reference, prediction)}
     evidence = ex.evidence(rows, setup)
     graded = ex.measured(rows) if ex.graded_against == "measurement" else reference

@@ -65,6 +65,12 @@ class Setup:
     def device(self) -> str:
         return self.points[0][1].device
 
+    def require_present(self) -> None:
+        """A ConfigError (one line) when the device is simulated: formulas only, nothing measured."""
+        if self.simulated:
+            raise ConfigError(f"device {self.device!r} is not present here; available: "
+                              f"{', '.join(hardware.available_devices())}")
+
     def formulas(self) -> contextlib.AbstractContextManager:
         """Where the formulas run: on a simulated GPU, `hardware.ceilings("cuda")` answers with
         SIMULATED_GPU's datasheet."""
@@ -244,16 +250,18 @@ def measure(run: Run, device: str = "auto", runs_dir: str | None = None, *,
             reuse: bool = True) -> Rows:
     """The run's rows: with `reuse`, a complete stored run of the same settings on this machine
     in `runs_dir` (several exercises share one run); else a new run on `device`."""
-    setup = Setup(run, device)
-    if setup.simulated:
-        raise ConfigError(f"device {device!r} is not present here; available: "
-                          f"{', '.join(hardware.available_devices())}")
-    where = setup.device
+    return measure_setup(Setup(run, device), runs_dir, reuse=reuse)
+
+
+def measure_setup(setup: Setup, runs_dir: str | None = None, *, reuse: bool = True) -> Rows:
+    """`measure` for a Setup already resolved (its configs are what is measured)."""
+    setup.require_present()
+    run, where = setup.run, setup.device
     record = find_stored(run, setup, runs_dir) if reuse else None
     if record:
         return Rows(record["rows"], f"stored run {record['run_id']} ({record['timestamp']}, {where}), "
                                     "the same settings on this machine, reused", record["run_id"])
-    result = run_experiment(run.experiment, preset=PRESET, overrides={"device": device, **run.overrides},
+    result = run_experiment(run.experiment, preset=PRESET, overrides={"device": where, **run.overrides},
                             sweep=run.sweep or None, variants=list(run.variants),
                             runs_dir=runs_dir, progress=False)
     return Rows(result.rows, f"run {result.run_id} on {where}, measured now", result.run_id)

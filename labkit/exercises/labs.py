@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 from labkit import planner
 from labkit.config import ConfigError
 from labkit.exercises.attempts import record_attempt
-from labkit.exercises.core import TOPICS, Rows, Run, Setup, measure, mib, show
+from labkit.exercises.core import TOPICS, Rows, Run, Setup, measure_setup, mib, show
 from labkit.exercises.formulas import FP16_MAX, tensor_core_friendly
 from labkit.exercises.runs import FAST, RUNS, SLOW_STAGE_MS
 from labkit.techniques import get_experiment
@@ -567,6 +567,7 @@ class Evidence:
     figures: dict[str, str]  # label -> measured figure (and the planner's beside it)
     source: str  # where the measurement came from
     reading: Reading
+    device: str  # where it was measured
 
     def report(self) -> str:
         lines = [f"Evidence ({self.source}):"] + [f"- {k}: {v}" for k, v in self.figures.items()]
@@ -626,8 +627,8 @@ def symptoms(key: str) -> str:
 
 
 def _read(trial: Trial, device: str, runs_dir: str | None, reuse: bool = True) -> tuple[Reading, Setup]:
-    rows = measure(trial.run, device, runs_dir, reuse=reuse)
-    return Reading(rows, trial), Setup(trial.run, device)
+    setup = Setup(trial.run, device)
+    return Reading(measure_setup(setup, runs_dir, reuse=reuse), trial), setup
 
 
 def investigate(key: str, device: str = "auto", runs_dir: str | None = None, *,
@@ -637,7 +638,7 @@ def investigate(key: str, device: str = "auto", runs_dir: str | None = None, *,
     reading, setup = _read(lab.trial, device, runs_dir, reuse)
     with setup.formulas():
         figures = lab.evidence(reading, setup)
-    return Evidence(lab, figures, reading.rows.source, reading)
+    return Evidence(lab, figures, reading.rows.source, reading, setup.device)
 
 
 def parse_diagnosis(key: str, diagnosis: Any) -> str:
@@ -650,17 +651,18 @@ def parse_diagnosis(key: str, diagnosis: Any) -> str:
 
 def diagnose(key: str, diagnosis: Any = None, *, solution: bool = False, device: str = "auto",
              runs_dir: str | None = None, participant: str | None = None,
-             team: str | None = None) -> DiagnosisOutcome:
+             team: str | None = None, evidence: Evidence | None = None) -> DiagnosisOutcome:
     """Grade a diagnosis against the lab's cause, with the feedback for that choice; a learner's
-    attempt (not solution mode) is stored with the evidence it was made on."""
+    attempt (not solution mode) is stored with the evidence it was made on (`evidence`, when the
+    caller has it already from `investigate`)."""
     lab = get_lab(key)
     chosen = lab.diagnosis if solution else parse_diagnosis(key, diagnosis)
     outcome = DiagnosisOutcome(lab, chosen, chosen == lab.diagnosis, lab.feedback_for(chosen), solution)
     if not solution:
-        ev = investigate(key, device, runs_dir)
+        ev = evidence or investigate(key, device, runs_dir)
         record_attempt(kind="diagnosis", exercise=key, topic=TOPIC, level=lab.level,
                        prediction=chosen, reference=lab.diagnosis, correct=outcome.correct,
-                       measured=ev.figures, device=Setup(lab.trial.run, device).device,
+                       measured=ev.figures, device=ev.device,
                        run_id=ev.reading.rows.run_id, folder=runs_dir, participant=participant,
                        team=team)
     return outcome

@@ -71,7 +71,12 @@ def records() -> dict[str, Experiment]:
 def by_notebook() -> dict[str, Experiment]:
     """The experiment each experiment notebook belongs to, by notebook stem (its record's
     `notebook`); the other notebooks (00_environment, 08_memory_planner, ...) are not in it."""
-    return {Path(exp.notebook).stem: exp for exp in records().values() if exp.notebook}
+    return {stem: record(name) for stem, name in notebook_names().items()}
+
+
+def notebook_names() -> dict[str, str]:
+    """Notebook stem -> experiment name, from the registry alone (no module is imported)."""
+    return {Path(nb).stem: name for name, (_, nb) in REGISTRY.items() if nb}
 
 
 def _sizes(experiment: str, preset: str) -> dict:

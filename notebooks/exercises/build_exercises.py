@@ -80,7 +80,8 @@ elif diagnosis is None:
     print("Choose a diagnosis in the dropdown below, or set `diagnosis` above and run again.")
 else:
     for attempt in [diagnosis] if isinstance(diagnosis, str) else diagnosis:
-        print(labs.diagnose({KEY!r}, attempt, device=device, runs_dir=runs_dir).report(), "\\n")'''
+        print(labs.diagnose({KEY!r}, attempt, device=device, runs_dir=runs_dir,
+                            evidence=evidence).report(), "\\n")'''
 
 LAB_FIX = '''if solution or fix is not None:
     print(labs.apply_fix({KEY!r}, fix, solution=solution, device=device, runs_dir=runs_dir).report())
@@ -104,7 +105,7 @@ def lab_notebook(lab: labs.Lab) -> nbformat.NotebookNode:
         new_markdown_cell("## What is reported"),
         new_code_cell(f"from labkit.exercises import labs\n\nprint(labs.symptoms({lab.key!r}))"),
         new_markdown_cell("## The evidence, measured on your device"),
-        new_code_cell(f"print(labs.investigate({lab.key!r}, device, runs_dir).report())"),
+        new_code_cell(f"evidence = labs.investigate({lab.key!r}, device, runs_dir)\nprint(evidence.report())"),
         new_markdown_cell("## Your diagnosis"),
         new_code_cell(code["diagnose"]),
         new_markdown_cell("## Your fix: measured again and graded"),
