@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_reference_parser(sub) -> None:
-    from labkit.reference import DEFAULTS, REFERENCE_DIR
+    from labkit.blocks.reference import DEFAULTS, REFERENCE_DIR
 
     tr = sub.add_parser("train-reference", help="train the reference model on labkit's synthetic "
                                                 "language; write its weights and record")
@@ -238,9 +238,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
 def cmd_run(args: argparse.Namespace) -> int:
     """Rows on stdout (rank 0 only under torchrun); a multi-process run that a rank cut short
     prints what was measured, then one line naming the rank and the cause, and exits 1."""
-    from labkit import launch
-    from labkit.distributed import RunFailed
-    from labkit.experiment import run_experiment
+    from labkit.harness import launch
+    from labkit.harness.ranks import RunFailed
+    from labkit.harness.experiment import run_experiment
     from labkit.techniques import record
 
     overrides = _overrides(args)
@@ -372,7 +372,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from labkit.experiment import profile_experiment
+    from labkit.harness.experiment import profile_experiment
 
     writable_file(args.trace, "--trace")
     prof = profile_experiment(args.name, preset=args.preset, variant=args.variant,
@@ -417,7 +417,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from labkit import roofline
+    from labkit.views import roofline
 
     sizes = None
     if args.sizes:
@@ -432,7 +432,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
     from labkit.config import resolve_device
-    from labkit.selfcheck import exit_code, recheck, selfcheck
+    from labkit.harness.selfcheck import exit_code, recheck, selfcheck
 
     if args.out:
         writable_file(args.out, "--out")
@@ -447,7 +447,7 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """A plan that does not fit is an answer (exit 0); only bad input exits 2."""
-    from labkit.plan_view import format_plan
+    from labkit.views.plan import format_plan
     from labkit.planner import plan_report
 
     report = plan_report(model=args.model, params=args.params, batch_size=args.batch_size,
@@ -460,7 +460,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_train_reference(args: argparse.Namespace) -> int:
-    from labkit.reference import DEFAULTS, QUICK, train_reference, write_reference
+    from labkit.blocks.reference import DEFAULTS, QUICK, train_reference, write_reference
 
     settings = {**DEFAULTS, **(QUICK if args.quick else {}), "seed": args.seed}
     if args.steps is not None:

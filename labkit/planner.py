@@ -1,6 +1,6 @@
 """The analytic model: the napkin math that experiments show beside their measurements.
 
-Counts follow the model in `labkit.model` exactly (the tests hold them to the module's own
+Counts follow the model in `labkit.blocks.model` exactly (the tests hold them to the module's own
 parameter count and to FlopCounterMode), so a gap between predicted and measured is a finding.
 
 The second half is the memory planner: `training_memory` (what one training step holds per GPU
@@ -97,7 +97,7 @@ def generate_flops(m: ModelConfig, *, batch: int, prompt_len: int, new_tokens: i
 #   Trillion Parameter Models", section 3.1 and figure 1);
 # - activations per layer, the analysis of Korthikanti et al. 2022, "Reducing Activation
 #   Recomputation in Large Transformer Models" (section 4), redone for the blocks of
-#   `labkit.model` (see `layer_activation_bytes`); the paper's own formulas are
+#   `labkit.blocks.model` (see `layer_activation_bytes`); the paper's own formulas are
 #   `korthikanti_activation_bytes`;
 # - the step's timeline: which of these coexist at the peak (`training_memory`).
 # ==================================================================================================
@@ -271,7 +271,7 @@ def stage_params(m: ModelConfig, *, tp: int = 1, pp: int = 1, first: bool = True
 
 def layer_activation_bytes(m: ModelConfig, *, batch_size: int, seq_len: int, precision: str = "fp32",
                            tp: int = 1, checkpointing: str = "none", device: str | None = None) -> int:
-    """Bytes one block of `labkit.model` keeps for backward at (batch_size, seq_len), read off
+    """Bytes one block of `labkit.blocks.model` keeps for backward at (batch_size, seq_len), read off
     what autograd saves (SavedTensorMeter.by_producer) and checked against it in the tests.
 
     How this differs from the paper's GPT block (34sbh + 5as²b, fp16, `korthikanti_activation_bytes`):
@@ -472,7 +472,7 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
                     device: str | None = None, optimizer_impl: str | None = None) -> MemoryPlan:
     """Predict one training step's memory on one GPU (the busiest pipeline stage when pp > 1).
 
-    The step, as `labkit.techniques.training.Trainer` runs it (zero_grad(set_to_none=True)):
+    The step, as `labkit.blocks.training.Trainer` runs it (zero_grad(set_to_none=True)):
     the weights and optimizer states stay resident; the forward builds the activations; the
     backward starts with the loss's temporaries on top of all of them and allocates gradients
     while it frees activations; the optimizer step holds every gradient plus its temporaries.

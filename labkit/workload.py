@@ -1,7 +1,7 @@
 """The experiment contract's types: what a technique hands the harness, and how it says no.
 
 An experiment module offers `Config` (a `RunConfig` subclass whose `variant` chooses the line;
-`labkit.distributed.DistConfig` for a multi-process one, which also sets `DISTRIBUTED = True` and
+`labkit.blocks.distributed.DistConfig` for a multi-process one, which also sets `DISTRIBUTED = True` and
 may set `CPU_RANKS`, its rank count without GPUs),
 `VARIANTS`, `REFERENCE`, `build(cfg) -> Workload`, `compare(reference, outputs, cfg) ->
 Comparison`, and `expected(cfg) -> {metric: predicted value}` (the napkin math); optionally

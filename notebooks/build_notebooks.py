@@ -36,7 +36,7 @@ def look_for(text: dict[str, str], call: str | None = None) -> list:
     rendered at run time by `plan_view.show_predicted` (`call`: its arguments)."""
     cells = [new_markdown_cell(f"## What to look for\n\n{text['look_for']}")]
     if call:
-        cells.append(new_code_cell(f"from labkit import plan_view\n\nplan_view.show_predicted({call})"))
+        cells.append(new_code_cell(f"from labkit.views import plan as plan_view\n\nplan_view.show_predicted({call})"))
     return cells
 
 
@@ -83,15 +83,15 @@ def experiment_notebook(name: str, sweep: str = "{}", extra: tuple = (), predict
         new_code_cell("from labkit import hardware\n\nprint(hardware.describe())"),
         *markdown(tpl, "run"),
         new_code_cell(
-            "from labkit.experiment import run_experiment\n"
-            "from labkit.widgets import build_panel, show_result\n\n"
+            "from labkit.harness.experiment import run_experiment\n"
+            "from labkit.ui.widgets import build_panel, show_result\n\n"
             f'result = run_experiment("{name}", preset=preset, overrides={settings},\n'
             '                        variants=None if variants == "all" else variants.split(","),\n'
             "                        sweep=sweep, runs_dir=runs_dir, progress=False)\n"
             "frame = result.frame()\n"
             f'show_result(frame, "{name}")'),
         *markdown(tpl, "numbers"),
-        new_code_cell("from labkit import viz\n\nviz.readable(viz.metric_table(frame))  # numbers with units; "
+        new_code_cell("from labkit.views import plots as viz\n\nviz.readable(viz.metric_table(frame))  # numbers with units; "
                       "viz.metric_table(frame) holds them as numbers"),
         *[cell for section, code in extra for cell in (new_markdown_cell(text[section]), new_code_cell(code))],
         *markdown(tpl, "reference"),
@@ -125,7 +125,7 @@ for variant in ("static", "continuous"):
     cfg = resolve(batching.Config, preset, {**overrides, "device": device, "variant": variant},
                   experiment="batching")
     viz.schedule_figure(*batching.schedule_frames(cfg), title=variant).show()'''
-MATMUL_ROOFLINE = '''from labkit import roofline
+MATMUL_ROOFLINE = '''from labkit.views import roofline
 from labkit.config import resolve_device
 
 dev = hardware.ceilings(resolve_device(device)).device
@@ -205,7 +205,7 @@ DESCRIBE = "from labkit import hardware\n\nprint(hardware.describe())"
 
 ENVIRONMENT = ('device = "auto"  # auto, cpu, cuda or cuda:N\npreset = None  # None: chosen from the device', (
     (None, "import pandas as pd\n\nfrom labkit import hardware\n\nprint(hardware.describe())"),
-    ("devices", "from labkit import viz\n\nviz.readable(pd.DataFrame(hardware.architecture()))"),
+    ("devices", "from labkit.views import plots as viz\n\nviz.readable(pd.DataFrame(hardware.architecture()))"),
     ("ceilings", '''from labkit.config import resolve_device
 
 ceil = hardware.ceilings(resolve_device(device))
@@ -216,7 +216,7 @@ viz.readable(pd.DataFrame({'peak TFLOP/s': ceil.peak_tflops,
        'ridge FLOP/byte': lambda t: t['peak TFLOP/s'] * 1e12 / ((ceil.bandwidth_gbps or float('nan')) * 1e9)}))'''),
     ("knobs", "hardware.env_knobs() or 'none set'",
      "import torch\n\nprint(torch.__config__.parallel_info())  # thread pools, OpenMP/MKL, their knobs"),
-    ("lab_plan", "from labkit.experiment import lab_plan\n\npd.DataFrame(lab_plan(device, preset))"),
+    ("lab_plan", "from labkit.harness.experiment import lab_plan\n\npd.DataFrame(lab_plan(device, preset))"),
 ))
 
 BATCH_FINDER = ('''preset = None  # model shape and sizes: tiny, small, medium, gpt2-124m, ...; None: from the device
@@ -228,16 +228,16 @@ overrides = {}  # any config field, e.g. {"mode": "dynamic", "effective_batch": 
 interactive = True  # show the widget panel to re-run with other settings
 runs_dir = None  # where results are stored (None: $LABKIT_RUNS_DIR or ./runs)''', (
     ("machine", DESCRIBE),
-    ("run", '''from labkit.experiment import run_experiment
+    ("run", '''from labkit.harness.experiment import run_experiment
 from labkit.techniques.batch_finder import budget_overrides
-from labkit.widgets import build_panel
+from labkit.ui.widgets import build_panel
 
 settings = {**budget_overrides(device, cpu_budget_gib), **overrides, "device": device}
 result = run_experiment("batch_finder", preset=preset, overrides=settings, sweep={"seq_len": seq_lens},
                         variants=None if variants == "all" else variants.split(","),
                         runs_dir=runs_dir, progress=False)
 frame = result.frame()'''),
-    ("frontier", "from labkit import viz\n\nviz.frontier(frame).show()"),
+    ("frontier", "from labkit.views import plots as viz\n\nviz.frontier(frame).show()"),
     ("predicted", "display(viz.readable(viz.predicted_table(frame)))\nviz.not_run(frame)"),
     ("numbers", "viz.readable(viz.metric_table(frame))"),
     ("panel", '''if interactive:
@@ -257,14 +257,14 @@ device = "auto"  # where that check runs: auto, cpu, cuda or cuda:N
 interactive = True  # show the planner panel to try other inputs
 runs_dir = None  # where the check's results are stored (None: $LABKIT_RUNS_DIR or ./runs)''', (
     ("machine", DESCRIBE),
-    ("worked_example", '''from labkit import plan_view, viz
+    ("worked_example", '''from labkit.views import plan as plan_view, plots as viz
 
 steps = plan_view.worked_example(model=model, gpus=gpus, gpu_mem_gib=gpu_mem_gib,
                                  seq_len=seq_len, effective_batch=effective_batch)
 viz.readable(plan_view.worked_table(steps))''',
      'plan_view.stacked_terms(steps, title=f"{model}: predicted peak per GPU").show()'),
     ("recommended_plan", 'print(plan_view.format_plan(steps["recommended"]))'),
-    ("check", '''from labkit.experiment import run_experiment
+    ("check", '''from labkit.harness.experiment import run_experiment
 
 check = run_experiment("mixed_precision", preset="tiny", variants=["fp32"],
                        overrides={**check_overrides, "device": device},
@@ -281,7 +281,8 @@ model = "llama-2-7b"  # the fit table's model: a preset (tiny, small, gpt2-124m,
 selfcheck = None  # your `labkit selfcheck --out` file, shown beside the H200 reference; None: the reference alone
 interactive = True  # show the panels: pick runs, enter prices, try other fit settings''', (
     ("machine", DESCRIBE),
-    ("runs", '''from labkit import views, viz
+    ("runs", '''from labkit import views
+from labkit.views import plots as viz
 from labkit.results import load_results, runs_dir as store
 
 frame = load_results(runs_dir)
@@ -323,9 +324,9 @@ metric = "tokens_per_s"  # what the side-by-side tables and the bars rank
 preset = None  # only runs at this preset (tiny, small, medium, ...); None: every preset
 by = "participant"  # the learning view: participant or team
 interactive = True  # the live panel: choose the metric and grouping, Refresh as the room runs''', (
-    ("who", '''from labkit import leaderboard as lb
+    ("who", '''from labkit.study import leaderboard as lb
 from labkit.results import runs_dir as store
-from labkit.viz import readable
+from labkit.views.plots import readable
 
 rows = lb.load_board(runs_dir, preset)
 people, machines = sorted(set(rows['participant'])), rows['machine'].nunique()
@@ -356,7 +357,7 @@ minutes = None  # mock only: the time allowed (None: 2 minutes a question, the e
 seed = None  # a number: the same questions and choice order every time (a class sharing one quiz)
 progress = None  # progress file (None: $LABKIT_QUIZ_PROGRESS or ~/.labkit/quiz_progress.json)
 interactive = True  # the quiz widget; False: print the drawn questions with their answers (an answer key)''', (
-    ("bank", '''from labkit import quiz
+    ("bank", '''from labkit.study import quiz
 
 bank = quiz.load_bank()
 print(quiz.format_stats(quiz.bank_stats(bank, seed=0)))

@@ -37,7 +37,7 @@ def fault_fixtures(experiment: str, overrides: dict):
     """Module-scoped fixtures of one launch of `experiment` swept over FAULTS: `run` (every row),
     `rows` (the clean ones) and `corrupted` (fault_rank's gradient reduction spoiled). Bind them
     at module level: `run, rows, corrupted = fault_fixtures(...)`."""
-    from labkit.experiment import run_experiment
+    from labkit.harness.experiment import run_experiment
 
     @pytest.fixture(scope="module")
     def run(tmp_path_factory):
@@ -59,7 +59,7 @@ def fault_fixtures(experiment: str, overrides: dict):
 def shared_runs(tmp_path_factory):
     """Every Run behind the exercises measured once per session, into one folder that the
     exercise tests and notebooks reuse (exercises that share a Run share its rows)."""
-    from labkit import exercises
+    from labkit.study import exercises
 
     folder = tmp_path_factory.mktemp("exercise-runs")
     for run in exercises.RUNS.values():

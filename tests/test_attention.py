@@ -6,7 +6,7 @@ import torch
 from conftest import FAST
 
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import attention
 
 # head_dim 16 (64 / 4 heads), 2 kv heads (GQA): the S x S term dominates at these lengths. On the

@@ -10,10 +10,10 @@ import torch
 
 from conftest import FAST
 from labkit.config import resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.measure.memory import MemoryMeter
 from labkit.techniques import batch_finder
-from labkit.techniques.training import Trainer, optimizer_state
+from labkit.blocks.training import Trainer, optimizer_state
 
 BUDGET_GIB = 0.07  # 2-layer tiny model: ~62 MiB of weights, AdamW state and step temporaries
 SIZES = {**FAST, "num_layers": 2, "seq_len": 8, "memory_budget_gib": BUDGET_GIB, "mode": "grow",
@@ -127,9 +127,9 @@ def test_accumulation_keeps_the_effective_batch_and_its_gradient():
 
     losses = []
     for sizes in ([5], [2, 2, 1]):
-        trainer = batch_finder.FrontierTrainer(config(batch_size=5), sizes)
+        trainer = batch_finder.frontier_step(config(batch_size=5), sizes)
         trainer.optimizer.register_step_pre_hook(keep)
-        losses.append(trainer.accumulate())
+        losses.append(trainer.step())
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-4) for a, b in zip(*grads))
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from labkit.config import MODELS, ConfigError, resolve
-from labkit.experiment import run_experiment
-from labkit.model import build_model
+from labkit.harness.experiment import run_experiment
+from labkit.blocks.model import build_model
 from labkit.techniques import batching
 from labkit.techniques.kv_cache import load_model
-from labkit.techniques.kv_caches import BlockPool, DynamicCache
-from labkit.techniques.requests import Request
-from labkit.techniques.serving import RowCache
-from labkit.viz import schedule_figure
+from labkit.blocks.kv_caches import BlockPool, DynamicCache
+from labkit.blocks.requests import Request
+from labkit.blocks.serving import RowCache
+from labkit.views.plots import schedule_figure
 
 # A backlog (all queued at t = 0: no timing in the schedule) of the default workload's first 12
 # requests, outputs clipped to 32 tokens; 4 rows; a pool of 192 positions: static reserves the

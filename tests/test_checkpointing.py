@@ -7,11 +7,11 @@ import pytest
 
 from conftest import FAST, by
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.measure.flops import count_flops
 from labkit.measure.memory import LiveTensorTracker
 from labkit.techniques import checkpointing as ckpt
-from labkit.techniques.training import Trainer, gradient_difference
+from labkit.blocks.training import Trainer, gradient_difference
 
 TINY = {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2, "device": "cpu"}
 # The tiny preset's own sizes: the backward's start (activations) sets the peak, not the step.

@@ -367,7 +367,9 @@ def forbid(monkeypatch, target, name: str, calls: list) -> None:
 @pytest.mark.parametrize("kind", ["proc", "file", "read-only"])
 def test_a_runs_folder_that_cannot_be_written_is_refused_before_anything_runs(kind, tmp_path,
                                                                               monkeypatch):
-    from labkit import report, roofline, selfcheck
+    from labkit import report
+    from labkit.views import roofline
+    from labkit.harness import selfcheck
 
     calls: list = []
     forbid(monkeypatch, kv_cache, "build", calls)
@@ -391,7 +393,10 @@ def test_a_runs_folder_that_cannot_be_written_is_refused_before_anything_runs(ki
 @pytest.mark.parametrize("kind", ["proc", "file", "read-only"])
 def test_an_output_path_that_cannot_be_written_is_refused_before_anything_runs(kind, tmp_path,
                                                                                monkeypatch):
-    from labkit import experiment, reference, report, selfcheck
+    from labkit import report
+    from labkit.harness import experiment
+    from labkit.blocks import reference
+    from labkit.harness import selfcheck
 
     calls: list = []
     for target, name in ((selfcheck, "selfcheck"), (report, "run_report"), (reference,
@@ -457,7 +462,7 @@ def test_run_exits_1_only_when_the_reference_row_is_an_error(failing, raised, co
 
 def test_calibrate_stores_ceilings_the_roofline_then_prefers(tmp_path, monkeypatch):
     """Only the wiring: the scan itself is tested in test_roofline.py (a 256 MiB copy is slow)."""
-    from labkit import roofline
+    from labkit.views import roofline
 
     seen = {}
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import distributed
 from labkit.measure import clock as clk
 from labkit.measure.flops import make_flop_counter
 from labkit.measure.memory import MemoryMeter
@@ -154,12 +153,6 @@ def test_cuda_span_records_around_the_block_and_reports_seconds(monkeypatch):
     assert [kind for kind, _ in FakeEvent.log] == ["record", "block", "record"]
     assert span.seconds == 0.25  # elapsed_time's ms -> s, after waiting for the end event
     assert FakeEvent.log[-1] == ("synchronize", span.end)
-
-
-def test_distributed_re_exports_the_one_clock():
-    assert distributed.clock is clk.clock
-    assert distributed.lined_up is clk.lined_up
-    assert distributed.fixed_repeats_timer is clk.fixed_repeats_timer
 
 
 def test_fixed_repeats_timer_runs_the_same_count_after_a_barrier(tmp_path):

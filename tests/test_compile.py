@@ -7,10 +7,10 @@ from conftest import FAST, by
 
 from labkit import hardware
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
-from labkit.model import build_model
+from labkit.harness.experiment import run_experiment
+from labkit.blocks.model import build_model
 from labkit.techniques import compiling
-from labkit.techniques.kv_caches import DynamicCache
+from labkit.blocks.kv_caches import DynamicCache
 
 # 1 layer, width 32: the smallest graphs, so each cold compile takes seconds, not tens
 SHAPE = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "ffn_size": 64,

@@ -10,7 +10,7 @@ import torch
 from conftest import TINY_TRAIN, FAST
 from labkit import planner
 from labkit.config import MODELS, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.measure import timer
 from labkit.measure.flops import make_flop_counter
 from labkit.measure.memory import MemoryMeter

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from conftest import FAULTS, TINY_DIST, fault_fixtures
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import data_parallel as dp
 
 # 1 MiB buckets: the tiny model's gradients (13.5 MiB) span several, so every hook sees many.

@@ -6,7 +6,7 @@ import torch
 from conftest import TINY_TRAIN, by
 
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import dataloading
 
 SIZES = {**TINY_TRAIN, "batch_size": 2, "steps": 3, "epoch_steps": 6, "sample_cost_us": 300.0,

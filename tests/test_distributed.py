@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from conftest import FAST
-from labkit import distributed
+from labkit.harness import ranks
 from labkit.cli import main
 from labkit.config import ConfigError
-from labkit.distributed import RankExit, RunFailed, root_cause
-from labkit.experiment import run_experiment
+from labkit.harness.ranks import RankExit, RunFailed, root_cause
+from labkit.harness.experiment import run_experiment
 from labkit.results import RunRecord, load_results, load_runs
 
 SIZES = [4096, 65536]
@@ -95,14 +95,14 @@ def collectives(tmp_path_factory):
     runs, live = tmp_path_factory.mktemp("runs"), []
     watch = SocketWatch(live) if LINUX_PROC else live.extend
     folders = []
-    mkdtemp = distributed.tempfile.mkdtemp
+    mkdtemp = ranks.tempfile.mkdtemp
 
     def recording_mkdtemp(*args, **kwargs):
         folders.append(mkdtemp(*args, **kwargs))
         return folders[-1]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(distributed.tempfile, "mkdtemp", recording_mkdtemp)
+        mp.setattr(ranks.tempfile, "mkdtemp", recording_mkdtemp)
         result = run_experiment("collectives", overrides={**COLLECTIVES, "device": "cpu"},
                                 sweep={"message_bytes": SIZES}, runs_dir=str(runs),
                                 progress=False, on_rows=watch)
@@ -152,9 +152,9 @@ def test_the_ranks_listen_only_on_loopback_and_rendezvous_in_a_private_folder(co
 def test_local_ranks_use_loopback_unless_the_user_chose_an_interface(monkeypatch):
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
-    env = distributed.local_env(2, "/private/store")
-    lo = distributed.loopback_interface()
-    assert env == {"WORLD_SIZE": "2", distributed.STORE_VAR: "/private/store", "NCCL_SOCKET_IFNAME": lo}
+    env = ranks.local_env(2, "/private/store")
+    lo = ranks.loopback_interface()
+    assert env == {"WORLD_SIZE": "2", ranks.STORE_VAR: "/private/store", "NCCL_SOCKET_IFNAME": lo}
     assert lo in {name for _, name in socket.if_nameindex()}
 
 
@@ -206,7 +206,7 @@ def test_a_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     assert "rank 1 hung: it did not reach the barrier within 5 s (reported by rank 0)" in str(failed.value)
     # timeout, grace, then start-up and stopping, which a loaded 2-core host stretches: the bound
     # tells ending at the timeout from hanging until pytest's own (600 s)
-    assert elapsed < 5 + distributed.GRACE_S + 60
+    assert elapsed < 5 + ranks.GRACE_S + 60
     assert not multiprocessing.active_children()
     rows = failed.value.result.rows
     assert {r["rank"] for r in rows if r["variant"] == "all_reduce"} == {0, 1}
@@ -240,7 +240,7 @@ def test_the_slurm_script_runs_torchrun_with_a_rendezvous(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
            "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242",
            "LABKIT_NPROC_PER_NODE": "2", "LABKIT_RUNS_DIR": str(tmp_path / "runs"),
-           "LABKIT_RDZV_PORT": str(distributed.free_port())}
+           "LABKIT_RDZV_PORT": str(ranks.free_port())}
     script = os.path.join(os.path.dirname(__file__), "..", "data", "slurm", "labkit.sbatch")
     out = subprocess.run(["bash", script, "collectives", "--variant", "reduce_scatter", "--set",
                           "min_run_time_s=0", "--set", "timed_steps=1", "--json"],
@@ -263,11 +263,11 @@ def test_root_cause_names_the_rank_behind_the_others_errors():
 
 
 def test_more_gpu_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
-    monkeypatch.setattr(distributed.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(ranks.torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="nproc=2 asks for 2 GPU ranks but 1 GPU"):
-        distributed.check_nproc("cuda", 2)
-    distributed.check_nproc("cuda", 1)
-    distributed.check_nproc("cpu", 8)  # CPU ranks share the cores
+        ranks.check_nproc("cuda", 2)
+    ranks.check_nproc("cuda", 1)
+    ranks.check_nproc("cpu", 8)  # CPU ranks share the cores
 
 
 def test_nproc_is_refused_for_single_process_experiments_and_cannot_be_swept(capsys):

@@ -5,7 +5,7 @@ import torch
 
 from labkit import hardware
 from labkit.config import ConfigError
-from labkit.exercises import EXERCISES, RUNS, Setup, attempts, check, describe, get, hint, measure
+from labkit.study.exercises import EXERCISES, RUNS, Setup, attempts, check, describe, get, hint, measure
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU answers for itself")
@@ -74,7 +74,7 @@ def test_a_bad_name_is_refused_in_one_line_and_an_empty_store_is_an_empty_table(
 
 
 def test_exercise_numbers_use_the_one_number_formatter():
-    from labkit.exercises.core import show
+    from labkit.study.exercises.core import show
     from labkit.results import format_number
     for x in (0.0, 12345.0, 1234567.0, 0.0001234, 60.03, float("inf")):
         assert show(x, "bytes") == f"{format_number(x)} bytes"

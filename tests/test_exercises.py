@@ -1,5 +1,5 @@
 """The exercises: every one graded correct in solution mode and a wrong prediction graded wrong
-(through labkit.exercises directly), and every exercise notebook executed by papermill in solution
+(through labkit.study.exercises directly), and every exercise notebook executed by papermill in solution
 mode. Each run behind the exercises is measured once per session into one shared folder (two
 multi-process launches: zero and pipeline_parallel); the checks and the notebooks reuse them."""
 import concurrent.futures
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import exercises
+from labkit.study import exercises
 from labkit.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1] / "notebooks" / "exercises"

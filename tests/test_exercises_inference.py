@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from labkit import exercises
-from labkit.exercises import inference
+from labkit.study import exercises
+from labkit.study.exercises import inference
 
 DEVICES = ("cpu", "cuda")
 GiB, KiB = 2**30, 2**10

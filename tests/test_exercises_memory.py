@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from labkit import exercises
-from labkit.exercises import RUNS, Setup
+from labkit.study import exercises
+from labkit.study.exercises import RUNS, Setup
 
 MiB, KiB = 2**20, 2**10
 DEVICES = ("cpu", "cuda")
@@ -147,7 +147,7 @@ def setup_of(key, device):
 
 
 def test_every_exercise_of_these_modules_is_covered():
-    from labkit.exercises import memory, precision
+    from labkit.study.exercises import memory, precision
 
     keys = {ex.key for module in (memory, precision) for ex in module.build_exercises()}
     assert keys == set(LEARNER)

@@ -9,8 +9,9 @@ import math
 
 import pytest
 
-from labkit import exercises, hardware, planner
-from labkit.exercises import parallel, profiling
+from labkit import hardware, planner
+from labkit.study import exercises
+from labkit.study.exercises import parallel, profiling
 
 MiB = 2**20
 KEYS = [ex.key for module in (parallel, profiling) for ex in module.build_exercises()]

@@ -7,7 +7,7 @@ import torch
 from conftest import FAST, TINY_DECODE, TINY_TRAIN
 from labkit import planner
 from labkit.config import ConfigError
-from labkit.experiment import lab_plan, run_experiment
+from labkit.harness.experiment import lab_plan, run_experiment
 from labkit.measure.memory import CPU_ALLOCATOR_OOM, LiveTensorTracker
 from labkit.results import load_results
 from labkit.techniques import kv_cache, mixed_precision

@@ -10,7 +10,7 @@ from conftest import FAST, by
 
 from labkit import hardware
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import fused_kernel
 
 # 64 rows of 96 (not a power of two: the kernel's row is padded to 128 and masked)
@@ -34,9 +34,9 @@ def rows(tmp_path_factory):
 
 KERNEL_CHECK = """
     import json, torch
-    from labkit.kernels.rmsnorm import fused_add_rmsnorm
+    from labkit.blocks.kernels.rmsnorm import fused_add_rmsnorm
     from labkit.techniques.fused_kernel import add_rmsnorm
-    from labkit.model import RMSNorm
+    from labkit.blocks.model import RMSNorm
 
     out = []
     for dtype in (torch.float32, torch.float16):
@@ -121,7 +121,7 @@ def test_labkit_runs_without_triton_and_says_why_the_kernel_is_skipped():
     out = run_python("""
         import sys
         sys.modules["triton"] = None  # as if not installed: `import triton` raises ImportError
-        from labkit.experiment import run_experiment
+        from labkit.harness.experiment import run_experiment
         rows = run_experiment("fused_kernel", variants=["triton"], progress=False,
                               overrides={"device": "cpu", "rows": 8, "hidden_size": 32,
                                          "min_run_time_s": 0.0}).rows

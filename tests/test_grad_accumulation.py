@@ -5,9 +5,9 @@ import pytest
 from conftest import FAST
 from labkit import planner
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import grad_accumulation as ga
-from labkit.techniques.training import gradient_difference
+from labkit.blocks.training import gradient_difference, step_with_gradients
 
 TINY = {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2, "device": "cpu"}
 
@@ -25,22 +25,23 @@ def by(rows, variant, metric, k):
 
 
 def test_micro_batches_are_the_large_batch_in_order():
-    one, acc = ga.AccumulatingTrainer(config()), ga.AccumulatingTrainer(config("accumulate", batch_size=2))
-    assert [x.shape[0] for x, _ in one.pieces] == [4] and [x.shape[0] for x, _ in acc.pieces] == [2, 2, 2, 2]
+    one, acc = ga.accumulation_step(config()), ga.accumulation_step(config("accumulate", batch_size=2))
+    assert [x.shape[0] for x, _, _ in one.micro_batches()] == [4]
+    assert [x.shape[0] for x, _, _ in acc.micro_batches()] == [2, 2, 2, 2]
     assert acc.inputs.shape == (8, 8)  # k*b sequences of T tokens
-    big = ga.AccumulatingTrainer(config(batch_size=8, micro_batches=1))
+    big = ga.accumulation_step(config(batch_size=8, micro_batches=1))
     assert (acc.inputs == big.inputs).all()  # the same sequences as one batch of k*b
 
 
 def test_accumulated_gradients_equal_the_large_batch_within_fp32_rounding():
-    reference = ga.AccumulatingTrainer(config(batch_size=2)).step_with_gradients()
-    got = ga.AccumulatingTrainer(config("accumulate", batch_size=2)).step_with_gradients()
+    reference = step_with_gradients(ga.accumulation_step(config(batch_size=2)))
+    got = step_with_gradients(ga.accumulation_step(config("accumulate", batch_size=2)))
     max_abs, max_rel = gradient_difference(reference["grads"], got["grads"])
     assert 0 < max_rel <= ga.TOLERANCE  # not bitwise: k partial sums round differently
     assert got["loss"] == pytest.approx(reference["loss"], rel=1e-6)
     # one micro-batch is the plain step: bitwise equal
-    reference = ga.AccumulatingTrainer(config(batch_size=2, micro_batches=1)).step_with_gradients()
-    got = ga.AccumulatingTrainer(config("accumulate", batch_size=2, micro_batches=1)).step_with_gradients()
+    reference = step_with_gradients(ga.accumulation_step(config(batch_size=2, micro_batches=1)))
+    got = step_with_gradients(ga.accumulation_step(config("accumulate", batch_size=2, micro_batches=1)))
     assert all(np.array_equal(got["grads"][n], g) for n, g in reference["grads"].items())
 
 

@@ -4,8 +4,8 @@ import pytest
 from conftest import TINY_DIST
 from labkit import planner
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
-from labkit.model import build_model
+from labkit.harness.experiment import run_experiment
+from labkit.blocks.model import build_model
 from labkit.techniques import hybrid
 
 N = 4

@@ -6,10 +6,10 @@ import torch
 from conftest import FAST, TINY_DECODE, by
 
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
-from labkit.model import build_model
+from labkit.harness.experiment import run_experiment
+from labkit.blocks.model import build_model
 from labkit.techniques import kv_cache
-from labkit.techniques.kv_caches import BlockPool, block_table_frame
+from labkit.blocks.kv_caches import BlockPool, block_table_frame
 
 # prompt 4 + 12 new: 15 positions held per sequence; 4 blocks of 4 (one slot wasted each)
 SIZES = {**TINY_DECODE, "new_tokens": 12, "batch_size": 2, "block_size": 4, "max_cache_len": 32}

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from labkit import exercises, planner
+from labkit import planner
+from labkit.study import exercises
 from labkit.config import ConfigError
-from labkit.exercises import labs
-from labkit.exercises.core import Setup
+from labkit.study.exercises import labs
+from labkit.study.exercises.core import Setup
 
 ROOT = Path(__file__).resolve().parents[1] / "notebooks" / "exercises"
 DEVICE = "cpu"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from labkit import leaderboard as lb
+from labkit.study import leaderboard as lb
 from labkit.config import MODELS, ConfigError, RunConfig, resolve
 from labkit.results import RunRecord, load_results, unit_of
 
@@ -260,7 +260,7 @@ def test_a_diagnosis_and_a_fix_are_two_first_tries_at_one_exercise():
 
 
 def test_the_learning_view_reads_the_attempts_the_exercises_store(tmp_path):
-    attempts = pytest.importorskip("labkit.exercises.attempts")
+    attempts = pytest.importorskip("labkit.study.exercises.attempts")
     assert lb.learning_view(lb.load_learning(tmp_path)).empty  # nobody has answered yet
     for i, correct in enumerate((False, True)):
         attempts.record_attempt(kind="exercise", exercise="m1", topic="memory", level=1,

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import TINY_DIST
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import load_balance as lb
 
 # G = 2 x 4 sequences; rank 1 sleeps 3 x its compute time: about 4 x slower, robust to noise.

@@ -7,7 +7,7 @@ from conftest import FAST
 
 from labkit import hardware
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import matmul
 
 SIZES = {**FAST, "size": 128}

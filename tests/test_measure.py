@@ -12,7 +12,7 @@ from labkit.measure.memory import (LiveTensorTracker, MemoryMeter, SavedTensorMe
                                    storage_bytes)
 from labkit.measure.roofline import roofline
 from labkit.measure.timer import Timing, time_step
-from labkit.model import build_model
+from labkit.blocks.model import build_model
 from labkit.techniques import kv_cache
 
 MIB = 2**20

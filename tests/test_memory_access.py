@@ -4,7 +4,7 @@ import torch
 from conftest import FAST, by
 
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import memory_access
 
 SIZES = {**FAST, "size_mib": 1, "stride": 4, "device": "cpu"}

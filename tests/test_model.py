@@ -5,7 +5,7 @@ import torch
 
 from labkit import planner
 from labkit.config import MODELS
-from labkit.model import build_model, num_params
+from labkit.blocks.model import build_model, num_params
 from labkit.techniques.kv_cache import DynamicCache
 
 # Published parameter counts (tied GPT-2 embeddings counted once).

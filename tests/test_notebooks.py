@@ -253,7 +253,7 @@ def test_every_experiment_notebook_comes_from_its_record_and_every_section_is_us
 def test_each_notebooks_predicted_metrics_are_predicted_on_the_cpu():
     """A metric named for a notebook's predictions that expected() never returns would always
     read "not predicted": every one is predicted at the tiny preset on the CPU."""
-    from labkit import plan_view
+    from labkit.views import plan as plan_view
 
     builder = _builder()
     for name, spec in builder.EXPERIMENTS.items():
@@ -268,9 +268,9 @@ def test_each_notebooks_predicted_metrics_are_predicted_on_the_cpu():
 def test_predicted_lines_render_expected_for_the_notebooks_own_config():
     import dataclasses
 
-    from labkit import plan_view
+    from labkit.views import plan as plan_view
     from labkit.config import ConfigError
-    from labkit.experiment import plan_points
+    from labkit.harness.experiment import plan_points
     from labkit.results import format_value
     from labkit.techniques import record
 

@@ -8,11 +8,12 @@ import torch
 
 from conftest import FAST, TINY_TRAIN
 from labkit.config import resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import memory_pool, offload
 from labkit.techniques.kv_cache import DynamicCache, generate_cached
-from labkit.techniques.training import Trainer
-from labkit.model import build_model
+from labkit.blocks.training import CopyAdamW, Trainer
+from labkit.blocks.transforms import save_activations_on_host
+from labkit.blocks.model import build_model
 
 POOL_SIZES = {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 6, "batch_size": 2, "device": "cpu"}
 
@@ -58,7 +59,7 @@ def test_activations_go_through_the_host_hooks_and_weights_stay_put():
         x.grad = w.grad = None
         return grads
 
-    hooks = offload.save_activations_on_host([w])
+    hooks = save_activations_on_host([w])
     assert all(torch.equal(a, b) for a, b in zip(loss(), loss(hooks)))
     # linear saves x and w.t() (a view of the weight: not moved); relu saves its output
     assert hooks.bytes_to_host == x.numel() * 4 + 4 * 16 * 4
@@ -68,13 +69,13 @@ def test_offloaded_training_gives_the_reference_numbers():
     """Both offloads at once, on the CPU (unpinned): the same losses and gradient norm, exactly."""
     cfg = resolve(offload.Config, "tiny", {**TINY_TRAIN, "device": "cpu", "steps": 3})
     reference = Trainer(cfg, lr=cfg.lr).train(3)
-    trainer = offload.OffloadTrainer(dataclasses.replace(cfg, variant="both"))
+    trainer = offload.offload_step(dataclasses.replace(cfg, variant="both"))
     got = trainer.train(3)
     assert got == reference
-    assert isinstance(trainer.optimizer, offload.HostAdamW)
+    assert isinstance(trainer.optimizer, CopyAdamW) and trainer.optimizer.copies[0].device.type == "cpu"
     params = sum(p.numel() for p in trainer.model.parameters())
     assert trainer.optimizer.bytes_per_step == 2 * 4 * params  # gradients down, weights up
-    assert trainer.transfer_bytes() > trainer.optimizer.bytes_per_step  # plus the activations
+    assert offload.transfer_bytes(trainer) > trainer.optimizer.bytes_per_step  # plus the activations
     state = sum(t.numel() * t.element_size() for t in trainer.optimizer_tensors()
                 if t.dim())  # leave out AdamW's scalar step counters
     assert state == 12 * params  # fp32 weights + two moments, in host memory

@@ -10,9 +10,9 @@ from conftest import TINY_DECODE
 W = pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
-from labkit import widgets  # noqa: E402
+from labkit.ui import widgets  # noqa: E402
 from labkit.config import ConfigError, RunConfig, knob  # noqa: E402
-from labkit.widgets import Panel, config_controls, parse_sweep_text  # noqa: E402
+from labkit.ui.widgets import Panel, config_controls, parse_sweep_text  # noqa: E402
 
 SIZES = {**TINY_DECODE, "new_tokens": 4}
 

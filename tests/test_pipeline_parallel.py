@@ -8,11 +8,11 @@ import pytest
 from conftest import TINY_DIST
 
 from labkit.config import ConfigError
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques.pipeline_parallel import (CORRUPTION, GRAD_TOLERANCE, LOSS_TOLERANCE,
                                                  SCHEDULES, VARIANTS, Config, balance,
                                                  bubble_metrics, skip_reason)
-from labkit.techniques.pipeline_schedule import replay, replayed_bubbles, schedule_order
+from labkit.blocks.pipeline_schedule import replay, replayed_bubbles, schedule_order
 
 M = 2  # micro-batches of one sequence each
 CORRUPT = ["none", "activation", "gradient"]

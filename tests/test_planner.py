@@ -16,11 +16,11 @@ from labkit import planner
 from labkit.cli import main
 from labkit.config import MODELS, ConfigError, RunConfig, resolve
 from labkit.measure.memory import ActivationMeter, MemoryMeter, storage_bytes
-from labkit.model import build_model
+from labkit.blocks.model import build_model
 from labkit.techniques import mixed_precision
 from labkit.techniques.checkpointing import apply_checkpointing
 from labkit.techniques.kv_cache import DynamicCache
-from labkit.techniques.training import Trainer
+from labkit.blocks.training import Trainer
 
 GIB = 2**30
 TINY = MODELS["tiny"]
@@ -147,7 +147,7 @@ def test_activation_bytes_of_16_bit_weights():
     m = dataclasses.replace(TINY, num_layers=1)
     cfg = run_config({"batch_size": 1, "seq_len": 16, "variant": "bf16_weights"},
                      cls=mixed_precision.Config, model=m)
-    trainer = mixed_precision.PrecisionTrainer(cfg)
+    trainer = mixed_precision.precision_step(cfg)
     measured = ActivationMeter(trainer.model.parameters()).measure(trainer.forward).total_bytes
     plan = planner.training_memory(m, batch_size=1, seq_len=16, precision="mixed", device="cpu")
     assert plan.activation_bytes == pytest.approx(measured, rel=0.01)
@@ -199,7 +199,7 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_one(batch, seq, mod
     overrides = {"batch_size": batch, "seq_len": seq, "num_layers": layers, "vocab_size": vocab}
     if precision == "mixed":
         cfg = run_config({**overrides, "variant": "bf16_weights"}, cls=mixed_precision.Config)
-        measured = measured_peak(cfg, mode, mixed_precision.PrecisionTrainer)
+        measured = measured_peak(cfg, mode, mixed_precision.precision_step)
     else:
         measured = measured_peak(run_config(overrides), mode)
     plan = planner.training_memory(dataclasses.replace(TINY, num_layers=layers, vocab_size=vocab),

@@ -8,7 +8,7 @@ from conftest import TINY_TRAIN, by
 
 from labkit import planner
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.measure import profiler
 from labkit.techniques import profiling
 
@@ -60,10 +60,10 @@ def test_the_rows_describe_one_profiled_step_as_its_chrome_trace_shows(rows):
 def test_operator_counts_of_a_known_model_and_program():
     """Every nn.Linear is one aten::mm forward and two backward (input and weight gradients)."""
     cfg = resolve(profiling.Config, "tiny", {**SIZES, "device": "cpu"}, experiment="profiling")
-    trainer = profiling.PhasedTrainer(cfg)
+    trainer = profiling.PhasedStep(cfg)
     trainer.step()  # AdamW's state is made on the first step: profile a steady one
     prof, _ = profiler.profile_step(trainer.step, "cpu")
-    linears = sum(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
+    linears = sum(isinstance(m, torch.nn.Linear) for m in trainer.trainer.model.modules())
     calls = prof.operators.set_index("name")["calls"]
     assert calls["aten::mm"] == 3 * linears
     assert prof.summary()["num_op_calls"] == calls.sum() and prof.summary()["num_ops"] == len(calls)
@@ -98,7 +98,7 @@ def test_the_memory_timeline_holds_the_parameters_and_optimizer_state_exactly(tm
     last = prof.memory.iloc[-1]
     assert last["parameter"] == planner.param_bytes(cfg.model, "float32")
     # AdamW's two fp32 moments, plus its fp32 `step` counter per parameter tensor
-    num_tensors = len(list(profiling.PhasedTrainer(cfg).model.parameters()))
+    num_tensors = len(list(profiling.PhasedStep(cfg).trainer.model.parameters()))
     assert last["optimizer_state"] == planner.adamw_state_bytes(cfg.model) + 4 * num_tensors
     ops = prof.operators
     assert {"name", "calls", "self_cpu_ms", "total_cpu_ms", "self_device_ms", "self_mem_bytes"} <= set(ops)

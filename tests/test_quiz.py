@@ -12,9 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from labkit import quiz
+from labkit.study import quiz
 from labkit.config import ConfigError
-from labkit.quiz import MAIN_TOPICS, TOPICS, Question, Score
+from labkit.study.quiz import MAIN_TOPICS, TOPICS, Question, Score
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = {"id": "t-1", "topic": "memory", "question": "How many bytes?", "choices": ["8", "12", "16"],

@@ -1,4 +1,4 @@
-"""Mechanism tests for the reference model (labkit.reference): the language is seeded, training is
+"""Mechanism tests for the reference model (labkit.blocks.reference): the language is seeded, training is
 reproducible bit for bit, the safetensors writer and reader agree with each other (and with the
 `safetensors` package when it is installed), the shipped weights load only with their checksum,
 and the trained model is far better than a random one on held-out text."""
@@ -13,8 +13,8 @@ import torch
 
 from labkit.cli import main
 from labkit.config import MODELS, ConfigError
-from labkit.model import build_model, num_params
-from labkit.reference import (HELDOUT_SEED, REFERENCE_DIR, heldout, load_reference, load_weights,
+from labkit.blocks.model import build_model, num_params
+from labkit.blocks.reference import (HELDOUT_SEED, REFERENCE_DIR, heldout, load_reference, load_weights,
                               make_corpus, perplexity, reference_record, save_weights, sha256,
                               train_reference, write_reference)
 

@@ -45,7 +45,7 @@ def test_report_bad_input_is_one_line_and_exit_2_before_anything_runs(argv, mess
 def test_panel_controls_come_from_the_config_and_run_goes_through_the_harness(tmp_path):
     import ipywidgets as W
 
-    from labkit.widgets import Panel
+    from labkit.ui.widgets import Panel
 
     panel = Panel("kv_cache", overrides=TINY_DECODE, runs_dir=str(tmp_path))
     assert panel.preset.value == "tiny" and panel.controls["new_tokens"].value == 6
@@ -60,7 +60,7 @@ def test_panel_controls_come_from_the_config_and_run_goes_through_the_harness(tm
 
 
 def test_panel_shows_bad_settings_inside_the_panel(tmp_path):
-    from labkit.widgets import Panel
+    from labkit.ui.widgets import Panel
 
     panel = Panel("kv_cache", overrides=TINY_DECODE, runs_dir=str(tmp_path))
     panel.controls["new_tokens"].value = 5000  # beyond the tiny model's 2048-token context

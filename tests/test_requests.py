@@ -7,7 +7,7 @@ import pytest
 
 from labkit.config import ConfigError
 from labkit.hardware import DATA_DIR
-from labkit.techniques.requests import (SHIPPED, WorkloadSpec, load_workload, make_requests,
+from labkit.blocks.requests import (SHIPPED, WorkloadSpec, load_workload, make_requests,
                                         save_workload)
 
 

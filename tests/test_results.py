@@ -1,6 +1,6 @@
 """Mechanism tests for labkit.results: units, the atomic store, concurrent writers, loading.
 
-This module must not import torch (directly or through labkit.cli / labkit.experiment): its
+This module must not import torch (directly or through labkit.cli / labkit.harness.experiment): its
 concurrency test spawns processes that import this file, and they should start in a fraction of
 a second. Everything here uses only labkit.results (pandas is imported lazily by load_results).
 """

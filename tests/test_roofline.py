@@ -3,8 +3,9 @@ import pytest
 
 from conftest import FAST
 
-from labkit import hardware, roofline
-from labkit.experiment import run_experiment
+from labkit import hardware
+from labkit.views import roofline
+from labkit.harness.experiment import run_experiment
 from labkit.results import RunRecord, load_results
 
 

@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 import pytest
 
-from labkit import selfcheck
+from labkit.harness import selfcheck
 from labkit.cli import main
 from labkit.hardware import DATA_DIR, cpu_info
 from labkit.results import load_runs

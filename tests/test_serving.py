@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from labkit.config import MODELS
-from labkit.model import build_model
-from labkit.techniques.kv_caches import BlockPool, DynamicCache
-from labkit.techniques.requests import Request
-from labkit.techniques.serving import BatchPolicy, Engine, IterationPolicy, RowCache, Sequence
+from labkit.blocks.model import build_model
+from labkit.blocks.kv_caches import BlockPool, DynamicCache
+from labkit.blocks.requests import Request
+from labkit.blocks.serving import BatchPolicy, Engine, IterationPolicy, RowCache, Sequence
 
 CFG = dataclasses.replace(MODELS["tiny"], num_layers=2)
 

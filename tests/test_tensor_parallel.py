@@ -10,7 +10,7 @@ import torch.distributed as dist
 from conftest import FAULTS, TINY_DIST, fault_fixtures
 from labkit import planner
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import tensor_parallel as tp
 
 N = 2

@@ -6,7 +6,7 @@ import torch
 from conftest import FAST, by
 
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
+from labkit.harness.experiment import run_experiment
 from labkit.techniques import threads
 
 # a one-layer model on 8 tokens: the fresh processes rebuild it from the config, seeded

@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_TRAIN
 from labkit.config import resolve
 from labkit.techniques import mixed_precision
-from labkit.techniques.training import CopyAdamW, compare_grads, gradient_difference
+from labkit.blocks.training import CopyAdamW, Trainer, compare_grads, gradient_difference
 
 
 def grads(**tensors) -> dict[str, np.ndarray]:
@@ -122,11 +122,11 @@ def test_host_copies_stage_the_gradients_and_give_plain_adamws_weights():
 
 # --- fp16 with a GradScaler: an overflowing step is skipped and the scale halves ----------------
 
-def fp16_trainer() -> mixed_precision.PrecisionTrainer:
+def fp16_trainer() -> Trainer:
     """A very small decoder (fp16 matmuls are emulated, slowly, on CPUs without AVX-512 FP16)."""
     overrides = {**TINY_TRAIN, "device": "cpu", "variant": "fp16", "hidden_size": 32,
                  "num_heads": 2, "num_kv_heads": 1, "num_layers": 1}
-    return mixed_precision.PrecisionTrainer(
+    return mixed_precision.precision_step(
         resolve(mixed_precision.Config, "tiny", overrides, experiment="mixed_precision"))
 
 
@@ -147,7 +147,8 @@ def test_an_fp16_overflow_skips_the_step_and_halves_the_scale():
     backoff = trainer.scaler.get_backoff_factor()
     assert trainer.scaler.get_scale() == 2.0**100 * backoff == 2.0**99
     assert trainer.skipped_steps == 1
-    assert trainer.report()["loss_scale"] == 2.0**99 and trainer.report()["skipped_steps"] == 1
+    report = mixed_precision.report(trainer)
+    assert report["loss_scale"] == 2.0**99 and report["skipped_steps"] == 1
 
 
 def test_an_fp16_step_without_overflow_updates_the_weights_and_keeps_the_scale():
@@ -166,7 +167,7 @@ def fp16_run(**knobs) -> dict:
     overrides = {**TINY_TRAIN, "device": "cpu", "variant": "fp16", "hidden_size": 32, "num_heads": 2,
                  "num_kv_heads": 1, "num_layers": 1, **knobs}
     cfg = resolve(mixed_precision.Config, "tiny", overrides, experiment="mixed_precision")
-    return mixed_precision.PrecisionTrainer(cfg).train(3)
+    return mixed_precision.train(mixed_precision.precision_step(cfg), 3)
 
 
 def test_mlp_scale_overflows_the_fp16_forward_and_loss_scaling_cannot_help():

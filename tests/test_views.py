@@ -6,7 +6,8 @@ import math
 import pandas as pd
 import pytest
 
-from labkit import planner, views, viz
+from labkit import planner, views
+from labkit.views import plots as viz
 from labkit.config import ConfigError
 from labkit.results import RunRecord, load_results
 
@@ -136,7 +137,7 @@ def test_panels_build_and_show_a_message_without_runs(tmp_path, runs):
     assert len(fit.children[1].outputs) == 2
 
 
-# ---- readable tables and legends off the data (labkit.viz) ------------------------------------
+# ---- readable tables and legends off the data (labkit.views.plots) ------------------------------------
 
 def _measured_frame():
     """Two variants, bytes and a throughput, each with a prediction: what a run stores."""
@@ -192,5 +193,5 @@ def test_one_machine_identity_read_from_the_fingerprint():
     assert views.machine_name(GPU_ENV, "cuda:3") == "GPU" and views.machine_name(None) == "CPU ? (? cores)"
     assert views.machine_name(GPU_ENV, "cpu") == "CPU Xeon (64 cores)"
     assert views.machine_key(GPU_ENV) == ("colleague-box", "cuda", None, (h100,))
-    from labkit.exercises import core
+    from labkit.study.exercises import core
     assert core.machine is views.machine_key  # the stored-run key of the exercises

@@ -273,7 +273,7 @@ def test_names_are_stored_in_the_run_and_every_row(tmp_path, monkeypatch, capsys
 
 def test_the_panel_has_name_fields_filled_from_the_environment(monkeypatch):
     pytest.importorskip("ipywidgets")
-    from labkit.widgets import Panel
+    from labkit.ui.widgets import Panel
 
     monkeypatch.setenv("LABKIT_PARTICIPANT", "ana")
     panel = Panel("matmul", preset="tiny", device="cpu")

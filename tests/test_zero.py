@@ -12,8 +12,8 @@ import torch.distributed as dist
 from conftest import FAULTS, TINY_DIST, fault_fixtures
 from labkit import planner
 from labkit.config import ConfigError, resolve
-from labkit.experiment import run_experiment
-from labkit.model import build_model
+from labkit.harness.experiment import run_experiment
+from labkit.blocks.model import build_model
 from labkit.techniques import zero
 
 RAN = ("zero0", "zero1", "zero2", "zero3")  # zero3_offload needs a GPU

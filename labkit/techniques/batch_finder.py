@@ -19,10 +19,8 @@ The step the harness then measures and times is a training step at the size foun
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,8 +31,9 @@ import torch
 from labkit import hardware, planner
 from labkit.config import RunConfig, knob, resolve_device
 from labkit.measure.memory import is_out_of_memory
-from labkit.techniques.checkpointing import apply_checkpointing
-from labkit.techniques.training import Trainer
+from labkit.blocks.recipe import Recipe, compose
+from labkit.blocks.training import Trainer
+from labkit.blocks.transforms import apply_accumulation
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "fp32_ckpt", "bf16", "bf16_ckpt")
@@ -64,39 +63,24 @@ class Config(RunConfig):
     lr: float = knob(1e-3, min=0.0, help="AdamW learning rate")
 
 
-class FrontierTrainer(Trainer):
-    """The plain training step with the variant's precision and checkpointing; one step runs the
-    micro-batches `sizes` (consecutive rows of one fixed batch of their total) and updates once."""
+def recipe(variant: str) -> Recipe:
+    """The variant's combination: precision x checkpointing."""
+    return Recipe(precision="bf16" if variant.startswith("bf16") else "fp32",
+                  checkpointing="full" if variant.endswith("_ckpt") else "none")
 
-    def __init__(self, cfg: Config, sizes: list[int] | None = None):
-        self.sizes = list(sizes or [cfg.batch_size])
-        self.bf16, self.device_type = cfg.variant.startswith("bf16"), torch.device(cfg.device).type
-        super().__init__(dataclasses.replace(cfg, batch_size=sum(self.sizes)), lr=cfg.lr)
-        if cfg.variant.endswith("_ckpt"):
-            apply_checkpointing(self.model, "full")
 
-    def precision(self) -> contextlib.AbstractContextManager:
-        if self.bf16:
-            return torch.autocast(self.device_type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+def frontier_step(cfg: Config, sizes: list[int] | None = None) -> Trainer:
+    """The variant's recipe composed on a batch of `sizes` micro-batches (consecutive rows of
+    one fixed batch of their total), one optimizer step over them."""
+    sizes = list(sizes or [cfg.batch_size])
+    step = compose(dataclasses.replace(cfg, batch_size=sum(sizes)), recipe(cfg.variant), lr=cfg.lr)
+    return apply_accumulation(step, sizes)
 
-    def micro_forward(self) -> torch.Tensor:
-        """The first micro-batch's loss (what one forward holds at a time)."""
-        return self.forward(self.inputs[:self.sizes[0]], self.targets[:self.sizes[0]])
 
-    def accumulate(self) -> float:
-        """One optimizer step over the micro-batches; each loss is weighted by its share, so the
-        gradient is the mean over all their sequences, as one batch of their total would give."""
-        if len(self.sizes) == 1:
-            return self.step()  # no accumulation: exactly the plain step
-        total, ends = sum(self.sizes), list(itertools.accumulate(self.sizes))
-        # from the second micro-batch on, the gradients are resident
-        loss_sum = self.accumulate_grads([(self.inputs[end - s:end], self.targets[end - s:end], s / total)
-                                          for s, end in zip(self.sizes, ends)])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.losses.append(loss_sum)
-        return loss_sum
+def micro_forward(step: Trainer) -> torch.Tensor:
+    """The first micro-batch's loss (what one forward holds at a time)."""
+    inputs, targets, _ = next(step.micro_batches())
+    return step.forward(inputs, targets)
 
 
 def micro_batches(effective: int, micro: int) -> list[int]:
@@ -167,7 +151,7 @@ def find_largest(fits: Callable[[int], bool], *, start: int, cap: int, step: int
     return search
 
 
-def probe(cfg: Config, n: int, on_probe: Callable[[int, FrontierTrainer], None] | None = None) -> bool:
+def probe(cfg: Config, n: int, on_probe: Callable[[int, Trainer], None] | None = None) -> bool:
     """Does training at size `n` fit? PROBE_STEPS steps of a fresh trainer; afterwards (OOM or
     not) nothing of it is alive and the memory is back where it was before the probe."""
     fits = _run_probe(at_size(cfg, n), n, on_probe)
@@ -179,11 +163,11 @@ def _run_probe(cfg: Config, n: int, on_probe) -> bool:
     # The trainer lives only in this frame. On an OOM the traceback references the frames below
     # it (the half-done forward or backward and its tensors); leaving the except block drops it.
     try:
-        trainer = FrontierTrainer(cfg, probe_sizes(cfg))
+        trainer = frontier_step(cfg, probe_sizes(cfg))
         if on_probe is not None:
             on_probe(n, trainer)
         for _ in range(PROBE_STEPS):
-            trainer.accumulate()
+            trainer.step()
     except (torch.OutOfMemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
         if not is_out_of_memory(e):
             raise
@@ -198,7 +182,7 @@ def release_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def search_frontier(cfg: Config, on_probe: Callable[[int, FrontierTrainer], None] | None = None) -> Search:
+def search_frontier(cfg: Config, on_probe: Callable[[int, Trainer], None] | None = None) -> Search:
     """The largest size of `cfg.search` that fits, capped at `max_batch_size` (batch) or the
     model's context (sequence length). `on_probe(n, trainer)` sees each probe's trainer."""
     # grow doubles from 1; dynamic starts where the planner puts the free memory, then +1, +2, ...
@@ -288,10 +272,10 @@ def build(cfg: Config) -> Workload:
             wl.notes[f"max_{cfg.search}"] += (f" Capped at {search.cap} (max_batch_size, or the "
                                               "model's context): the frontier lies beyond.")
         found = at_size(cfg, search.found)
-        trainer = FrontierTrainer(found, step_sizes(found))
+        trainer = frontier_step(found, step_sizes(found))
         state.update(search=search, trainer=trainer, search_s=time.perf_counter() - start)
         wl.tokens_per_step = sum(trainer.sizes) * found.seq_len  # known only now
-        return {"found": search.found, "loss": trainer.accumulate()}
+        return {"found": search.found, "loss": trainer.step()}
 
     def report() -> dict[str, float]:
         search = state["search"]
@@ -299,10 +283,10 @@ def build(cfg: Config) -> Workload:
                 "accumulation_steps": len(state["trainer"].sizes), "search_s": state["search_s"]}
 
     wl = Workload(
-        step=lambda: state["trainer"].accumulate(), check=check,
+        step=lambda: state["trainer"].step(), check=check,
         tensors={"param_bytes": lambda: state["trainer"].model.parameters(),
                  "optimizer_bytes": lambda: state["trainer"].optimizer_tensors()},
-        forward=lambda: state["trainer"].micro_forward(),
+        forward=lambda: micro_forward(state["trainer"]),
         resident=lambda: state["trainer"].model.parameters(), report=report,
         predicted=lambda: {"peak_mem_bytes": planner_peak(cfg, state["search"].found)},
         notes=notes(cfg), compute_dtype="bfloat16" if cfg.variant.startswith("bf16") else "float32")

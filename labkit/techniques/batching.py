@@ -20,7 +20,7 @@ Each variant replays the workload in real time (requests arrive at their times; 
 queues them all at t = 0). The check replays it with every request's continuation forced, so every
 scheduler computes the same contexts: each token's log-probability must match the one-at-a-time
 reference's, whatever the batch, padding or preemption around it. The engine is
-`labkit.techniques.serving`, the workloads `labkit.techniques.requests`.
+`labkit.blocks.serving`, the workloads `labkit.blocks.requests`.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ import torch
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob, torch_dtype
 from labkit.techniques.kv_cache import load_model
-from labkit.techniques.requests import Request, load_workload
-from labkit.techniques.serving import BatchPolicy, Engine, IterationPolicy, Policy, Sequence
+from labkit.blocks.requests import Request, load_workload
+from labkit.blocks.serving import BatchPolicy, Engine, IterationPolicy, Policy, Sequence
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("sequential", "static", "dynamic", "continuous", "priority")

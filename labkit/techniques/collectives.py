@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from labkit import hardware
 from labkit.config import ConfigError, knob, torch_dtype
-from labkit.distributed import DistConfig, world_size
+from labkit.blocks.distributed import DistConfig, world_size
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True

@@ -41,8 +41,8 @@ from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob, torch_dtype
 from labkit.measure.clock import seconds
 from labkit.measure.modes import unmetered
-from labkit.model import Block, build_model, rope_tables
-from labkit.techniques.kv_caches import StaticCache
+from labkit.blocks.model import Block, build_model, rope_tables
+from labkit.blocks.kv_caches import StaticCache
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("eager", "default", "max-autotune-no-cudagraphs", "reduce-overhead")

@@ -25,20 +25,21 @@ the check must fail (but for the unchecked `powersgd`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, corrupt_scale, rank, world_size
+from labkit.blocks.distributed import DistConfig, corrupt_scale, world_size
 from labkit.measure.clock import clock, lined_up
-from labkit.model import build_model
-from labkit.techniques.training import Trainer, compare_grads, lm_loss, make_batch
+from labkit.blocks.model import build_model
+from labkit.blocks.training import Trainer, compare_grads
+from labkit.blocks.transforms import apply_accumulation, apply_data_parallel
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -125,93 +126,104 @@ class CommLog:
         return future
 
 
-class DataParallelTrainer(Trainer):
-    """The plain step on this rank's part of the global batch, through DDP unless `single`."""
+def build_step(cfg: Config) -> tuple[Trainer, CommLog | None]:
+    """The plain step on the global batch of n*k*b sequences (the same on every rank); for the
+    DDP variants, this rank's k*b of them through DDP (`apply_data_parallel`: `bucket_cap_mb`,
+    the gradients in their own tensors, not bucket views) with the variant's comm hook wrapped in
+    a CommLog; k micro-batches of b when accumulating. Then the optimizer."""
+    n, k, b = world_size(), cfg.micro_batches, cfg.batch_size
+    step = Trainer(cfg, batch_size=n * k * b, optimizer=False)
+    log = None
+    if is_ddp(cfg.variant):
+        apply_data_parallel(step, "ddp", bucket_cap_mb=bucket_cap_mb(cfg),
+                            gradient_as_bucket_view=False)
+        log = attach_comm_log(step.net, cfg)
+    pieces = pieces_per_rank(cfg)  # k micro-batches of b, or one piece
+    if pieces > 1:
+        apply_accumulation(step, [len(step.inputs) // pieces] * pieces)
+    step.build_optimizer()
+    return step, log
 
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        n, k, b = world_size(), cfg.micro_batches, cfg.batch_size
-        inputs, targets = make_batch(cfg, n * k * b)  # (n*k*b, T): the same on every rank
-        if is_ddp(cfg.variant):  # this rank's k*b sequences
-            mine = slice(rank() * k * b, (rank() + 1) * k * b)
-            inputs, targets = inputs[mine], targets[mine]
-        pieces = pieces_per_rank(cfg)  # k micro-batches of b, or one piece
-        self.pieces = list(zip(inputs.chunk(pieces), targets.chunk(pieces)))
-        self.net, self.log = self.model, None
-        if is_ddp(cfg.variant):
-            self.net, self.log = self.wrap(cfg)
 
-    def wrap(self, cfg: Config) -> tuple[DistributedDataParallel, CommLog]:
-        ids = [torch.device(cfg.device).index] if cfg.device.startswith("cuda") else None
-        net = DistributedDataParallel(self.model, device_ids=ids, bucket_cap_mb=bucket_cap_mb(cfg))
-        log = CommLog(HOOKS[cfg.variant], WIRE_BYTES.get(cfg.variant, 4), corrupt_scale(cfg))
-        state = None  # the default process group
-        if cfg.variant == "powersgd":
-            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=cfg.powersgd_rank,
-                                                start_powerSGD_iter=POWERSGD_START_ITER)
-        net.register_comm_hook(state, log.hook)
-        return net, log
+def attach_comm_log(net: torch.nn.Module, cfg: Config) -> CommLog:
+    """The variant's comm hook (PowerSGD with its state), counted (and faulted) by a CommLog."""
+    log = CommLog(HOOKS[cfg.variant], WIRE_BYTES.get(cfg.variant, 4), corrupt_scale(cfg))
+    state = None  # the default process group
+    if cfg.variant == "powersgd":
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=cfg.powersgd_rank,
+                                            start_powerSGD_iter=POWERSGD_START_ITER)
+    net.register_comm_hook(state, log.hook)
+    return log
 
-    def backward_pass(self, sync: bool = True) -> float:
-        """Forward and backward of every piece (loss / pieces each); this rank's mean loss. The
-        all-reduce runs in the backward of the pieces that sync."""
-        total, last, variant = 0.0, len(self.pieces) - 1, self.cfg.variant
-        for i, (inputs, targets) in enumerate(self.pieces):
-            local = not sync or (variant == "accumulate_no_sync" and i < last)
-            with self.net.no_sync() if local and is_ddp(variant) else contextlib.nullcontext():
-                loss = lm_loss(self.net(inputs), targets) / len(self.pieces)
-                loss.backward()
-            total += loss.item()
-        return total
 
-    def update(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+def backward_pass(step: Trainer, sync: bool = True) -> float:
+    """Forward and backward of every micro-batch (loss / pieces each); this rank's mean loss. The
+    all-reduce runs in the backward of the pieces that sync: every one for `accumulate` (unlike
+    `Trainer.accumulate`), the last for `accumulate_no_sync`, none without `sync`."""
+    total, last, variant = 0.0, len(step.sizes) - 1, step.cfg.variant
+    for i, (inputs, targets, _) in enumerate(step.micro_batches()):
+        local = not sync or (variant == "accumulate_no_sync" and i < last)
+        with step.net.no_sync() if local and is_ddp(variant) else contextlib.nullcontext():
+            loss = step.forward(inputs, targets) / len(step.sizes)
+            step.backward(loss)
+        total += loss.item()
+    return total
 
-    def step(self) -> float:
-        if self.log:
-            self.log.reset()
-        loss = self.backward_pass()
-        self.update()
-        return loss
 
-    def check(self) -> dict:
-        """`steps` steps; every step's global loss, and the first step's averaged gradients."""
-        for _ in range(POWERSGD_START_ITER if self.cfg.variant == "powersgd" else 0):
-            self.backward_pass()
-            self.optimizer.zero_grad(set_to_none=True)
-        losses, grads = [], None
-        for _ in range(self.cfg.steps):
-            losses.append(global_mean(self.backward_pass(), self.cfg))
-            if grads is None:  # host copies, outside the memory meter (see training.py)
-                grads = {n: p.grad.detach().cpu().numpy().copy()
-                         for n, p in self.model.named_parameters()}
-            self.update()
-        return {"losses": losses, "grads": grads}
+def update(step: Trainer) -> None:
+    """The optimizer step, then the gradients dropped (no gradient norm: nothing beyond DDP's)."""
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
 
-    def side_by_side(self, repeats: int) -> dict[str, float]:
-        """The same step with the gradients synchronised and under no_sync, alternately, ranks
-        lined up by a barrier before each: the difference is the communication the backward did
-        not hide (the all-reduce, the bucket copies, waiting for the slowest rank)."""
-        full, synced, local = [], [], []
-        for _ in range(repeats):
-            t0 = lined_up(self.cfg.device)
-            self.backward_pass(sync=True)
-            t1 = clock(self.cfg.device)
-            self.update()
-            full.append(clock(self.cfg.device) - t0)
-            synced.append(t1 - t0)
-            t2 = lined_up(self.cfg.device)
-            self.backward_pass(sync=False)
-            local.append(clock(self.cfg.device) - t2)
-            self.optimizer.zero_grad(set_to_none=True)  # no update: the ranks' weights stay equal
-        return comm_times(synced, local, full)
 
-    def report(self) -> dict[str, float]:
-        if self.log is None:  # `single`: no collective at all
-            return {"comm_bytes": 0.0, "comm_ms": 0.0, "comm_fraction": 0.0}
-        out = {"comm_bytes": float(self.log.bytes), "num_buckets": float(len(self.log.buckets))}
-        return {**out, **self.side_by_side(self.cfg.timed_steps)}
+def train_step(step: Trainer, log: CommLog | None) -> float:
+    if log:
+        log.reset()
+    loss = backward_pass(step)
+    update(step)
+    return loss
+
+
+def check(step: Trainer) -> dict:
+    """`steps` steps; every step's global loss, and the first step's averaged gradients."""
+    cfg = step.cfg
+    for _ in range(POWERSGD_START_ITER if cfg.variant == "powersgd" else 0):
+        backward_pass(step)
+        step.optimizer.zero_grad(set_to_none=True)
+    losses, grads = [], None
+    for _ in range(cfg.steps):
+        losses.append(global_mean(backward_pass(step), cfg))
+        if grads is None:  # host copies, outside the memory meter (see training.py)
+            grads = {n: p.grad.detach().cpu().numpy().copy()
+                     for n, p in step.model.named_parameters()}
+        update(step)
+    return {"losses": losses, "grads": grads}
+
+
+def side_by_side(step: Trainer, repeats: int) -> dict[str, float]:
+    """The same step with the gradients synchronised and under no_sync, alternately, ranks lined
+    up by a barrier before each: the difference is the communication the backward did not hide
+    (the all-reduce, the bucket copies, waiting for the slowest rank)."""
+    device, full, synced, local = step.cfg.device, [], [], []
+    for _ in range(repeats):
+        t0 = lined_up(device)
+        backward_pass(step, sync=True)
+        t1 = clock(device)
+        update(step)
+        full.append(clock(device) - t0)
+        synced.append(t1 - t0)
+        t2 = lined_up(device)
+        backward_pass(step, sync=False)
+        local.append(clock(device) - t2)
+        step.optimizer.zero_grad(set_to_none=True)  # no update: the ranks' weights stay equal
+    return comm_times(synced, local, full)
+
+
+def report(step: Trainer, log: CommLog | None) -> dict[str, float]:
+    if log is None:  # `single`: no collective at all
+        return {"comm_bytes": 0.0, "comm_ms": 0.0, "comm_fraction": 0.0}
+    out = {"comm_bytes": float(log.bytes), "num_buckets": float(len(log.buckets))}
+    return {**out, **side_by_side(step, step.cfg.timed_steps)}
 
 
 def comm_times(synced: list[float], local: list[float], full: list[float]) -> dict[str, float]:
@@ -235,13 +247,14 @@ def global_mean(local_loss: float, cfg: Config) -> float:
 
 
 def build(cfg: Config) -> Workload:
-    trainer = DataParallelTrainer(cfg)
+    step, log = build_step(cfg)
     sequences = cfg.batch_size * cfg.micro_batches * (1 if is_ddp(cfg.variant) else world_size())
     return Workload(
-        step=trainer.step, check=trainer.check, tokens_per_step=sequences * cfg.seq_len,
-        tensors={"param_bytes": trainer.model.parameters,
-                 "optimizer_bytes": trainer.optimizer_tensors},
-        report=trainer.report, notes=notes(cfg), count_flops=False, compute_dtype=cfg.dtype)
+        step=functools.partial(train_step, step, log), check=functools.partial(check, step),
+        tokens_per_step=sequences * cfg.seq_len,
+        tensors={"param_bytes": step.model.parameters, "optimizer_bytes": step.optimizer_tensors},
+        report=functools.partial(report, step, log), notes=notes(cfg), count_flops=False,
+        compute_dtype=cfg.dtype)
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:

@@ -52,7 +52,7 @@ from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
 from labkit.measure.clock import CudaSpan, clock, repeat_seconds
 from labkit.measure.modes import is_metered
-from labkit.techniques.training import Trainer
+from labkit.blocks.training import Trainer
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("baseline", "pinned", "non_blocking", "workers", "workers_pinned")
@@ -160,11 +160,12 @@ def is_cuda(cfg: Config) -> bool:
 
 
 # ---------------------------------------------------------------- the training loop
-class LoaderTrainer(Trainer):
-    """The plain training step, fed by the loader: wait for a batch, copy it, train on it."""
+class LoaderStep:
+    """The plain training step (`trainer`), fed by the loader: wait for a batch, copy it, train
+    on it."""
 
     def __init__(self, cfg: Config):
-        super().__init__(cfg, lr=cfg.lr)
+        self.cfg, self.trainer = cfg, Trainer(cfg, lr=cfg.lr)
         self.loader = make_loader(cfg, make_dataset(cfg))
         self.iterator = None
         self.non_blocking = cfg.variant == "non_blocking"
@@ -197,10 +198,9 @@ class LoaderTrainer(Trainer):
             tokens = batch["tokens"].to(self.cfg.device, non_blocking=self.non_blocking)  # (B, T+1)
         if not cuda:
             waited = clock(self.cfg.device) - start
-        loss = super().forward(tokens[:, :-1], tokens[:, 1:])
-        self.backward_and_update(loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.losses.append(loss.item())  # .item() synchronizes: the step's work is done
+        loss = self.trainer.forward(tokens[:, :-1], tokens[:, 1:])
+        self.trainer.backward_and_update(loss)
+        self.trainer.losses.append(loss.item())  # .item() synchronizes: the step's work is done
         copy_s = copy.seconds if cuda else 0.0
         # On CUDA the compute stream waits for the copy whether or not the host did: count it.
         self.records.append((waited + copy_s, clock(self.cfg.device) - start, copy_s))
@@ -208,14 +208,14 @@ class LoaderTrainer(Trainer):
             self.batches.append(batch)
         if is_metered():  # a harness meter (memory, FLOPs) slowed this step: not a timing
             self.records.pop()
-        return self.losses[-1]
+        return self.trainer.losses[-1]
 
     def check(self) -> dict:
         """`steps` steps from a fresh loader: losses, and the batches trained on."""
         for _ in range(self.cfg.steps):
             self.step()
         self.records.clear()  # the pipeline's start is reported as first_batch_ms instead
-        return {"losses": list(self.losses), "tokens": [b["tokens"] for b in self.batches],
+        return {"losses": list(self.trainer.losses), "tokens": [b["tokens"] for b in self.batches],
                 "checksums": [b["checksum"] for b in self.batches]}
 
     def report(self) -> dict[str, float]:
@@ -251,10 +251,10 @@ def data_ms(cfg: Config) -> float:
 
 
 def build(cfg: Config) -> Workload:
-    trainer = LoaderTrainer(cfg)
+    trainer = LoaderStep(cfg)
     return Workload(
         step=trainer.step, check=trainer.check, tokens_per_step=cfg.batch_size * cfg.seq_len,
-        tensors={"param_bytes": trainer.model.parameters}, report=trainer.report,
+        tensors={"param_bytes": trainer.trainer.model.parameters}, report=trainer.report,
         predicted=trainer.predicted, notes=notes(cfg), compute_dtype=cfg.dtype)
 
 

@@ -7,13 +7,13 @@ residual and weight read once and y and h written once: (4 x rows x hidden + hid
 element. Its time at best is those bytes over the device's bandwidth; `gbps` (those bytes over
 the measured time) says how close each variant gets.
 
-- `eager` (the reference): the unfused ops, `x + residual` then `labkit.model.RMSNorm`. Each op is
+- `eager` (the reference): the unfused ops, `x + residual` then `labkit.blocks.model.RMSNorm`. Each op is
   its own kernel, reading its input from memory and writing its output back: the add, the fp32
   upcast (16-bit dtypes), the square, the mean, the rsqrt, two multiplies.
 - `compiled`: `torch.compile` of the same function. Inductor fuses the chain into one or two
   generated loops (C++ on the CPU, Triton on a GPU). Its first call traces and compiles: that
   cold start (`compile_s`) is reported apart from the steady-state `step_ms`.
-- `triton`: our kernel (`labkit.kernels.rmsnorm`), one row per program, fp32 inside. CUDA only
+- `triton`: our kernel (`labkit.blocks.kernels.rmsnorm`), one row per program, fp32 inside. CUDA only
   here; its correctness on the CPU is tested under `TRITON_INTERPRET=1`.
 
 Every variant's y and h are compared with eager's before timing (`max_abs_error`,
@@ -27,10 +27,10 @@ import torch
 
 from labkit import hardware
 from labkit.config import DTYPE_BYTES, ConfigError, RunConfig, knob, torch_dtype
-from labkit.kernels import triton_available
+from labkit.blocks.kernels import triton_available
 from labkit.measure.clock import clock
 from labkit.measure.modes import unmetered
-from labkit.model import RMSNorm
+from labkit.blocks.model import RMSNorm
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("eager", "compiled", "triton")
@@ -91,7 +91,7 @@ def make_step(cfg: Config, x: torch.Tensor, residual: torch.Tensor, norm: RMSNor
     """The variant's zero-argument call, and a dict that receives the compile time."""
     found: dict[str, float] = {}
     if cfg.variant == "triton":
-        from labkit.kernels.rmsnorm import fused_add_rmsnorm  # imports triton: only here
+        from labkit.blocks.kernels.rmsnorm import fused_add_rmsnorm  # imports triton: only here
 
         return (lambda: fused_add_rmsnorm(x, residual, norm.weight, norm.eps)), found
     if cfg.variant == "eager":

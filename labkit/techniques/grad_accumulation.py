@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
 
-from labkit.techniques.training import Trainer, compare_grads, make_batch, total_norm
+from labkit.blocks.training import Trainer, compare_grads, step_with_gradients
+from labkit.blocks.transforms import apply_accumulation
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("one_batch", "accumulate")
@@ -36,47 +37,23 @@ def validate(cfg: Config) -> None:
                           "the mixed_precision experiment's knob")
 
 
-class AccumulatingTrainer(Trainer):
-    """The plain training step over a batch of k*b sequences, in one piece or in k micro-batches."""
-
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        self.inputs, self.targets = make_batch(cfg, cfg.batch_size * cfg.micro_batches)  # (k*b, T)
-        pieces = cfg.micro_batches if cfg.variant == "accumulate" else 1
-        # Views of the one batch, (b, T) each: the same sequences as the reference, in order. The
-        # k*b sequences of token ids stay on the device (8 bytes a token: small beside the rest).
-        self.pieces = list(zip(self.inputs.chunk(pieces), self.targets.chunk(pieces)))
-
-    def accumulate(self) -> float:
-        """Forward and backward of every piece, each loss scaled by 1/k; returns the batch's loss."""
-        weight = 1 / len(self.pieces)
-        return self.accumulate_grads([(inputs, targets, weight) for inputs, targets in self.pieces])
-
-    def update(self) -> None:
-        self.grad_norm = total_norm(self.model.parameters())
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self) -> float:
-        self.losses.append(self.accumulate())
-        self.update()
-        return self.losses[-1]
-
-    def step_with_gradients(self) -> dict:
-        """One step; its loss and host copies of the gradients it applied (see checkpointing)."""
-        loss = self.accumulate()
-        grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in self.model.named_parameters()}
-        self.update()
-        return {"loss": loss, "grads": grads}
+def accumulation_step(cfg: Config) -> Trainer:
+    """The plain training step over a batch of k*b sequences, in one piece or, accumulating, in k
+    micro-batches of b (`apply_accumulation`): views of the one batch, the same sequences as the
+    reference, in order. The k*b sequences of token ids stay on the device (8 bytes a token)."""
+    step = Trainer(cfg, batch_size=cfg.batch_size * cfg.micro_batches)  # (k*b, T)
+    if cfg.variant == "accumulate":
+        apply_accumulation(step, [cfg.batch_size] * cfg.micro_batches)
+    return step
 
 
 def build(cfg: Config) -> Workload:
-    trainer = AccumulatingTrainer(cfg)
-    first = trainer.pieces[0]
+    trainer = accumulation_step(cfg)
+    inputs, targets, _ = next(trainer.micro_batches())
     return Workload(
-        step=trainer.step, check=trainer.step_with_gradients,
+        step=trainer.step, check=lambda: step_with_gradients(trainer),
         tokens_per_step=cfg.micro_batches * cfg.batch_size * cfg.seq_len,  # k*b*T for both
-        forward=lambda: trainer.forward(*first),  # what one piece holds for its backward
+        forward=lambda: trainer.forward(inputs, targets),  # what one piece holds for its backward
         resident=trainer.model.parameters, notes=notes(cfg), compute_dtype=cfg.dtype)
 
 

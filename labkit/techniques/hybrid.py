@@ -6,7 +6,7 @@ One training step (AdamW, fp32) on one global batch of `batch_size` sequences, l
 - `fsdp`: 1-D FSDP2 (ZeRO-3) over all n ranks: every rank holds 1/n of every parameter, gradient
   and optimizer state, and trains on 1/n of the batch; the parameters are all-gathered block by
   block for the forward and again for the backward, the gradients reduce-scattered.
-- `tp`: 1-D tensor parallel over all n ranks (Megatron's split, `tensor_parallel.apply_tp`): every
+- `tp`: 1-D tensor parallel over all n ranks (Megatron's split, `transforms.apply_tp`): every
   rank holds 1/n of the heads, MLP width and vocabulary and sees the whole batch. n must divide the
   kv heads: the tiny preset has 2, so run it with `num_kv_heads=4` (else it is skipped).
 - `fsdp_tp`: a (dp, tp) = (n / tp, tp) mesh: tensor parallel inside each group of `tp` ranks (the
@@ -14,8 +14,9 @@ One training step (AdamW, fp32) on one global batch of `batch_size` sequences, l
   Per rank: 1/n of the model states, like `fsdp`, but the all-gathers move 1/tp as much (each
   gathers a TP shard) and the activations of the split matmuls are 1/tp.
 
-The transforms, in torchtitan's order: `apply_tp` on the "tp" sub-mesh, then `fully_shard` on the
-"dp" sub-mesh, then the optimizer. FSDP goes last because it shards whatever parameters it finds,
+The transforms (`labkit.blocks.transforms`), in torchtitan's order: `apply_tensor_parallel` on the
+"tp" sub-mesh, then `shard_fully` on the "dp" sub-mesh, then the optimizer (`build_sharded_step`
+builds it last). FSDP goes last because it shards whatever parameters it finds,
 TP's DTensors included (they become 2-D DTensors on the (dp, tp) mesh), while parallelize_module
 cannot split a parameter FSDP has already sharded; and FSDP must see the final parameters to
 group them for its all-gathers. The loss (the mean over the dp groups) and every gradient
@@ -25,17 +26,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig
-from labkit.techniques.tensor_parallel import (ShardedTrainer, apply_tp, check_tp_shape, full_grads,
-                                               TOLERANCE)
-from labkit.techniques.training import compare_grads, lm_loss, optimizer_state
+from labkit.blocks.distributed import DistConfig
+from labkit.blocks.training import Trainer, compare_grads, lm_loss, optimizer_state
+from labkit.blocks.transforms import apply_tensor_parallel, shard_fully
+from labkit.techniques.tensor_parallel import (TOLERANCE, backward, build_sharded_step,
+                                               check_tp_shape, full_grads, grads, train_step)
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -83,32 +87,31 @@ def skip_reason(cfg: Config) -> str | None:
 
 # --- the transforms ---------------------------------------------------------------------------
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """FSDP2 over the 1-D `mesh`: one unit per block (gathered, used and freed in turn), then the
-    root for what is left (embedding, final norm, head)."""
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+def apply_fsdp(step: Trainer, mesh: DeviceMesh) -> Trainer:
+    """FSDP2 over the 1-D `mesh` (`transforms.shard_fully`): one unit per block (gathered, used
+    and freed in turn), then the root for what is left (embedding, final norm, head); FSDP2's
+    default resharding (the blocks after their forward, the root kept for the backward)."""
+    shard_fully(step.model, mesh, reshard_after_forward=None)
+    return step
 
 
-def make_layout(cfg: Config):
-    """(transform, the dp sub-mesh or None) for the variant; every rank makes the same meshes."""
+def make_layout(cfg: Config) -> tuple[Callable[[Trainer], Trainer] | None, DeviceMesh | None]:
+    """(step transform, the dp sub-mesh or None) for the variant; every rank makes the same meshes."""
     dp, tp = layout(cfg)
     dev = cfg.device.split(":")[0]
     if cfg.variant == "single":
         return None, None
     if cfg.variant == "fsdp":
         mesh = init_device_mesh(dev, (dp,), mesh_dim_names=("dp",))
-        return (lambda model: apply_fsdp(model, mesh)), mesh
+        return functools.partial(apply_fsdp, mesh=mesh), mesh
     if cfg.variant == "tp":
         mesh = init_device_mesh(dev, (tp,), mesh_dim_names=("tp",))
-        return (lambda model: apply_tp(model, mesh)), None
+        return functools.partial(apply_tensor_parallel, mesh=mesh), None
     mesh = init_device_mesh(dev, (dp, tp), mesh_dim_names=("dp", "tp"))
     # TP first, FSDP second (torchtitan's order): fully_shard re-shards TP's DTensors along dp (2-D
     # DTensors on the (dp, tp) mesh, each all-gather fetching a TP shard), while parallelize_module
     # cannot split parameters FSDP has already sharded. The optimizer is made after both.
-    return (lambda model: apply_fsdp(apply_tp(model, mesh["tp"]), mesh["dp"])), mesh["dp"]
+    return (lambda step: apply_fsdp(apply_tensor_parallel(step, mesh["tp"]), mesh["dp"])), mesh["dp"]
 
 
 def batch_rows(cfg: Config, dp_mesh: DeviceMesh | None) -> slice:
@@ -133,22 +136,24 @@ def mean_over(loss: torch.Tensor, dp_mesh: DeviceMesh | None) -> float:
 
 def build(cfg: Config) -> Workload:
     apply, dp_mesh = make_layout(cfg)
-    trainer = ShardedTrainer(cfg, apply, rows=batch_rows(cfg, dp_mesh))
-
-    def check() -> dict:
-        """One training step: the global loss and every gradient, gathered whole."""
-        loss = lm_loss(trainer.model(trainer.inputs), trainer.targets)
-        trainer.backward(loss)
-        out = {"loss": mean_over(loss, dp_mesh), "grads": full_grads(trainer.model)}
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        return out
-
-    return Workload(step=trainer.step, check=check,
+    step = build_sharded_step(cfg, apply, rows=batch_rows(cfg, dp_mesh))
+    return Workload(step=functools.partial(train_step, step),
+                    check=functools.partial(check, step, dp_mesh),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,  # the global batch: all ranks together
-                    tensors={"param_bytes": trainer.model.parameters, "grad_bytes": trainer.grads,
-                             "optimizer_bytes": lambda: optimizer_state(trainer.optimizer)}, notes=notes(cfg), count_flops=False,
-                    compute_dtype=cfg.dtype)
+                    tensors={"param_bytes": step.model.parameters,
+                             "grad_bytes": functools.partial(grads, step),
+                             "optimizer_bytes": lambda: optimizer_state(step.optimizer)},
+                    notes=notes(cfg), count_flops=False, compute_dtype=cfg.dtype)
+
+
+def check(step: Trainer, dp_mesh: DeviceMesh | None) -> dict:
+    """One training step: the global loss and every gradient, gathered whole."""
+    loss = lm_loss(step.model(step.inputs), step.targets)
+    backward(step, loss)
+    out = {"loss": mean_over(loss, dp_mesh), "grads": full_grads(step.model)}
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
+    return out
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:

@@ -15,7 +15,7 @@ A lossless cache changes the cost, never the answer: the generated tokens must b
 A lossy one (`quantized`, or `kv_dtype` narrower than the model's) must keep every layer's
 attention output within ATTN_TOLERANCE of an exact cache's; its token agreement (and, on the
 `reference` preset, its perplexity delta on held-out text) is reported.
-The cache classes live in `labkit.techniques.kv_caches`.
+The cache classes live in `labkit.blocks.kv_caches`.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from labkit import hardware, planner
 from labkit.config import (DTYPE_ALIASES, DTYPE_BYTES, MODELS, ConfigError, RunConfig, knob,
                            torch_dtype)
-from labkit.model import Decoder, build_model
-from labkit.techniques.kv_caches import (BlockPool, DynamicCache, PagedCache, QuantizedCache,
+from labkit.blocks.model import Decoder, build_model
+from labkit.blocks.kv_caches import (BlockPool, DynamicCache, PagedCache, QuantizedCache,
                                          StaticCache, block_table_frame)
 from labkit.workload import Comparison, SkipVariant, Workload
 
@@ -226,7 +226,7 @@ def load_model(cfg: RunConfig) -> Decoder:
     """On the `reference` preset the trained model (a skip when its weights are missing or
     altered); otherwise the preset's shape with seeded random weights. In eval mode."""
     if cfg.preset == "reference":
-        from labkit import reference  # its weights are trained by `labkit train-reference`
+        from labkit.blocks import reference  # its weights are trained by `labkit train-reference`
 
         try:
             return reference.load_reference(device=cfg.device, dtype=torch_dtype(cfg.dtype)).eval()
@@ -242,7 +242,7 @@ def load_model_and_text(cfg: Config) -> tuple[Decoder, torch.Tensor]:
     length = cfg.prompt_len + cfg.new_tokens
     model = load_model(cfg)
     if cfg.preset == "reference":
-        from labkit import reference
+        from labkit.blocks import reference
 
         return model, reference.heldout(cfg.batch_size, length).to(cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed + 1)

@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, rank, world_size
+from labkit.blocks.distributed import DistConfig, rank, world_size
 from labkit.measure.clock import clock
-from labkit.techniques.training import Trainer, compare_grads, lm_loss, make_batch
+from labkit.blocks.training import Trainer, compare_grads, lm_loss
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -75,16 +75,17 @@ def predicted_step_s(shares: list[int], speeds: list[float]) -> float:
     return max(share / speed for share, speed in zip(shares, speeds))
 
 
-class BalancedTrainer(Trainer):
-    """The plain step on this rank's share of the global batch; gradients summed by hand."""
+class BalancedStep:
+    """The plain training step (`trainer`, over the global batch) run on this rank's share of
+    that batch; the gradients summed by hand."""
 
     def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        n, r = world_size(), rank()
+        self.cfg, n, r = cfg, world_size(), rank()
         if cfg.slow_rank >= n:  # the same on every rank: all raise together
             raise ConfigError(f"slow_rank={cfg.slow_rank} but there are {n} ranks; valid: 0..{n - 1}")
         self.total = n * cfg.batch_size  # G
-        self.inputs, self.targets = make_batch(cfg, self.total)  # (G, T), the same on every rank
+        self.trainer = Trainer(cfg, batch_size=self.total)  # (G, T), the same on every rank
+        self.inputs, self.targets = self.trainer.inputs, self.trainer.targets
         self.delay = cfg.slowdown - 1 if r == cfg.slow_rank else 0.0
         self.speeds = self.calibrate()
         self.shares = split(self.total, self.speeds) if cfg.variant == "proportional" \
@@ -97,7 +98,7 @@ class BalancedTrainer(Trainer):
     def busy(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
         """Forward and backward, then the artificial delay: the slow rank's device time."""
         t0 = clock(self.cfg.device)
-        loss = lm_loss(self.model(inputs), targets) * weight
+        loss = lm_loss(self.trainer.model(inputs), targets) * weight
         loss.backward()
         time.sleep(self.delay * (clock(self.cfg.device) - t0))
         return loss.detach()
@@ -111,14 +112,14 @@ class BalancedTrainer(Trainer):
             t0 = clock(self.cfg.device)
             self.busy(self.inputs[:b], self.targets[:b], 1.0)
             times.append(clock(self.cfg.device) - t0)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.trainer.optimizer.zero_grad(set_to_none=True)
         speeds: list = [None] * world_size()
         dist.all_gather_object(speeds, b / statistics.median(times))
         return speeds
 
     def sum_gradients(self) -> None:
         """One all-reduce (sum) of every gradient, flattened into one fp32 buffer."""
-        params = list(self.model.parameters())
+        params = list(self.trainer.model.parameters())
         flat = torch.cat([p.grad.flatten() for p in params])
         dist.all_reduce(flat)
         for p, g in zip(params, flat.split([p.numel() for p in params])):
@@ -136,17 +137,17 @@ class BalancedTrainer(Trainer):
 
     def step(self) -> float:
         loss = self.backward_and_sum()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.trainer.optimizer.step()
+        self.trainer.optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
     def check(self) -> dict:
         """One step: the global batch's mean loss and the summed gradients it applied."""
         loss = self.backward_and_sum()
         dist.all_reduce(loss)  # sum_i share_i/G x mean_i: the global mean
-        grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in self.model.named_parameters()}
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in self.trainer.model.named_parameters()}
+        self.trainer.optimizer.step()
+        self.trainer.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss.item(), "grads": grads}
 
     def report(self) -> dict[str, float]:
@@ -171,13 +172,13 @@ class BalancedTrainer(Trainer):
 
 
 def build(cfg: Config) -> Workload:
-    trainer = BalancedTrainer(cfg)
+    balanced = BalancedStep(cfg)
     return Workload(
-        step=trainer.step, check=trainer.check,
-        tokens_per_step=trainer.shares[rank()] * cfg.seq_len,
-        tensors={"param_bytes": trainer.model.parameters,
-                 "optimizer_bytes": trainer.optimizer_tensors},
-        report=trainer.report, predicted=trainer.predicted, notes=notes(cfg, trainer),
+        step=balanced.step, check=balanced.check,
+        tokens_per_step=balanced.shares[rank()] * cfg.seq_len,
+        tensors={"param_bytes": balanced.trainer.model.parameters,
+                 "optimizer_bytes": balanced.trainer.optimizer_tensors},
+        report=balanced.report, predicted=balanced.predicted, notes=notes(cfg, balanced),
         count_flops=False, compute_dtype=cfg.dtype)
 
 
@@ -193,15 +194,15 @@ def expected(cfg: Config) -> dict[str, float]:
     return {"param_bytes": plan.param_bytes, "optimizer_bytes": plan.optimizer_bytes}
 
 
-def notes(cfg: Config, trainer: BalancedTrainer) -> dict[str, str]:
-    even = [cfg.batch_size] * len(trainer.speeds)
-    proportional = split(trainer.total, trainer.speeds)
-    speeds = ", ".join(f"{s:.1f}" for s in trainer.speeds)
+def notes(cfg: Config, balanced: BalancedStep) -> dict[str, str]:
+    even = [cfg.batch_size] * len(balanced.speeds)
+    proportional = split(balanced.total, balanced.speeds)
+    speeds = ", ".join(f"{s:.1f}" for s in balanced.speeds)
     return {
         "step_ms": (f"predicted: max over ranks of share / speed, compute only. Calibrated speeds "
                     f"(sequences/s by rank): {speeds}; from them even {even} would take "
-                    f"{predicted_step_s(even, trainer.speeds) * 1e3:.1f} ms, proportional "
-                    f"{proportional} {predicted_step_s(proportional, trainer.speeds) * 1e3:.1f} ms."),
+                    f"{predicted_step_s(even, balanced.speeds) * 1e3:.1f} ms, proportional "
+                    f"{proportional} {predicted_step_s(proportional, balanced.speeds) * 1e3:.1f} ms."),
         "compute_ms": (f"this rank's forward + backward on its share, the slow rank's sleep "
                        f"included (slowdown {cfg.slowdown:g} on rank {cfg.slow_rank})."),
         "wait_ms": "in the all-reduce: waiting for slower ranks, then the transfer.",

@@ -19,7 +19,7 @@ large ones are compute-bound, predicted at 2mnk / peak; each variant's result is
 fp32's within the dtype's tolerance (`rel_error`, the relative Frobenius error).
 The roof is an upper bound: a GPU's datasheet, or the CPU's physical ceiling (cores x FMA units
 x lanes x 2 x clock, `hardware.cpu_peak`), so `peak_flops_pct` cannot pass 100 unless the roof is
-wrong. The best `tflops` over a sweep of sizes (`labkit.roofline.calibrate`, or
+wrong. The best `tflops` over a sweep of sizes (`labkit.views.roofline.calibrate`, or
 `labkit run matmul --sweep size=...`) is the device's best measured rate, drawn below the roof.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from labkit import hardware
 from labkit.config import ConfigError, RunConfig, knob
-from labkit.techniques.mixed_precision import tf32_matmuls
+from labkit.blocks.transforms import tf32_matmuls
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "fp8")

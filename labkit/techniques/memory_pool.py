@@ -26,7 +26,7 @@ import torch
 
 from labkit import planner
 from labkit.config import RunConfig, knob, torch_dtype
-from labkit.model import build_model
+from labkit.blocks.model import build_model
 from labkit.techniques import kv_cache
 from labkit.techniques.kv_cache import DynamicCache, generate_cached
 from labkit.workload import Workload

@@ -18,7 +18,6 @@ the last step, exactly zero) and, with a GradScaler, `skipped_steps`.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -26,7 +25,8 @@ import torch
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
-from labkit.techniques.training import CopyAdamW, Trainer, total_norm
+from labkit.blocks.training import Trainer
+from labkit.blocks.transforms import AUTOCAST, apply_precision, weights_dtype
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "bf16_weights")
@@ -34,7 +34,6 @@ REFERENCE = "fp32"
 # fp16 and bf16 steps are emulated (15-70x slower than fp32) on a CPU without AVX-512 FP16/BF16:
 # half the batch keeps the three 16-bit variants to seconds there
 SIZES = {"tiny": {"batch_size": 2}}
-AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # The planner's precision recipe for the variants it models (bf16_weights = its "mixed": 16-bit
 # weights and gradients, fp32 master weights and AdamW states).
 PLANNER_RECIPE = {"fp32": "fp32", "tf32": "fp32", "bf16_weights": "mixed"}
@@ -63,88 +62,42 @@ def validate(cfg: Config) -> None:
                           f"(got {cfg.dtype}); valid variants: {', '.join(VARIANTS)}")
 
 
-# AdamW on fp32 master copies of 16-bit weights (`CopyAdamW(params, lr, dtype=torch.float32)`):
-# grads are upcast, the update is made in fp32 and rounded back into the 16-bit weights.
-MasterWeightAdamW = CopyAdamW
+def precision_step(cfg: Config) -> Trainer:
+    """The plain training step with the variant's precision (`apply_precision`), and the faults'
+    knobs: the loss weighted, the MLP's output weights scaled (before the optimizer copies them)."""
+    step = Trainer(cfg, weights=weights_dtype(cfg.variant), lr=cfg.lr, optimizer=False)
+    apply_precision(step, cfg.variant, loss_scaling=cfg.loss_scaling)
+    step.loss_weight, step.zero_grad_pct = cfg.loss_weight, math.nan
+    step.grad_hooks.append(record_zero_grads)
+    if cfg.mlp_scale != 1.0:
+        with torch.no_grad():
+            for block in step.model.layers:
+                block.mlp.w2.weight.mul_(cfg.mlp_scale)
+    step.build_optimizer()
+    return step
 
 
-class PrecisionTrainer(Trainer):
-    """The plain training step with the variant's precision recipe around it."""
-
-    def __init__(self, cfg: Config):
-        self.variant, self.device_type = cfg.variant, torch.device(cfg.device).type
-        scaled = cfg.variant == "fp16" and cfg.loss_scaling
-        self.scaler = torch.amp.GradScaler(self.device_type) if scaled else None
-        self.skipped_steps, self.loss_weight, self.zero_grad_pct = 0, cfg.loss_weight, math.nan
-        weights = torch.bfloat16 if cfg.variant == "bf16_weights" else torch.float32
-        super().__init__(cfg, weights=weights, lr=cfg.lr)
-        if cfg.mlp_scale != 1.0:
-            with torch.no_grad():
-                for block in self.model.layers:
-                    block.mlp.w2.weight.mul_(cfg.mlp_scale)
-
-    def record_grads(self) -> None:
-        """The gradient norm and the share of gradient elements that are exactly zero (%)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        self.grad_norm = total_norm(self.model.parameters())
-        total = sum(g.numel() for g in grads)
-        self.zero_grad_pct = 100 * sum(int((g == 0).sum()) for g in grads) / total if total else math.nan
-
-    def make_optimizer(self, lr: float):
-        if self.variant == "bf16_weights":
-            return CopyAdamW(self.model.parameters(), lr, dtype=torch.float32)
-        return super().make_optimizer(lr)
-
-    def precision(self) -> contextlib.AbstractContextManager:
-        if self.variant in AUTOCAST:
-            return torch.autocast(self.device_type, dtype=AUTOCAST[self.variant])
-        if self.variant == "tf32":
-            return tf32_matmuls()
-        return contextlib.nullcontext()
-
-    def backward_and_update(self, loss: torch.Tensor) -> None:
-        loss = loss * self.loss_weight if self.loss_weight != 1.0 else loss
-        if self.scaler is None:
-            loss.backward()
-            self.record_grads()
-            self.optimizer.step()
-            return
-        scale = self.scaler.get_scale()
-        self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.optimizer)
-        self.record_grads()
-        self.scaler.step(self.optimizer)  # skipped when the unscaled grads hold inf or nan
-        self.scaler.update()
-        self.skipped_steps += self.scaler.get_scale() < scale  # the scale halves on a skip
-
-    def optimizer_tensors(self) -> list[torch.Tensor]:
-        if isinstance(self.optimizer, CopyAdamW):
-            return self.optimizer.state_tensors()
-        return super().optimizer_tensors()
-
-    def report(self) -> dict[str, float]:
-        out = {"grad_norm": self.grad_norm}
-        if self.scaler is not None:
-            out.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
-        return out
-
-    def train(self, steps: int) -> dict[str, object]:
-        """The base's losses and gradient norm, and what they show of the precision: losses that
-        are inf or nan, the last step's zero gradient elements (%), steps GradScaler skipped."""
-        out = super().train(steps)
-        nonfinite = sum(not math.isfinite(x) for x in self.losses)
-        return {**out, "nonfinite_losses": nonfinite, "zero_grad_pct": self.zero_grad_pct,
-                "loss_first": self.losses[0], "skipped_steps": self.skipped_steps}
+def record_zero_grads(step: Trainer) -> None:
+    """The share of gradient elements that are exactly zero (%), kept on the step."""
+    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
+    total = sum(g.numel() for g in grads)
+    step.zero_grad_pct = 100 * sum(int((g == 0).sum()) for g in grads) / total if total else math.nan
 
 
-@contextlib.contextmanager
-def tf32_matmuls():
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")  # "high" = TF32 tensor cores for fp32 matmuls
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
+def report(step: Trainer) -> dict[str, float]:
+    out = {"grad_norm": step.grad_norm}
+    if step.scaler is not None:
+        out.update(loss_scale=step.scaler.get_scale(), skipped_steps=step.skipped_steps)
+    return out
+
+
+def train(step: Trainer, steps: int) -> dict[str, object]:
+    """The plain losses and gradient norm, and what they show of the precision: losses that are
+    inf or nan, the last step's zero gradient elements (%), steps GradScaler skipped."""
+    out = step.train(steps)
+    nonfinite = sum(not math.isfinite(x) for x in step.losses)
+    return {**out, "nonfinite_losses": nonfinite, "zero_grad_pct": step.zero_grad_pct,
+            "loss_first": step.losses[0], "skipped_steps": step.skipped_steps}
 
 
 def skip_reason(cfg: Config) -> str | None:
@@ -160,13 +113,13 @@ def skip_reason(cfg: Config) -> str | None:
 
 
 def build(cfg: Config) -> Workload:
-    trainer = PrecisionTrainer(cfg)
+    trainer = precision_step(cfg)
     model = trainer.model
     return Workload(
-        step=trainer.step, check=lambda: trainer.train(cfg.steps),
+        step=trainer.step, check=lambda: train(trainer, cfg.steps),
         tokens_per_step=cfg.batch_size * cfg.seq_len,
         tensors={"param_bytes": model.parameters, "optimizer_bytes": trainer.optimizer_tensors},
-        forward=trainer.forward, resident=trainer.model.parameters, report=trainer.report,
+        forward=trainer.forward, resident=trainer.model.parameters, report=lambda: report(trainer),
         notes=notes(cfg), compute_dtype=compute_dtype(cfg.variant))
 
 

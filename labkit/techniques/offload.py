@@ -23,7 +23,8 @@ import torch
 from labkit import hardware, planner
 from labkit.config import RunConfig, knob
 from labkit.measure.clock import CudaSpan
-from labkit.techniques.training import CopyAdamW, Trainer
+from labkit.blocks.training import CopyAdamW, Trainer
+from labkit.blocks.transforms import apply_offload
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("none", "activations", "optimizer", "both")
@@ -50,65 +51,21 @@ def offloads(variant: str) -> tuple[bool, bool]:
     return variant in ("activations", "both"), variant in ("optimizer", "both")
 
 
-class save_activations_on_host(torch.autograd.graph.saved_tensors_hooks):
-    """`save_on_cpu(pin_memory=True)` for every saved tensor except the parameters (and views of
-    them, such as a weight's transpose), which stay put; counts the bytes sent to the host."""
-
-    def __init__(self, params):
-        inner = torch.autograd.graph.save_on_cpu(pin_memory=True, device_type="cuda")
-        resident = {p.untyped_storage().data_ptr() for p in params}
-        self.bytes_to_host = 0
-
-        def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() in resident:
-                return t, None
-            self.bytes_to_host += t.numel() * t.element_size()
-            return None, inner.pack_hook(t)  # (device, pinned host copy); copied asynchronously
-
-        def unpack(packed) -> torch.Tensor:
-            t, host = packed
-            return t if host is None else inner.unpack_hook(host)  # back to its device
-
-        super().__init__(pack, unpack)
+def offload_step(cfg: Config) -> Trainer:
+    """The plain training step with the variant's activations and optimizer state on the host
+    (`apply_offload`)."""
+    activations, optimizer = offloads(cfg.variant)
+    step = Trainer(cfg, lr=cfg.lr, optimizer=False)
+    apply_offload(step, activations=activations, optimizer=optimizer)
+    step.build_optimizer()
+    return step
 
 
-# AdamW whose state lives in host memory (`CopyAdamW(params, lr, device="cpu")`): the gradients
-# are copied into pinned host buffers, fp32 host copies of the weights are updated there, and
-# the weights are copied back.
-HostAdamW = CopyAdamW
-
-
-class OffloadTrainer(Trainer):
-    """The plain training step with the variant's activations and optimizer state on the host."""
-
-    def __init__(self, cfg: Config):
-        self.activations, self.host_optimizer = offloads(cfg.variant)
-        super().__init__(cfg, lr=cfg.lr)
-        self.hooks = save_activations_on_host(self.model.parameters()) if self.activations else None
-
-    def make_optimizer(self, lr: float):
-        if self.host_optimizer:
-            return CopyAdamW(self.model.parameters(), lr, device="cpu",
-                             pin_memory=torch.cuda.is_available())
-        return super().make_optimizer(lr)
-
-    def forward(self, inputs=None, targets=None) -> torch.Tensor:
-        if self.hooks is None:
-            return super().forward(inputs, targets)
-        self.hooks.bytes_to_host = 0  # counted per forward
-        with self.hooks:
-            return super().forward(inputs, targets)
-
-    def optimizer_tensors(self) -> list[torch.Tensor]:
-        if isinstance(self.optimizer, CopyAdamW):
-            return self.optimizer.state_tensors()
-        return super().optimizer_tensors()
-
-    def transfer_bytes(self) -> int:
-        """Bytes over the host link per step: saved tensors down and back up, then the
-        optimizer's gradients down and weights up."""
-        acts = 2 * self.hooks.bytes_to_host if self.hooks is not None else 0
-        return acts + (self.optimizer.bytes_per_step if self.host_optimizer else 0)
+def transfer_bytes(step: Trainer) -> int:
+    """Bytes over the host link per step: saved tensors down and back up, then the optimizer's
+    gradients down and weights up."""
+    acts = 2 * step.host_hooks.bytes_to_host if step.host_hooks is not None else 0
+    return acts + (step.optimizer.bytes_per_step if isinstance(step.optimizer, CopyAdamW) else 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,7 +86,7 @@ def _copy_gbps(dst: torch.Tensor, src: torch.Tensor, repeats: int = 5) -> float:
     return repeats * src.numel() / span.seconds / 1e9
 
 
-def train_and_watch(trainer: OffloadTrainer, steps: int, device: str) -> dict:
+def train_and_watch(trainer: Trainer, steps: int, device: str) -> dict:
     """`steps` steps (what `compare` checks). On CUDA also the device's peak and the last step's
     time (CUDA events, after the first step's allocations), which `compare` turns into memory
     saved and time added against the reference."""
@@ -153,7 +110,7 @@ def skip_reason(cfg: Config) -> str | None:
 
 
 def build(cfg: Config) -> Workload:
-    trainer = OffloadTrainer(cfg)
+    trainer = offload_step(cfg)
     cuda = cfg.device.startswith("cuda")
 
     def device_optimizer_tensors() -> list[torch.Tensor]:
@@ -163,7 +120,7 @@ def build(cfg: Config) -> Workload:
         if not cuda:
             return {}
         h2d, d2h = link_gbps(cfg.device)
-        return {"transfer_bytes": trainer.transfer_bytes(), "h2d_gbps": h2d, "d2h_gbps": d2h}
+        return {"transfer_bytes": transfer_bytes(trainer), "h2d_gbps": h2d, "d2h_gbps": d2h}
 
     return Workload(
         step=trainer.step, check=lambda: train_and_watch(trainer, cfg.steps, cfg.device),

@@ -19,7 +19,7 @@ wall runs from the first compute start to the last compute end on any rank (one 
 a rank's bubble is 1 - busy / wall, in the fastest step.
 Predicted: after the timed steps each stage times its own forward and backward of one micro-batch
 while the others wait, and stages 0 and 1 time one activation's send and receive; `replay` runs
-the schedule's ops on those durations (`labkit.techniques.pipeline_schedule`: a forward waits for
+the schedule's ops on those durations (`labkit.blocks.pipeline_schedule`: a forward waits for
 the previous stage's plus a handoff, a backward for the next stage's) and reads the bubble off the
 replay as off the measurement. With equal stages and free handoffs that is (p-1)/(m+p-1),
 `ideal_bubble_fraction`. What the replay leaves out, and the measurement holds, is the host: the schedule's own time between ops, a
@@ -42,12 +42,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, default_nproc, world_size
+from labkit.blocks.distributed import DistConfig, default_nproc, world_size
 from labkit.measure.clock import clock, repeat_seconds
 from labkit.measure.modes import unmetered
-from labkit.model import build_model, rope_tables
-from labkit.techniques.pipeline_schedule import ideal_bubble, replayed_bubbles, step_bubbles
-from labkit.techniques.training import (Trainer, compare_grads, lm_loss, make_batch,
+from labkit.blocks.model import build_model, rope_tables
+from labkit.blocks.pipeline_schedule import ideal_bubble, replayed_bubbles, step_bubbles
+from labkit.blocks.training import (Trainer, compare_grads, lm_loss, make_batch,
                                         optimizer_state, step_with_gradients)
 from labkit.workload import Comparison, Workload
 

@@ -38,7 +38,7 @@ from labkit.measure.profiler import (CaptureRange, Profile, analyse, nsys_comman
                                      record, run_phases, top_kernel_command)
 from labkit.measure.timer import cpu_threads, time_step
 from labkit.results import runs_dir
-from labkit.techniques.training import Trainer, make_batch
+from labkit.blocks.training import Trainer, make_batch
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("plain", "profiler", "monitor")
@@ -58,19 +58,21 @@ class Config(RunConfig):
     trace_dir: str = knob("", help="where Chrome traces go (empty: <runs dir>/traces)")
 
 
-class PhasedTrainer(Trainer):
-    """The plain training step as named phases; `on_phase(name)` runs before each (a marker)."""
+class PhasedStep:
+    """The plain training step (`trainer`) as named phases; `on_phase(name)` runs before each
+    (a marker)."""
 
     def __init__(self, cfg: Config):
-        super().__init__(cfg, weights=torch_dtype(cfg.dtype), lr=cfg.lr)
+        self.cfg = cfg
+        self.trainer = Trainer(cfg, weights=torch_dtype(cfg.dtype), lr=cfg.lr)
         self.on_phase: Callable[[str], None] | None = None
         self.state: dict[str, Any] = {}
 
     def phases(self) -> list[tuple[str, Callable[[], Any]]]:
-        s, cfg = self.state, self.cfg
+        s, cfg, trainer = self.state, self.cfg, self.trainer
         out = [("data", lambda: s.update(zip(("inputs", "targets"), make_batch(cfg))))] \
             if cfg.data_phase else []
-        out += [("forward", lambda: s.update(loss=self.forward(s.get("inputs"), s.get("targets")))),
+        out += [("forward", lambda: s.update(loss=trainer.forward(s.get("inputs"), s.get("targets")))),
                 ("backward", lambda: s["loss"].backward()),
                 ("optimizer", self._update)]
         if self.on_phase is None:
@@ -84,13 +86,18 @@ class PhasedTrainer(Trainer):
         return call
 
     def _update(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.trainer.optimizer.step()
+        self.trainer.optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> float:
         run_phases(self.phases(), self.cfg.device)
-        self.losses.append(self.state.pop("loss").item())
-        return self.losses[-1]
+        self.trainer.losses.append(self.state.pop("loss").item())
+        return self.trainer.losses[-1]
+
+    def train(self, steps: int) -> dict[str, object]:
+        for _ in range(steps):
+            self.step()
+        return {"losses": list(self.trainer.losses), "grad_norm": self.trainer.grad_norm}
 
 
 def trace_path(cfg: Config) -> Path:
@@ -113,10 +120,10 @@ def overhead_pct(plain: Callable[[], Any], observed: Callable[[], Any], cfg: Con
 
 
 def build(cfg: Config) -> Workload:
-    trainer = PhasedTrainer(cfg)
+    trainer = PhasedStep(cfg)
     common = {"check": lambda: trainer.train(cfg.steps), "tokens_per_step": cfg.batch_size * cfg.seq_len,
-              "tensors": {"param_bytes": trainer.model.parameters,
-                          "optimizer_bytes": trainer.optimizer_tensors},
+              "tensors": {"param_bytes": trainer.trainer.model.parameters,
+                          "optimizer_bytes": trainer.trainer.optimizer_tensors},
               "compute_dtype": cfg.dtype}
     if cfg.variant == "profiler":
         return _profiler_workload(cfg, trainer, common)
@@ -129,7 +136,7 @@ def build(cfg: Config) -> Workload:
     return Workload(step=CaptureRange(cfg.device).wrap(trainer.step), notes=notes, **common)
 
 
-def _profiler_workload(cfg: Config, trainer: PhasedTrainer, common: dict) -> Workload:
+def _profiler_workload(cfg: Config, trainer: PhasedStep, common: dict) -> Workload:
     last: dict[str, Any] = {}
 
     def step() -> float:
@@ -174,7 +181,7 @@ def _profile_notes(cfg: Config, prof: Profile) -> dict[str, str]:
     return notes
 
 
-def _monitor_workload(cfg: Config, trainer: PhasedTrainer, common: dict) -> Workload:
+def _monitor_workload(cfg: Config, trainer: PhasedStep, common: dict) -> Workload:
     monitor = DeviceMonitor(cfg.device, interval_s=cfg.monitor_interval_ms / 1e3)
     trainer.on_phase = monitor.mark
     seen: dict[str, float] = {}
@@ -204,7 +211,7 @@ def _monitor_workload(cfg: Config, trainer: PhasedTrainer, common: dict) -> Work
     return Workload(step=step, report=report, predicted=predicted, notes=notes, **common)
 
 
-def _unmarked(trainer: PhasedTrainer) -> Callable[[], float]:
+def _unmarked(trainer: PhasedStep) -> Callable[[], float]:
     def step() -> float:
         on_phase, trainer.on_phase = trainer.on_phase, None
         try:
@@ -242,7 +249,7 @@ def profile_once(cfg: Config) -> Profile:
     """A warm-up step, then one step profiled with stacks: operator table, findings, memory
     timeline, and the Chrome trace written to `trace_path(cfg)`."""
     with cpu_threads(cfg.num_threads):
-        trainer = PhasedTrainer(cfg)
+        trainer = PhasedStep(cfg)
         trainer.step()
         prof, _ = profile_step(trainer.step, cfg.device, trace_path=trace_path(cfg), memory_timeline=True)
     return prof
@@ -251,7 +258,7 @@ def profile_once(cfg: Config) -> Profile:
 def monitor_once(cfg: Config, steps: int | None = None) -> DeviceMonitor:
     """`steps` (default cfg.steps) training steps under a `DeviceMonitor`, stopped afterwards."""
     with cpu_threads(cfg.num_threads):
-        trainer = PhasedTrainer(cfg)
+        trainer = PhasedStep(cfg)
         monitor = DeviceMonitor(cfg.device, interval_s=cfg.monitor_interval_ms / 1e3)
         trainer.on_phase = monitor.mark
         with monitor:

@@ -17,10 +17,11 @@ summed across ranks). The embedding is split by vocabulary rows and the head by 
   outside the matmuls shrink by n. The norm weights stay replicated; their gradients, each rank's
   over its own tokens, are summed once after backward (Megatron does the same).
 
-The transform comes from outside, gpt-fast style: `apply_tp(model, mesh)` rewrites the plain
-decoder's parameters into DTensor shards; `Attention` views its projections as (B, T, -1, hd), so
-it runs unchanged on its local heads. The order: build the model, `apply_tp`, then make the
-optimizer (it must see the sharded parameters). Outputs are the logits (gathered on every rank)
+The transform comes from outside, gpt-fast style: `transforms.apply_tensor_parallel(step, mesh)`
+rewrites the plain decoder's parameters into DTensor shards; `Attention` views its projections as
+(B, T, -1, hd), so it runs unchanged on its local heads. The order (`build_sharded_step`): the
+plain step with its optimizer deferred, the transform, then the optimizer built (it must see the
+sharded parameters). Outputs are the logits (gathered on every rank)
 and gradients gathered with `full_tensor()`; both must equal the reference's at fp32 precision.
 Under `fault=corrupt_reduction` fault_rank scales its partial products of wo and w2 before they
 are summed across ranks (Megatron's "g"), and that check must fail.
@@ -32,18 +33,19 @@ import functools
 import warnings
 from dataclasses import dataclass
 
+from typing import Callable
+
 import numpy as np
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, corrupt_scale, default_nproc, world_size
-from labkit.techniques.training import Trainer, compare_grads, lm_loss, optimizer_state
+from labkit.blocks.distributed import DistConfig, corrupt_scale, default_nproc, world_size
+from labkit.blocks.training import Trainer, compare_grads, lm_loss, optimizer_state
+from labkit.blocks.transforms import apply_tensor_parallel
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -92,41 +94,7 @@ def skip_reason(cfg: Config) -> str | None:
     return None
 
 
-# --- the transform ----------------------------------------------------------------------------
-
-def block_plan(block: torch.nn.Module, seq, sequence_parallel: bool) -> dict:
-    """One block's plan; `seq` is the residual stream's layout between blocks. PrepareModuleInput
-    makes the attention (and MLP) input one Replicate DTensor, so wq, wk and wv share it and its
-    gradient is reduced once per module (Megatron's "f"), not once per projection."""
-    rest = (None,) * 4  # Attention.forward(x, start_pos, cache, impl, rope): only x is sharded
-    plan = {
-        "attn": PrepareModuleInput(input_layouts=(seq, *rest), desired_input_layouts=(Replicate(), *rest)),
-        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=seq),
-        "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq),
-    }
-    if hasattr(block.mlp, "w3"):  # SwiGLU's gate: split like w1
-        plan["mlp.w3"] = ColwiseParallel()
-    if sequence_parallel:  # the norms run on this rank's tokens; their weights stay replicated
-        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
-    return plan
-
-
-def apply_tp(model: torch.nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> torch.nn.Module:
-    """Shard the plain decoder in place over the 1-D `mesh` (Megatron's split, see the module
-    docstring); with `sequence_parallel` the norms and the residual stream are split by tokens."""
-    seq = Shard(1) if sequence_parallel else Replicate()  # (B, T, d): Shard(1) splits T
-    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-           # the logits gathered on every rank (b*s*V): the loss stays the plain cross-entropy
-           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, mesh, top)
-    for block in model.layers:
-        parallelize_module(block, mesh, block_plan(block, seq, sequence_parallel))
-    return model
-
+# --- the fault ------------------------------------------------------------------------------
 
 def corrupt_row_outputs(model: torch.nn.Module, scale: float) -> torch.nn.Module:
     """fault=corrupt_reduction: this rank's partial products of every wo and w2 multiplied by
@@ -197,35 +165,40 @@ def _comm_rows(counts: dict[str, int], total: float, bus: float) -> dict[str, fl
 
 # --- the experiment ---------------------------------------------------------------------------
 
-class ShardedTrainer(Trainer):
-    """The plain training step on a model transformed by `apply` before its optimizer is made."""
+def build_sharded_step(cfg: DistConfig, apply: Callable[[Trainer], Trainer] | None = None,
+                       rows: slice = slice(None)) -> Trainer:
+    """The plain training step, its model transformed by `apply` (a step transform: tensor
+    parallel, FSDP, both) and its batch cut to this rank's `rows`, then the optimizer built, so
+    that it sees the sharded parameters."""
+    step = Trainer(cfg, optimizer=False)
+    if apply is not None:
+        apply(step)
+    step.inputs, step.targets = step.inputs[rows], step.targets[rows]  # (b, T) of this rank
+    step.sizes = [len(step.inputs)]
+    step.build_optimizer()
+    return step
 
-    def __init__(self, cfg: DistConfig, apply=None, rows: slice = slice(None)):
-        super().__init__(cfg)
-        if apply is not None:
-            apply(self.model)
-            self.optimizer = self.make_optimizer(self.optimizer.defaults["lr"])  # the shards
-        self.inputs, self.targets = self.inputs[rows], self.targets[rows]  # (b, T) of this rank
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        match_grad_placements(self.model)
+def backward(step: Trainer, loss: torch.Tensor) -> None:
+    """The step's backward, then every gradient laid out as its parameter."""
+    step.backward(loss)
+    match_grad_placements(step.model)
 
-    def backward_and_update(self, loss: torch.Tensor) -> None:
-        self.backward(loss)  # no grad norm: on DTensors it would add collectives to the step
-        self.optimizer.step()
 
-    def step(self) -> float:
-        """One step, the previous step's gradients dropped first: this step's stay at rest after
-        it, where `grad_bytes` is measured (local shards)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward()
-        self.backward_and_update(loss)
-        self.losses.append(loss.item())
-        return self.losses[-1]
+def train_step(step: Trainer) -> float:
+    """One step, the previous step's gradients dropped first: this step's stay at rest after it,
+    where `grad_bytes` is measured (local shards). No grad norm: on DTensors it would add
+    collectives to the step."""
+    step.optimizer.zero_grad(set_to_none=True)
+    loss = step.forward()
+    backward(step, loss)
+    step.optimizer.step()
+    step.losses.append(loss.item())
+    return step.losses[-1]
 
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+def grads(step: Trainer) -> list[torch.Tensor]:
+    return [p.grad for p in step.model.parameters() if p.grad is not None]
 
 
 def match_grad_placements(model: torch.nn.Module) -> None:
@@ -249,45 +222,48 @@ def full_grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
-def check_step(trainer: ShardedTrainer, measured: dict[str, float]) -> dict:
+def check_step(step: Trainer, measured: dict[str, float]) -> dict:
     """One training step: logits, loss and whole gradients; the collectives of its forward and
     backward counted into `measured` (AdamW on local shards communicates nothing)."""
     with CommCounter() as counter, warnings.catch_warnings():
         # CommDebugMode's module tracker hooks the embedding, whose token ids need no grad
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        logits = trainer.model(trainer.inputs)  # (B, T, V), replicated on every rank
-        loss = lm_loss(logits, trainer.targets)
-        trainer.backward(loss)
+        logits = step.model(step.inputs)  # (B, T, V), replicated on every rank
+        loss = lm_loss(logits, step.targets)
+        backward(step, loss)
     measured.update(counter.metrics())
     out = {"loss": loss.item(), "logits": logits.detach().cpu().numpy().copy(),
-           "grads": full_grads(trainer.model)}
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+           "grads": full_grads(step.model)}
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
     return out
 
 
-def sharding(cfg: Config, n: int):
-    """The transform of the variant's model: apply_tp over n ranks, after (fault=corrupt_reduction)
-    the corrupting hooks, registered first so that they see the unreduced outputs."""
+def sharding(cfg: Config, n: int) -> Callable[[Trainer], Trainer]:
+    """The transform of the variant's step: `apply_tensor_parallel` over n ranks, after
+    (fault=corrupt_reduction) the corrupting hooks, registered first so that they see the
+    unreduced outputs."""
     mesh = init_device_mesh(cfg.device.split(":")[0], (n,), mesh_dim_names=("tp",))
     scale = corrupt_scale(cfg)
 
-    def apply(model: torch.nn.Module) -> torch.nn.Module:
+    def apply(step: Trainer) -> Trainer:
         if scale is not None:
-            corrupt_row_outputs(model, scale)
-        return apply_tp(model, mesh=mesh, sequence_parallel=cfg.variant == "tp_sp")
+            corrupt_row_outputs(step.model, scale)
+        return apply_tensor_parallel(step, mesh, sequence_parallel=cfg.variant == "tp_sp")
     return apply
 
 
 def build(cfg: Config) -> Workload:
     n = world_size()
     check_tp_shape(cfg, n)
-    trainer = ShardedTrainer(cfg, None if cfg.variant == REFERENCE else sharding(cfg, n))
+    step = build_sharded_step(cfg, None if cfg.variant == REFERENCE else sharding(cfg, n))
     measured: dict[str, float] = {}  # counted in check(): collectives, gradient bytes
-    return Workload(step=trainer.step, check=functools.partial(check_step, trainer, measured),
+    return Workload(step=functools.partial(train_step, step),
+                    check=functools.partial(check_step, step, measured),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,
-                    tensors={"param_bytes": trainer.model.parameters, "grad_bytes": trainer.grads,
-                             "optimizer_bytes": lambda: optimizer_state(trainer.optimizer)},
+                    tensors={"param_bytes": step.model.parameters,
+                             "grad_bytes": functools.partial(grads, step),
+                             "optimizer_bytes": lambda: optimizer_state(step.optimizer)},
                     report=lambda: dict(measured), notes=notes(cfg), count_flops=False,
                     compute_dtype=cfg.dtype)
 

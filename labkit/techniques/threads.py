@@ -38,7 +38,7 @@ import torch
 
 from labkit import hardware
 from labkit.config import ConfigError, ModelConfig, RunConfig, knob
-from labkit.model import build_model
+from labkit.blocks.model import build_model
 # The timing of a knob read at process start must happen in that process: this module times
 # its fresh processes itself, on the one clock, with the harness's Timing (see `child_main`).
 from labkit.measure.clock import timed_calls

@@ -20,11 +20,12 @@ variant holds the same weights. What differs is which bytes each rank keeps (Raj
   gradients and the optimizer states stay in host memory, the optimizer steps on the CPU and each
   block is copied to the GPU for its forward and backward. GPUs only.
 
-Order of transforms: build the plain model (seeded, the same on every rank) -> `fully_shard` each
-block, then the root (the root's own parameters, embedding, final norm and head, form the last
-unit; each block's unit is gathered and freed on its own, which is what bounds the peak) or wrap
-in DDP -> build the optimizer over the wrapped (sharded) parameters, since its states take their
-shape, and so their shard, from them.
+Order of transforms (`build_step`): the plain step, its model seeded the same on every rank and
+its optimizer deferred -> `transforms.apply_data_parallel`: `fully_shard` each block, then the
+root (the root's own parameters, embedding, final norm and head, form the last unit; each block's
+unit is gathered and freed on its own, which is what bounds the peak), or wrap in DDP -> the
+fault's hook -> build the optimizer over the wrapped (sharded) parameters, since its states take
+their shape, and so their shard, from them.
 
 The check holds each variant to plain DDP twice: the whole gradients of the first step, then the
 weights and losses after CHECK_STEPS steps. Both are needed: AdamW's update is nearly invariant
@@ -41,9 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -51,16 +50,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.distributed import DistConfig, corrupt_scale, world_size
-from labkit.model import build_model
-from labkit.techniques.training import (compare_grads, gradient_difference, lm_loss, make_batch,
-                                        optimizer_state)
+from labkit.blocks.distributed import DistConfig, corrupt_scale, world_size
+from labkit.blocks.training import Trainer, compare_grads, gradient_difference, optimizer_state
+from labkit.blocks.transforms import apply_data_parallel
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
 VARIANTS = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 REFERENCE = "zero0"
 STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
+# how `apply_data_parallel` builds each: plain DDP, DDP + ZeroRedundancyOptimizer, or FSDP2
+DATA_PARALLEL = {"zero0": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+                 "zero3_offload": "zero3"}
 LR = 1e-3
 CHECK_STEPS = 2  # the second step also checks the sharded optimizer states the first one made
 # Normwise relative difference of the weights after CHECK_STEPS steps, ||w - w_ref|| / ||w_ref||
@@ -92,31 +93,6 @@ def skip_reason(cfg: Config) -> str | None:
     return None
 
 
-def local_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (batch_size, T) slice of one global batch of nproc x batch_size sequences."""
-    inputs, targets = make_batch(cfg, cfg.batch_size * world_size())
-    r = dist.get_rank()
-    return inputs.chunk(world_size())[r], targets.chunk(world_size())[r]
-
-
-def apply_fsdp(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    """FSDP2 in place: one unit per block, then the root (embedding, final norm, head)."""
-    mesh = init_device_mesh("cuda" if cfg.device.startswith("cuda") else "cpu", (world_size(),))
-    kw = {"mesh": mesh, "reshard_after_forward": cfg.variant != "zero2"}
-    if cfg.variant == "zero3_offload":
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
-def apply_ddp(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    # The gradients are views of DDP's all-reduce buckets: one gradient-sized buffer, not two.
-    device_ids = [torch.device(cfg.device).index] if cfg.device.startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-
-
 def scaled_allreduce_hook(scale: float):
     """DDP's all-reduce (torch's Python twin of it) of this rank's bucket multiplied by `scale`."""
     def hook(state, bucket):
@@ -141,12 +117,6 @@ def maybe_corrupt_reduction(model: torch.nn.Module, cfg: Config) -> None:
         unit.set_all_reduce_hook(lambda shard: shard.mul_(scale))
 
 
-def make_optimizer(variant: str, params) -> torch.optim.Optimizer:
-    if variant == "zero1":
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR)
-    return torch.optim.AdamW(params, lr=LR)
-
-
 def local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer holding this rank's states (ZeroRedundancyOptimizer's is `.optim`)."""
     return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
@@ -162,56 +132,59 @@ def full_tensor(p: torch.Tensor, device: str) -> torch.Tensor:
     return local.full_tensor()
 
 
-class ZeroTrainer:
-    """The plain training step on a data-parallel, possibly sharded, model."""
+def build_step(cfg: Config) -> Trainer:
+    """The plain step on the global batch (nproc x batch_size sequences, the same on every rank),
+    made data parallel by the variant's transform (this rank's slice of the batch, DDP or FSDP2),
+    the fault's hook added, then the optimizer built over the wrapped (sharded) parameters."""
+    step = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * world_size(), optimizer=False)
+    apply_data_parallel(step, DATA_PARALLEL[cfg.variant], offload=cfg.variant == "zero3_offload")
+    maybe_corrupt_reduction(step.net, cfg)
+    step.build_optimizer()
+    return step
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.module = build_model(cfg.model, device=cfg.device, seed=cfg.seed, attention=cfg.attention)
-        sharded = cfg.variant not in ("zero0", "zero1")
-        self.model = apply_fsdp(self.module, cfg) if sharded else apply_ddp(self.module, cfg)
-        maybe_corrupt_reduction(self.model, cfg)
-        self.optimizer = make_optimizer(cfg.variant, self.model.parameters())
-        self.inputs, self.targets = local_batch(cfg)
 
-    def step(self) -> torch.Tensor:
-        """One step, the previous step's gradients dropped first (so this one's stay at rest)."""
-        self.model.zero_grad(set_to_none=True)
-        loss = lm_loss(self.model(self.inputs), self.targets)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
+def train_step(step: Trainer) -> torch.Tensor:
+    """One step, the previous step's gradients dropped first (so this one's stay at rest, where
+    `grad_bytes` is measured); no gradient norm (on DTensors it would add collectives)."""
+    step.model.zero_grad(set_to_none=True)
+    loss = step.forward()
+    step.backward(loss)
+    step.optimizer.step()
+    return loss.detach()
 
-    def check(self) -> dict:
-        """CHECK_STEPS steps; the losses, host copies of the whole gradients of the first step
-        (kept at rest after it) and of the whole weights after the last."""
-        losses = [self.step().item()]
-        grads = self.whole({n: p.grad for n, p in self.module.named_parameters()})
-        losses += [self.step().item() for _ in range(CHECK_STEPS - 1)]
-        weights = self.whole(dict(self.module.named_parameters()))
-        return {"losses": losses, "grads": grads, "weights": weights}
 
-    def whole(self, tensors: dict[str, torch.Tensor]) -> dict:
-        """Host copies, gathered whole (collectives, in the same order on every rank)."""
-        return {n: full_tensor(t, self.cfg.device).cpu().numpy().copy() for n, t in tensors.items()}
+def check(step: Trainer) -> dict:
+    """CHECK_STEPS steps; the losses, host copies of the whole gradients of the first step (kept
+    at rest after it) and of the whole weights after the last."""
+    losses = [train_step(step).item()]
+    grads = whole(step, {n: p.grad for n, p in step.model.named_parameters()})
+    losses += [train_step(step).item() for _ in range(CHECK_STEPS - 1)]
+    weights = whole(step, dict(step.model.named_parameters()))
+    return {"losses": losses, "grads": grads, "weights": weights}
 
-    def params(self) -> list[torch.Tensor]:
-        return list(self.module.parameters())  # DTensors: storage_bytes counts the local shard
 
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.module.parameters() if p.grad is not None]
+def whole(step: Trainer, tensors: dict[str, torch.Tensor]) -> dict:
+    """Host copies, gathered whole (collectives, in the same order on every rank)."""
+    return {n: full_tensor(t, step.cfg.device).cpu().numpy().copy() for n, t in tensors.items()}
 
-    def optimizer_tensors(self) -> list[torch.Tensor]:
-        return optimizer_state(local_optimizer(self.optimizer))
+
+def grads(step: Trainer) -> list[torch.Tensor]:
+    return [p.grad for p in step.model.parameters() if p.grad is not None]
+
+
+def optimizer_tensors(step: Trainer) -> list[torch.Tensor]:
+    return optimizer_state(local_optimizer(step.optimizer))
 
 
 def build(cfg: Config) -> Workload:
-    trainer = ZeroTrainer(cfg)
+    step = build_step(cfg)
     # FlopCounterMode under FSDP sees DTensor ops with global shapes: FLOPs are not counted.
-    return Workload(step=trainer.step, check=trainer.check,
+    return Workload(step=lambda: train_step(step), check=lambda: check(step),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,  # this rank's
-                    tensors={"param_bytes": trainer.params, "grad_bytes": trainer.grads,
-                             "optimizer_bytes": trainer.optimizer_tensors},
+                    # DTensors: storage_bytes counts the local shard
+                    tensors={"param_bytes": lambda: list(step.model.parameters()),
+                             "grad_bytes": lambda: grads(step),
+                             "optimizer_bytes": lambda: optimizer_tensors(step)},
                     notes=notes(cfg), count_flops=False, compute_dtype=cfg.dtype)
 
 

@@ -1,15 +1,15 @@
-"""Writes the exercise notebooks in notebooks/exercises/ from `labkit.exercises` (one notebook per
+"""Writes the exercise notebooks in notebooks/exercises/ from `labkit.study.exercises` (one notebook per
 exercise: the scenario, one `parameters` cell, the graded check, a widget to try again), then one
-per troubleshooting lab (`labkit.exercises.labs.LABS`: symptoms, evidence, diagnosis, fix).
-Edit the exercises in labkit/exercises.py, then run `python notebooks/exercises/build_exercises.py`
+per troubleshooting lab (`labkit.study.exercises.labs.LABS`: symptoms, evidence, diagnosis, fix).
+Edit the exercises in labkit/study/exercises.py, then run `python notebooks/exercises/build_exercises.py`
 (outputs are never committed). Answer keys: `papermill NB.ipynb key.ipynb -p solution True`."""
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from labkit import exercises
-from labkit.exercises import labs
+from labkit.study import exercises
+from labkit.study.exercises import labs
 
 ROOT = Path(__file__).resolve().parent
 KERNEL = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
@@ -55,7 +55,7 @@ def exercise_notebook(ex: exercises.Exercise | labs.Lab) -> nbformat.NotebookNod
         new_markdown_cell(intro),
         parameters,
         new_markdown_cell("## The setup"),
-        new_code_cell(f"from labkit import exercises\n\nprint(exercises.describe({ex.key!r}, device))"),
+        new_code_cell(f"from labkit.study import exercises\n\nprint(exercises.describe({ex.key!r}, device))"),
         new_markdown_cell("## A hint, if you want one (before you answer)"),
         new_code_cell(f"if show_hint:\n    print(exercises.hint({ex.key!r}))"),
         new_markdown_cell("## Predict, then measure: the experiment runs on your device and grades "
@@ -103,7 +103,7 @@ def lab_notebook(lab: labs.Lab) -> nbformat.NotebookNode:
         new_markdown_cell(intro),
         new_code_cell(LAB_PARAMETERS.replace("{EXAMPLE}", example), metadata={"tags": ["parameters"]}),
         new_markdown_cell("## What is reported"),
-        new_code_cell(f"from labkit.exercises import labs\n\nprint(labs.symptoms({lab.key!r}))"),
+        new_code_cell(f"from labkit.study.exercises import labs\n\nprint(labs.symptoms({lab.key!r}))"),
         new_markdown_cell("## The evidence, measured on your device"),
         new_code_cell(f"evidence = labs.investigate({lab.key!r}, device, runs_dir)\nprint(evidence.report())"),
         new_markdown_cell("## Your diagnosis"),
@@ -116,7 +116,7 @@ def lab_notebook(lab: labs.Lab) -> nbformat.NotebookNode:
 
 
 def notebook_names() -> dict[str, exercises.Exercise | labs.Lab]:
-    """`NN_key.ipynb`, numbered in the order of labkit.exercises.EXERCISES, then the labs (LABS)."""
+    """`NN_key.ipynb`, numbered in the order of labkit.study.exercises.EXERCISES, then the labs (LABS)."""
     items = [*exercises.EXERCISES.items(), *labs.LABS.items()]
     return {f"{i:02d}_{key}.ipynb": item for i, (key, item) in enumerate(items, 1)}
 

@@ -1,0 +1,1 @@
+"""Building blocks the techniques share: the decoder and the reference model, the training step and its transforms, the serving engine, KV caches, request workloads, the pipeline schedule, rank helpers and our kernels. Nothing here imports the harness or presentation."""

@@ -1,0 +1,72 @@
+"""The rank helpers the multi-process techniques use: `DistConfig` (the settings every one
+shares), this rank and the world size, agreeing on a check's verdict, the default rank count, and
+the gradient-reduction fault. Starting the ranks and telling why a run ended is the harness's
+(`labkit.harness.ranks`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from labkit.config import RunConfig, knob
+
+FAULTS = ("none", "crash", "hang", "corrupt_reduction")
+
+
+# corrupt_reduction: fault_rank's part of the gradient reduction counted twice (a missing average,
+# a double-counted bucket); each experiment that implements it says where (reduction_fault below).
+CORRUPT_SCALE = 2.0
+
+
+@dataclass(kw_only=True)
+class DistConfig(RunConfig):
+    """Settings every multi-process experiment shares."""
+
+    nproc: int | None = knob(None, min=1, help="ranks (default: one per visible GPU, else 2 CPU "
+                                                   "ranks, 4 for hybrid)")
+    timeout_s: float = knob(60.0, min=1.0, help="a collective or barrier waiting longer ends the run")
+    timed_steps: int = knob(5, min=1, help="timed steps, the same count on every rank")
+    fault: str = knob("none", choices=FAULTS,
+                      help="inject a failure: crash (SIGKILL) or hang, to watch the run end "
+                           "cleanly; corrupt_reduction (fault_rank's part of the gradient "
+                           "reduction counted twice), to watch the check flag it")
+    fault_rank: int = knob(1, min=0, help="the rank that fails when `fault` is set")
+    reduction_fault: ClassVar[bool] = False  # True where the experiment implements corrupt_reduction
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def corrupt_scale(cfg: DistConfig) -> float | None:
+    """The factor this rank multiplies its part of the gradient reduction by under
+    fault=corrupt_reduction: CORRUPT_SCALE on fault_rank, None (untouched) elsewhere and otherwise.
+    An experiment applies it to its variants, never to its reference, which the check holds them to."""
+    if cfg.fault == "corrupt_reduction" and rank() == cfg.fault_rank:
+        return CORRUPT_SCALE
+    return None
+
+
+def agree(ok: bool, message: str) -> tuple[bool, str]:
+    """Whether every rank's check passed, and the first failing rank's reason: all ranks take the
+    same branch afterwards, so none waits in a collective the others skip."""
+    votes: list[Any] = [None] * world_size()
+    dist.all_gather_object(votes, (ok, message))
+    for r, (rank_ok, rank_message) in enumerate(votes):
+        if not rank_ok:
+            return False, rank_message if r == rank() else f"rank {r}: {rank_message}"
+    return True, message
+
+
+def default_nproc(device: str, cpu_ranks: int = 2) -> int:
+    return torch.cuda.device_count() if device.startswith("cuda") else cpu_ranks

@@ -1,0 +1,187 @@
+"""A recipe: the step-side techniques one training run combines, and the one place that composes
+them (`compose`), in a fixed order, refusing up front the combinations that cannot work.
+
+    step = compose(cfg, Recipe(precision="bf16", checkpointing="full", accumulation=4,
+                               data_parallel="zero2"))
+    step.step()
+
+The single-technique experiments apply the same transforms (`labkit.blocks.transforms`); a
+recipe of one technique is that experiment's variant.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from labkit.blocks import transforms as tf
+from labkit.blocks.training import Trainer
+from labkit.config import ConfigError, RunConfig, check_choice
+
+OFFLOADS = ("none", "activations", "optimizer", "both")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What one training run combines; every field's default is the plain step."""
+    precision: str = "fp32"              # transforms.PRECISIONS
+    loss_scaling: bool = True            # fp16 only: GradScaler
+    checkpointing: str = "none"          # transforms.CHECKPOINT_MODES
+    checkpoint_every: int = 2            # every_n: every n-th block
+    compile: bool = False                # torch.compile of each block
+    data_parallel: str = "none"          # transforms.DATA_PARALLEL, over the ranks that are not TP
+    tensor_parallel: int = 1             # TP degree (the ranks of one model replica)
+    accumulation: int = 1                # micro-batches of batch_size per optimizer step
+    offload: str = "none"                # OFFLOADS
+
+    def techniques(self) -> list[str]:
+        """The fields that differ from the plain step, as `name=value`."""
+        plain = Recipe()
+        return [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                if getattr(self, f.name) != getattr(plain, f.name)]
+
+
+def refusal(recipe: Recipe, device: str, world: int = 1) -> str | None:
+    """Why this recipe cannot run (one line), or None. Unknown values name the valid ones. Each
+    refused combination was tried: it crashes, or it would silently run something else."""
+    return (_unknown(recipe) or _layout(recipe, world) or _optimizer_clash(recipe)
+            or _offload_clash(recipe, device) or _device_clash(recipe, device))
+
+
+def _unknown(recipe: Recipe) -> str | None:
+    for name, value, valid in (("precision", recipe.precision, tf.PRECISIONS),
+                               ("checkpointing", recipe.checkpointing, tf.CHECKPOINT_MODES),
+                               ("data_parallel", recipe.data_parallel, tf.DATA_PARALLEL),
+                               ("offload", recipe.offload, OFFLOADS)):
+        try:
+            check_choice(name, value, valid)
+        except ConfigError as e:
+            return str(e)
+    if recipe.checkpointing == "blocks":
+        return "checkpointing=blocks needs the block list the checkpointing experiment's budget chooses"
+    if recipe.accumulation < 1 or recipe.tensor_parallel < 1 or recipe.checkpoint_every < 1:
+        return "accumulation, tensor_parallel and checkpoint_every are counts: 1 or more"
+    return None
+
+
+def _layout(recipe: Recipe, world: int) -> str | None:
+    """How the ranks split into tensor-parallel groups and data-parallel replicas."""
+    tp, data = recipe.tensor_parallel, recipe.data_parallel
+    if (data != "none" or tp > 1) and not dist.is_initialized():
+        return ("data and tensor parallelism run on ranks that torch.distributed started "
+                "(torchrun, or the harness's launcher); this process is not one")
+    if world % tp:
+        return f"tensor_parallel={tp} does not divide the {world} ranks"
+    if tp > 1 and data in ("ddp", "zero1"):
+        return ("DDP cannot wrap tensor-parallel (DTensor) parameters; with tensor_parallel > 1 "
+                "use data_parallel=zero2 or zero3 (FSDP2 on the other mesh dimension)")
+    if tp == 1 and data == "none" and world > 1:
+        return f"{world} ranks but no data or tensor parallelism: every rank would train alone"
+    if tp > 1 and data == "none" and world != tp:
+        return f"tensor_parallel={tp} on {world} ranks needs data_parallel for the rest"
+    if data != "none" and world // tp == 1:  # compose would skip it: the recipe would not run
+        return (f"data_parallel={data} needs 2 or more replicas; {world} rank(s) / "
+                f"tensor_parallel={tp} leave 1: use data_parallel=none")
+    return None
+
+
+def _optimizer_clash(recipe: Recipe) -> str | None:
+    """Two transforms that each choose the optimizer, or a GradScaler the optimizer cannot serve."""
+    host_optimizer = recipe.offload in ("optimizer", "both")
+    if host_optimizer and recipe.data_parallel == "zero1":
+        return ("offload=optimizer keeps whole host copies; ZeroRedundancyOptimizer (zero1) "
+                "shards those states itself: choose one")
+    if recipe.precision == "bf16_weights" and recipe.data_parallel == "zero1":
+        return ("bf16_weights keeps fp32 master copies in its own optimizer; zero1's "
+                "ZeroRedundancyOptimizer would replace it (no master copies): choose one")
+    if host_optimizer and recipe.precision == "bf16_weights":
+        return "bf16_weights and offload=optimizer both replace the optimizer with copies: choose one"
+    scaled = recipe.precision == "fp16" and recipe.loss_scaling
+    if scaled and host_optimizer and recipe.data_parallel not in ("zero2", "zero3"):
+        return ("fp16's GradScaler unscales through optimizer.param_groups, which the host "
+                "optimizer (CopyAdamW) has not: use bf16, or loss_scaling=False")
+    if scaled and recipe.tensor_parallel > 1 and recipe.data_parallel == "none":
+        return ("fp16's GradScaler unscales DTensor (sharded) and plain (replicated norm) "
+                "gradients in one foreach call, which DTensor refuses: use bf16")
+    return None
+
+
+def _offload_clash(recipe: Recipe, device: str) -> str | None:
+    activations = recipe.offload in ("activations", "both")
+    if activations and recipe.compile:
+        return ("activation offload's host copies come back contiguous, and compile's backward "
+                "asserts the saved tensors' original strides: choose one")
+    if activations and (recipe.tensor_parallel > 1 or recipe.data_parallel in ("zero2", "zero3")):
+        return ("offload=activations tells parameters from activations by storage, which "
+                "sharded (DTensor) parameters do not expose: use ddp/zero1, or no offload")
+    host_optimizer = recipe.offload in ("optimizer", "both")
+    if host_optimizer and recipe.tensor_parallel > 1 and recipe.data_parallel == "none":
+        return ("offload=optimizer copies whole tensors; tensor-parallel shards need FSDP2's "
+                "offload (zero2/zero3)")
+    if host_optimizer and recipe.data_parallel in ("zero2", "zero3") and not device.startswith("cuda"):
+        return "offload=optimizer with zero2/zero3 is FSDP2's CPUOffloadPolicy, which needs a GPU"
+    return None
+
+
+def _device_clash(recipe: Recipe, device: str) -> str | None:
+    if recipe.precision == "tf32" and not device.startswith("cuda"):
+        return "TF32 is a mode of NVIDIA tensor cores; this device is a CPU"
+    return None
+
+
+def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
+    """The plain training step with the recipe's transforms applied in the one fixed order.
+    Raises ConfigError (one line) for a recipe that cannot run."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    why = refusal(recipe, cfg.device, world)
+    if why:
+        raise ConfigError(why)
+    tp = recipe.tensor_parallel
+    dp = world // tp if recipe.data_parallel != "none" else 1
+    # The global batch, built the same on every rank; data parallelism takes each rank's slice.
+    step = Trainer(cfg, weights=tf.weights_dtype(recipe.precision), lr=lr, optimizer=False,
+                   batch_size=cfg.batch_size * recipe.accumulation * dp)
+    mesh = _mesh(cfg.device, dp, tp)
+    # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
+    # compile, then FSDP):
+    # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
+    #    (the shards, the optimizer's states) takes its dtype from them.
+    tf.apply_precision(step, recipe.precision, loss_scaling=recipe.loss_scaling)
+    # 2. tensor parallel on the plain modules: its plan names the linear layers, which a
+    #    checkpoint or compile wrapper would hide.
+    if tp > 1:
+        tf.apply_tensor_parallel(step, mesh["tp"])
+    # 3. checkpointing wraps whole (possibly sharded) blocks, before compile, so the compiled
+    #    block is the one that recomputes.
+    tf.apply_checkpointing(step, recipe.checkpointing, every=recipe.checkpoint_every)
+    # 4. compile each block, before data parallelism: FSDP2's gathers and DDP's bucket hooks
+    #    run between the blocks, outside the compiled graphs.
+    if recipe.compile:
+        tf.apply_compile(step)
+    # 5. data parallelism wraps (or shards) the finished model and keeps this rank's slice.
+    host_optimizer = recipe.offload in ("optimizer", "both")
+    fsdp = dp > 1 and recipe.data_parallel in ("zero2", "zero3")
+    if dp > 1:
+        tf.apply_data_parallel(step, recipe.data_parallel, mesh["dp"], offload=host_optimizer and fsdp)
+    # 6. accumulation splits this rank's slice into micro-batches, around whatever the forward
+    #    has become (under DDP only the last micro-batch all-reduces).
+    tf.apply_accumulation(step, [cfg.batch_size] * recipe.accumulation)
+    # 7. offload: activation hooks around the forward; the host optimizer unless FSDP2 offloads.
+    tf.apply_offload(step, activations=recipe.offload in ("activations", "both"),
+                     optimizer=host_optimizer and not fsdp)
+    # 8. the optimizer last, over the final parameters: their dtype, device and shard.
+    step.build_optimizer()
+    return step
+
+
+def _mesh(device: str, dp: int, tp: int):
+    """The ranks as (dp, tp): data-parallel replicas of tensor-parallel groups (None: one rank).
+    Tensor parallelism is the inner dimension, so a TP group is neighbouring ranks (one node's
+    fast links, on GPUs)."""
+    if dp * tp == 1:
+        return None
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    if dp > 1 and tp > 1:
+        return init_device_mesh(kind, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(kind, (dp * tp,), mesh_dim_names=("dp" if dp > 1 else "tp",))

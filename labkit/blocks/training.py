@@ -1,0 +1,274 @@
+"""The plain training step every training experiment starts from: the decoder, one fixed seeded
+batch, next-token cross-entropy on fp32 logits, AdamW, `zero_grad(set_to_none=True)`.
+
+Techniques change it from outside: a precision context (`Trainer.precision`), a transformed model
+(checkpointing), a different backward/step (`Trainer.backward_and_update`), or several
+micro-batches per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit.config import RunConfig
+from labkit.model import build_model
+from labkit.workload import Comparison
+
+
+def make_batch(cfg: RunConfig, batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded token ids: inputs (B, T) and next-token targets (B, T), on the config's device."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    batch = torch.randint(0, cfg.model.vocab_size, (batch_size or cfg.batch_size, cfg.seq_len + 1),
+                          generator=gen).to(cfg.device)
+    return batch[:, :-1], batch[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed on fp32 logits whatever the model's dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def total_norm(params) -> float:
+    """The global L2 norm of the gradients (nan when there are none)."""
+    grads = [p.grad.float() for p in params if p.grad is not None]
+    if not grads:
+        return math.nan
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+class CopyAdamW:
+    """AdamW on copies of the weights, elsewhere or in another dtype: fp32 master copies of
+    16-bit weights on their device (`dtype=torch.float32`), or host copies (`device="cpu"`).
+    Each step hands the gradients to the copies (upcast to `dtype`; with `device`, copied into
+    staging buffers there, pinned when `pin_memory`, so a GPU copies asynchronously), updates the
+    copies and copies the result back into the weights (rounding to their dtype)."""
+
+    def __init__(self, params, lr: float, *, dtype: torch.dtype | None = None,
+                 device: str | None = None, pin_memory: bool = False):
+        self.params = list(params)
+        self.copies = [torch.nn.Parameter(torch.empty_like(p, dtype=dtype, device=device,
+                                                           pin_memory=pin_memory))
+                       for p in self.params]
+        # with `device`: gradient staging buffers there, allocated once
+        self.staging = [torch.empty_like(c, pin_memory=pin_memory) if device else None
+                        for c in self.copies]
+        with torch.no_grad():
+            for c, p in zip(self.copies, self.params):
+                c.copy_(p)
+        self.inner = torch.optim.AdamW(self.copies, lr=lr)
+        # gradients to the copies and weights back, per step
+        self.bytes_per_step = sum(2 * p.numel() * p.element_size() for p in self.params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, c, g in zip(self.params, self.copies, self.staging):
+            c.grad = None if p.grad is None else (
+                p.grad.to(c.dtype) if g is None else g.copy_(p.grad, non_blocking=True))
+        if self.staging[0] is not None and self.params[0].is_cuda:
+            # The gradients must land before the CPU reads them; this also orders the previous
+            # step's weight copies (which read the host weights) before the update rewrites them.
+            torch.cuda.synchronize(self.params[0].device)
+        self.inner.step()
+        for p, c in zip(self.params, self.copies):
+            p.copy_(c, non_blocking=True)  # from pinned memory: asynchronous, ordered on the stream
+            c.grad = None  # an upcast gradient is freed here; a staging buffer stays
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The copies and AdamW's moments (and step counters)."""
+        return self.copies + optimizer_state(self.inner)
+
+
+class Trainer:
+    """The training step as a value: a model, one fixed batch, an optimizer, and the parts of the
+    step function that the transforms in `labkit.blocks.transforms` set. `step()` is one training
+    step and returns the loss.
+
+    The parts, each plain by default:
+    - `net`: what the forward calls (the model, or its data-parallel wrapper);
+    - `contexts`: context managers entered around every forward (autocast, saved-tensor hooks);
+    - `sizes`: the micro-batches, consecutive rows of the batch, of one optimizer step; each
+      loss is weighted by its share, so the gradient is the batch's mean (one piece: the plain
+      step, unweighted);
+    - `loss_weight` and `scaler` (a GradScaler): the backward of `loss * loss_weight`, scaled;
+    - `grad_hooks`: called with the step on the final (unscaled) gradients, before the update;
+    - `optimizer_factory(params, lr)`: how the optimizer is built, once, after the transforms
+      (`build_optimizer`), since its states take their dtype, device and shard from the weights.
+    """
+
+    def __init__(self, cfg: RunConfig, *, weights: torch.dtype = torch.float32, lr: float = 1e-3,
+                 batch_size: int | None = None, optimizer: bool = True):
+        self.cfg, self.lr = cfg, lr
+        self.model = build_model(cfg.model, device=cfg.device, dtype=weights, seed=cfg.seed,
+                                 attention=cfg.attention)
+        self.net = self.model
+        self.inputs, self.targets = make_batch(cfg, batch_size)
+        self.sizes = [len(self.inputs)]
+        self.contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+        self.loss_weight, self.scaler, self.skipped_steps = 1.0, None, 0
+        self.host_hooks = None  # activation offload's saved-tensor hooks, when applied
+        self.grad_hooks: list[Callable[[Trainer], None]] = []  # run on the final gradients
+        self.optimizer_factory: Callable[..., Any] = adamw
+        self.optimizer = self.build_optimizer() if optimizer else None
+        self.grad_norm, self.losses = math.nan, []
+
+    def build_optimizer(self):
+        self.optimizer = self.optimizer_factory(self.model.parameters(), self.lr)
+        return self.optimizer
+
+    def forward(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of a batch (the trainer's own by default)."""
+        inputs = self.inputs if inputs is None else inputs
+        targets = self.targets if targets is None else targets
+        with contextlib.ExitStack() as stack:
+            for context in self.contexts:
+                stack.enter_context(context())
+            return lm_loss(self.net(inputs), targets)
+
+    def micro_batches(self):
+        """(inputs, targets, weight) of each micro-batch: consecutive rows, weight its share."""
+        if len(self.sizes) == 1:
+            yield self.inputs, self.targets, 1.0
+            return
+        total, start = sum(self.sizes), 0
+        for size in self.sizes:
+            yield self.inputs[start:start + size], self.targets[start:start + size], size / total
+            start += size
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss * self.loss_weight if self.loss_weight != 1.0 else loss
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def record_grads(self) -> None:
+        self.grad_norm = total_norm(self.model.parameters())
+        for hook in self.grad_hooks:
+            hook(self)
+
+    def update(self) -> None:
+        """The optimizer step on the accumulated gradients (unscaled first, and skipped by the
+        scaler when they hold inf or nan), then the gradients dropped."""
+        if self.scaler is None:
+            self.record_grads()
+            self.optimizer.step()
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.unscale_(self.optimizer)
+            self.record_grads()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.skipped_steps += self.scaler.get_scale() < scale  # the scale halves on a skip
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward_and_update(self, loss: torch.Tensor) -> None:
+        self.backward(loss)
+        self.update()
+
+    def accumulate(self) -> float:
+        """Forward and backward of every micro-batch; the gradients add up in `.grad`, and each
+        micro-batch's activations are freed by its backward. Returns the batch's loss."""
+        total, last = 0.0, len(self.sizes) - 1
+        for i, (inputs, targets, weight) in enumerate(self.micro_batches()):
+            # Under DDP the gradients are all-reduced in the last micro-batch's backward only.
+            # FSDP2 reduce-scatters in every one: skipping it would keep whole gradients.
+            local = i < last and isinstance(self.net, DistributedDataParallel)
+            with self.net.no_sync() if local else contextlib.nullcontext():
+                loss = self.forward(inputs, targets)
+                loss = loss * weight if weight != 1.0 else loss
+                self.backward(loss)
+            total += loss.item()
+        return total
+
+    def step(self) -> float:
+        self.losses.append(self.accumulate())
+        self.update()
+        return self.losses[-1]
+
+    def accumulate_grads(self, pieces) -> float:
+        """Forward and backward of each (inputs, targets, weight) piece; the gradients add up in
+        `.grad` (weights summing to 1 give the mean gradient of all the pieces' sequences, as one
+        batch would). Each piece's activations are freed by its backward. Returns the loss."""
+        total = 0.0
+        for inputs, targets, weight in pieces:
+            loss = self.forward(inputs, targets) * weight
+            loss.backward()
+            total += loss.item()
+        return total
+
+    def train(self, steps: int) -> dict[str, object]:
+        """`steps` steps; the losses and the last gradient norm (what `check()` compares)."""
+        for _ in range(steps):
+            self.step()
+        return {"losses": list(self.losses), "grad_norm": self.grad_norm}
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        if isinstance(self.optimizer, CopyAdamW):
+            return self.optimizer.state_tensors()
+        return optimizer_state(self.optimizer)
+
+
+def adamw(params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def step_with_gradients(trainer: Trainer) -> dict:
+    """One training step; its loss and host copies of the gradients it applied. numpy copies:
+    they stay outside the harness's memory meter (and off the GPU) while kept for comparisons."""
+    loss = trainer.accumulate()
+    grads = {n: p.grad.detach().float().cpu().numpy().copy()  # numpy has no bf16
+             for n, p in trainer.model.named_parameters()}
+    trainer.update()
+    return {"loss": loss, "grads": grads}
+
+
+def gradient_difference(reference: dict, grads: dict) -> tuple[float, float]:
+    """The largest absolute difference over all parameters, and the largest normwise relative
+    one, ||g - g_ref|| / ||g_ref|| per tensor (elementwise ratios blow up where g_ref ~ 0); where
+    g_ref is all zeros, that tensor's largest absolute difference. Both are nan when any gradient
+    holds a nan (never a match). Every name in `reference` must be in `grads` with its shape
+    (a ValueError otherwise); names only in `grads` are not compared."""
+    max_abs = max_rel = 0.0
+    for name, ref in reference.items():
+        got = grads.get(name)
+        if got is None or got.shape != ref.shape:
+            found = "missing" if got is None else f"shape {tuple(got.shape)}"
+            raise ValueError(f"gradient {name!r}: {found}, the reference's is {tuple(ref.shape)}")
+        diff = got.astype(np.float64) - ref
+        largest = float(np.abs(diff).max()) if diff.size else 0.0
+        norm = float(np.linalg.norm(ref))
+        # np.maximum keeps a nan; the builtin max(0.0, nan) is 0.0, and a nan gradient would pass
+        max_abs = float(np.maximum(max_abs, largest))
+        max_rel = float(np.maximum(max_rel, float(np.linalg.norm(diff)) / norm if norm else largest))
+    return max_abs, max_rel
+
+
+def compare_grads(reference: dict, outputs: dict, tolerance: float, *,
+                  extra: dict[str, float] | None = None, limits: dict[str, float] | None = None,
+                  reported: dict[str, float] | None = None) -> Comparison:
+    """`outputs["grads"]` against `reference["grads"]` (`gradient_difference`): a match when the
+    normwise relative difference and every `extra` difference are within `tolerance` (or that
+    difference's own limit in `limits`); a nan never matches. Metrics, in order: `reported`
+    (default: `outputs["loss"]`; shown, not checked), `extra`, grad_max_abs_diff,
+    grad_max_rel_diff. The message names every checked difference and its limit."""
+    max_abs, max_rel = gradient_difference(reference["grads"], outputs["grads"])
+    extra, limits = extra or {}, limits or {}
+    checked = {"gradients max relative": (max_rel, tolerance),
+               **{name: (value, limits.get(name, tolerance)) for name, value in extra.items()}}
+    ok = all(value <= limit for value, limit in checked.values())
+    message = "" if ok else ", ".join(f"{name} {value:.2e} (<= {limit:g})"
+                                      for name, (value, limit) in checked.items())
+    reported = {"loss": outputs["loss"]} if reported is None else reported
+    return Comparison({**reported, **extra, "grad_max_abs_diff": max_abs,
+                       "grad_max_rel_diff": max_rel}, ok, message)

@@ -1,0 +1,309 @@
+"""The step-side techniques as transforms of a training step (`labkit.blocks.training.Trainer`):
+each `apply_*` changes one part of the step (the model, what the forward runs under, the
+micro-batches, the optimizer it will build) and returns the step. `compose` (in
+`labkit.blocks.recipe`) applies a recipe's transforms in one fixed order; the single-technique
+experiments apply the same functions, so every technique has one implementation.
+
+- `apply_precision`: autocast (bf16, fp16 with a GradScaler), TF32 matmuls, or bf16 weights with
+  fp32 master copies in the optimizer. Before the optimizer is built.
+- `apply_tensor_parallel`: Megatron's split of every block over a 1-D device mesh (DTensors).
+- `apply_checkpointing`: chosen blocks recompute their forward in the backward.
+- `apply_compile`: `torch.compile` of each block, in place (parameter names unchanged).
+- `apply_data_parallel`: DDP, ZeroRedundancyOptimizer (ZeRO-1) or FSDP2 (ZeRO-2/3), and this
+  rank's slice of the global batch.
+- `apply_accumulation`: one optimizer step over several micro-batches.
+- `apply_offload`: saved activations and/or the optimizer's states in host memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from labkit.blocks.model import Decoder
+from labkit.blocks.training import CopyAdamW, Trainer
+
+aten = torch.ops.aten
+
+# --- precision ------------------------------------------------------------------------------------
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16_weights")
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # "high" = TF32 tensor cores for fp32 matmuls
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def master_adamw(params, lr: float) -> CopyAdamW:
+    """AdamW on fp32 master copies of 16-bit weights: grads upcast, the update made in fp32 and
+    rounded back into the weights."""
+    return CopyAdamW(params, lr, dtype=torch.float32)
+
+
+def weights_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16_weights" else torch.float32
+
+
+def apply_precision(step: Trainer, precision: str, *, loss_scaling: bool = True) -> Trainer:
+    """The forward under the precision's autocast (or TF32 matmuls); `bf16_weights` casts the
+    weights and makes the optimizer keep fp32 master copies; fp16 scales the loss (GradScaler)
+    unless `loss_scaling` is off."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    device_type = torch.device(step.cfg.device).type
+    if precision in AUTOCAST:
+        step.contexts.append(functools.partial(torch.autocast, device_type, dtype=AUTOCAST[precision]))
+    elif precision == "tf32":
+        step.contexts.append(tf32_matmuls)
+    elif precision == "bf16_weights":
+        step.model.to(torch.bfloat16)
+        step.optimizer_factory = master_adamw
+    if precision == "fp16" and loss_scaling:
+        step.scaler = torch.amp.GradScaler(device_type)
+    return step
+
+
+# --- tensor parallel ------------------------------------------------------------------------------
+
+def block_plan(block: torch.nn.Module, seq, sequence_parallel: bool) -> dict:
+    """One block's plan; `seq` is the residual stream's layout between blocks. PrepareModuleInput
+    makes the attention (and MLP) input one Replicate DTensor, so wq, wk and wv share it and its
+    gradient is reduced once per module (Megatron's "f"), not once per projection."""
+    rest = (None,) * 4  # Attention.forward(x, start_pos, cache, impl, rope): only x is sharded
+    plan = {
+        "attn": PrepareModuleInput(input_layouts=(seq, *rest), desired_input_layouts=(Replicate(), *rest)),
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=seq),
+        "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if hasattr(block.mlp, "w3"):  # SwiGLU's gate: split like w1
+        plan["mlp.w3"] = ColwiseParallel()
+    if sequence_parallel:  # the norms run on this rank's tokens; their weights stay replicated
+        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+    return plan
+
+
+def apply_tp(model: torch.nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> torch.nn.Module:
+    """Shard the plain decoder in place over the 1-D `mesh` (Megatron's split: attention heads and
+    the MLP's hidden units column-wise, their output projections row-wise); with
+    `sequence_parallel` the norms and the residual stream are split by tokens."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # (B, T, d): Shard(1) splits T
+    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+           # the logits gathered on every rank (b*s*V): the loss stays the plain cross-entropy
+           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in model.layers:
+        parallelize_module(block, mesh, block_plan(block, seq, sequence_parallel))
+    return model
+
+
+def apply_tensor_parallel(step: Trainer, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Trainer:
+    """The step's model sharded over `mesh`; every rank of it runs the same batch."""
+    apply_tp(step.model, mesh, sequence_parallel=sequence_parallel)
+    return step
+
+
+# --- activation checkpointing ---------------------------------------------------------------------
+
+CHECKPOINT_MODES = ("none", "full", "every_n", "selective", "blocks")
+# Ops whose outputs selective checkpointing keeps: the matmuls (and attention) hold the FLOPs.
+SAVED_BY_SELECTIVE = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+                      aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      aten._scaled_dot_product_flash_attention.default,
+                      aten._scaled_dot_product_efficient_attention.default,
+                      aten._scaled_dot_product_cudnn_attention.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed_blocks(num_layers: int, mode: str, *, every: int = 2,
+                        blocks: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Indices of the blocks a mode wraps."""
+    if mode == "none":
+        return ()
+    if mode == "every_n":
+        return tuple(range(0, num_layers, every))
+    if mode == "blocks":
+        return tuple(sorted(set(blocks)))
+    return tuple(range(num_layers))
+
+
+def apply_checkpointing(target: Trainer | Decoder, mode: str, *, every: int = 2,
+                        blocks: tuple[int, ...] = ()):
+    """Wrap the chosen blocks' forward in non-reentrant `torch.utils.checkpoint`, in place, on a
+    training step's model or on a bare model; returns what it was given."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown checkpointing mode {mode!r}; valid: {', '.join(CHECKPOINT_MODES)}")
+    model = target.model if isinstance(target, Trainer) else target
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+                  if mode == "selective" else None)
+    for i in checkpointed_blocks(len(model.layers), mode, every=every, blocks=blocks):
+        block = model.layers[i]
+        block.forward = _checkpointed(block.forward, context_fn)
+    return target
+
+
+def _checkpointed(forward, context_fn):
+    kwargs = {"context_fn": context_fn} if context_fn else {}
+
+    @functools.wraps(forward)
+    def run(*args):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+# --- compile --------------------------------------------------------------------------------------
+
+def apply_compile(step: Trainer, mode: str | None = None) -> Trainer:
+    """Each block compiled in place (`nn.Module.compile`: the module and its parameter names stay,
+    unlike a `torch.compile` wrapper). Per block, as torchtitan does: the blocks are alike, so one
+    graph serves them all, and data-parallel hooks between blocks stay outside the graphs. The
+    compilation itself happens at the first forward."""
+    for block in step.model.layers:
+        block.compile(mode=mode)
+    return step
+
+
+# --- data parallel and ZeRO -----------------------------------------------------------------------
+
+DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")
+
+
+def zero1_adamw(params, lr: float, process_group=None) -> ZeroRedundancyOptimizer:
+    """AdamW whose moments each rank keeps for its share of the parameter tensors (ZeRO-1)."""
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr,
+                                   process_group=process_group)
+
+
+def shard_fully(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool | None = True,
+                offload: bool = False) -> torch.nn.Module:
+    """FSDP2 in place: one unit per block, then the root (embedding, final norm, head), which
+    forms the last unit; each block's unit is gathered and freed on its own, which is what bounds
+    the peak. `reshard_after_forward=None` is FSDP2's default: True for the blocks, False for the
+    root. `offload`: the shards, their gradients and the optimizer step on the host."""
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    for block in model.layers:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def wrap_ddp(model: torch.nn.Module, device: str, *, bucket_cap_mb: float | None = None,
+             gradient_as_bucket_view: bool = True, process_group=None) -> DistributedDataParallel:
+    """DDP over `process_group` (None: every rank). By default the gradients are views of DDP's
+    all-reduce buckets: one gradient-sized buffer, not two. `bucket_cap_mb`: DDP's bucket size
+    (None: its 25 MiB)."""
+    device_ids = [torch.device(device).index] if device.startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+                                   gradient_as_bucket_view=gradient_as_bucket_view,
+                                   process_group=process_group)
+
+
+def apply_data_parallel(step: Trainer, kind: str, mesh: DeviceMesh | None = None, *,
+                        offload: bool = False, bucket_cap_mb: float | None = None,
+                        gradient_as_bucket_view: bool = True) -> Trainer:
+    """Data parallelism over `mesh` (default: every rank): the step's batch is the global one, and
+    each rank keeps its slice of it. `ddp` and `zero1` wrap the model in DDP over every rank
+    (`zero1` with ZeroRedundancyOptimizer; `bucket_cap_mb` and `gradient_as_bucket_view` go to
+    `wrap_ddp`); `zero2` and `zero3` shard it with FSDP2, `zero3` also regathering the parameters
+    for the backward; `offload` keeps FSDP2's shards and optimizer on the host."""
+    if kind not in DATA_PARALLEL:
+        raise ValueError(f"unknown data parallel {kind!r}; valid: {', '.join(DATA_PARALLEL)}")
+    if kind == "none":
+        return step
+    sharded = kind in ("zero2", "zero3")
+    if mesh is None and sharded:  # DDP needs no mesh: it runs on the default process group
+        mesh = init_device_mesh(torch.device(step.cfg.device).type, (dist.get_world_size(),))
+    n, r = ((mesh.size(), mesh.get_local_rank()) if mesh is not None
+            else (dist.get_world_size(), dist.get_rank()))
+    step.inputs, step.targets = step.inputs.chunk(n)[r], step.targets.chunk(n)[r]
+    step.sizes = [len(step.inputs)]
+    if sharded:
+        shard_fully(step.model, mesh, reshard_after_forward=kind == "zero3", offload=offload)
+        return step
+    group = mesh.get_group() if mesh is not None else None  # None: every rank
+    step.net = wrap_ddp(step.model, step.cfg.device, bucket_cap_mb=bucket_cap_mb,
+                        gradient_as_bucket_view=gradient_as_bucket_view, process_group=group)
+    if kind == "zero1":
+        step.optimizer_factory = functools.partial(zero1_adamw, process_group=group)
+    return step
+
+
+# --- accumulation and offload ---------------------------------------------------------------------
+
+def apply_accumulation(step: Trainer, sizes: list[int]) -> Trainer:
+    """One optimizer step over micro-batches of `sizes` sequences, consecutive rows of the step's
+    batch: each micro-batch's activations are freed by its backward, its gradients add up."""
+    if sum(sizes) != len(step.inputs) or min(sizes) < 1:
+        raise ValueError(f"micro-batches {sizes} do not split the batch of {len(step.inputs)}")
+    step.sizes = list(sizes)
+    return step
+
+
+class save_activations_on_host(torch.autograd.graph.saved_tensors_hooks):
+    """`save_on_cpu(pin_memory=True)` for every saved tensor except the parameters (and views of
+    them, such as a weight's transpose), which stay put; counts the bytes sent to the host."""
+
+    def __init__(self, params):
+        inner = torch.autograd.graph.save_on_cpu(pin_memory=True, device_type="cuda")
+        resident = {p.untyped_storage().data_ptr() for p in params}
+        self.bytes_to_host = 0
+
+        def pack(t: torch.Tensor):
+            if t.untyped_storage().data_ptr() in resident:
+                return t, None
+            self.bytes_to_host += t.numel() * t.element_size()
+            return None, inner.pack_hook(t)  # (device, pinned host copy); copied asynchronously
+
+        def unpack(packed) -> torch.Tensor:
+            t, host = packed
+            return t if host is None else inner.unpack_hook(host)  # back to its device
+
+        super().__init__(pack, unpack)
+
+    def counted(self):
+        """The hooks, their count started again (what one forward sent)."""
+        self.bytes_to_host = 0
+        return self
+
+
+def host_adamw(params, lr: float) -> CopyAdamW:
+    """AdamW whose state lives in host memory: the gradients copied into pinned host buffers,
+    fp32 host copies of the weights updated there, the weights copied back."""
+    return CopyAdamW(params, lr, device="cpu", pin_memory=torch.cuda.is_available())
+
+
+def apply_offload(step: Trainer, *, activations: bool = False, optimizer: bool = False) -> Trainer:
+    """Saved activations sent to host memory in the forward and back in the backward; the
+    optimizer's states and update on the host."""
+    if activations:
+        step.host_hooks = save_activations_on_host(step.model.parameters())
+        step.contexts.append(step.host_hooks.counted)
+    if optimizer:
+        step.optimizer_factory = host_adamw
+    return step

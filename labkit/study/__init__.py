@@ -1,0 +1,1 @@
+"""Study: the quiz, the exercises and diagnosis labs, and the workshop leaderboard."""

@@ -1,0 +1,37 @@
+"""The measurements behind the exercises: each Run is measured once and shared by every exercise
+that names it (a stored complete run of the same settings on the same machine is reused)."""
+from __future__ import annotations
+
+from labkit.study.exercises.core import Run
+
+FAST = {"min_run_time_s": 0.0, "warmup": 0}
+SLOW_STAGE_MS = 40.0  # the troubleshooting lab's injected delay in pipeline stage 0
+# Two CPU ranks (gloo) on any machine: the scenarios' per-rank bytes and bubble are the same on
+# every device, and one GPU cannot hold two NCCL ranks. A run's own "device" wins over check()'s.
+DIST = {**FAST, "timed_steps": 2, "seq_len": 16, "num_layers": 2, "timeout_s": 60, "device": "cpu",
+        "nproc": 2}
+RUNS = {
+    "mp": Run("mixed_precision", {**FAST, "batch_size": 1, "seq_len": 8, "steps": 1, "num_layers": 2},
+              ("fp32", "fp16", "bf16_weights")),
+    "ckpt": Run("checkpointing", {**FAST, "batch_size": 2, "seq_len": 32, "num_layers": 2},
+                ("none", "full", "selective")),
+    # 0.06 GiB: above the model states plus either device's AdamW temporaries (CPU 16Ψ + 8 MiB,
+    # GPU 20Ψ), so the backward's activations set the micro-batch (8) on both; 36 = 4 x 8 + 4.
+    "finder": Run("batch_finder", {**FAST, "num_layers": 1, "seq_len": 32, "memory_budget_gib": 0.06,
+                                   "max_batch_size": 16, "mode": "grow", "effective_batch": 36}, ("fp32",)),
+    "kv": Run("kv_cache", {**FAST, "prompt_len": 64, "new_tokens": 32, "num_layers": 1},
+              ("none", "dynamic", "quantized")),
+    "data": Run("dataloading", {**FAST, "batch_size": 2, "seq_len": 8, "steps": 2, "num_layers": 2,
+                                "sample_cost_us": 50000.0}, ("baseline",)),
+    # fp16 too (the dtype of the tensor-core scenarios); mult8 is 16-byte aligned, not 128-byte.
+    "matmul": Run("matmul", {**FAST, "size": 256}, ("fp32", "fp16"),
+                  {"alignment": ["aligned", "mult8", "off_by_one"]}),
+    "access": Run("memory_access", {**FAST, "size_mib": 4.0, "stride": 4}, ("contiguous", "strided")),
+    # 8 requests on 4 rows, outputs of 4 to 32 tokens: static runs two batches to their longest
+    # output, continuous refills rows as requests finish (no preemption: the pool holds 4 rows)
+    "serve": Run("batching", {"num_layers": 1, "num_requests": 8, "max_output_len": 32, "arrival": "closed",
+                              "batch_size": 4}, ("sequential", "static", "continuous")),
+    "zero": Run("zero", {**DIST, "batch_size": 2}, ("zero0", "zero1", "zero3")),
+    "pipe": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "delay_stage": 0},
+                ("single", "gpipe"), {"stage_delay_ms": [0.0, SLOW_STAGE_MS]}),
+}

@@ -1,0 +1,1 @@
+"""Widget panels for the notebooks (ipywidgets, plotly)."""

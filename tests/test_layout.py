@@ -1,0 +1,50 @@
+"""The package's shape: few modules at the top, layers in sub-packages, and the old import paths
+still working (each is the moved module itself, not a copy)."""
+import importlib
+from pathlib import Path
+
+import pytest
+
+import labkit
+
+TOP = Path(labkit.__file__).parent
+# old path -> where the module lives now
+MOVED = {"labkit.model": "labkit.blocks.model", "labkit.reference": "labkit.blocks.reference",
+         "labkit.experiment": "labkit.harness.experiment",
+         "labkit.techniques.kv_caches": "labkit.blocks.kv_caches"}
+
+
+def test_at_most_ten_modules_directly_in_labkit():
+    modules = sorted(p.stem for p in TOP.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(modules) <= 10, modules
+
+
+@pytest.mark.parametrize("old,new", sorted(MOVED.items()))
+def test_an_old_import_path_is_the_moved_module(old, new):
+    assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_the_names_users_import_keep_working():
+    from labkit.config import MODELS
+    from labkit.experiment import run_experiment
+    from labkit.model import build_model, num_params
+    from labkit.reference import heldout, load_reference
+    from labkit.techniques.kv_cache import generate_cached, generate_uncached
+    from labkit.techniques.kv_caches import DynamicCache, StaticCache
+    from labkit.harness.experiment import run_experiment as moved
+    assert run_experiment is moved and "llama-2-7b" in MODELS
+    assert all(callable(f) for f in (build_model, num_params, heldout, load_reference,
+                                     generate_cached, generate_uncached))
+    assert DynamicCache.__module__ == StaticCache.__module__ == "labkit.blocks.kv_caches"
+
+
+def test_no_step_side_technique_subclasses_the_training_step():
+    """The techniques change a training step through transforms (labkit.blocks.transforms), or
+    compose it, never by overriding its hooks."""
+    import labkit.blocks.training as training
+    from labkit.techniques import REGISTRY, get_experiment
+    subclasses = [f"{name}.{obj.__name__}" for name in REGISTRY
+                  for obj in vars(get_experiment(name)).values()
+                  if isinstance(obj, type) and issubclass(obj, training.Trainer)
+                  and obj is not training.Trainer]
+    assert subclasses == []
