@@ -16,6 +16,8 @@ from typing import Sequence
 from labkit.config import PRESETS, ConfigError, parse_assignments, parse_sweep
 
 EXIT_BAD_INPUT = 2
+HF_MODEL_HELP = ("a Hugging Face folder (config.json, optionally safetensors weights: llama, "
+                 "mistral, qwen2 or gpt2) whose shape replaces the preset's")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     run.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...")
     run.add_argument("--json", action="store_true", help="result rows as JSON lines on stdout")
+    run.add_argument("--hf-model", metavar="DIR", help=HF_MODEL_HELP + "; sizes still come from "
+                     "--preset and --set (e.g. --set num_layers=2 shrinks it, with random weights)")
     run.add_argument("--nproc", type=int, metavar="N",
                      help="ranks of a multi-process experiment (default: one per visible GPU, "
                           "else 2 CPU ranks; under torchrun: its world size)")
@@ -120,6 +124,7 @@ def _add_plan_parser(sub) -> None:
                     "the runs a stored record names (written back to it, or to --out)")
     pl = sub.add_parser("plan", help="predict training memory per GPU; recommend a plan that fits")
     pl.add_argument("--model", help=f"a preset: {', '.join(PRESETS)} (default: tiny)")
+    pl.add_argument("--hf-model", metavar="DIR", help=HF_MODEL_HELP + " (read from config.json alone)")
     pl.add_argument("--params", help="a bare parameter count instead of --model, e.g. 7.5e9 "
                                      "(then only model states are predicted)")
     pl.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per GPU")
@@ -244,6 +249,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from labkit.techniques import record
 
     overrides = _overrides(args)
+    if args.hf_model:
+        overrides["model"] = hf_model_config(args.hf_model)
     if args.nproc is not None:
         _check_multiprocess(args.name)
         overrides["nproc"] = args.nproc
@@ -450,13 +457,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from labkit.views.plan import format_plan
     from labkit.planner import plan_report
 
-    report = plan_report(model=args.model, params=args.params, batch_size=args.batch_size,
+    model = args.model
+    if args.hf_model:
+        if args.model:
+            raise ConfigError("give --model or --hf-model, not both")
+        model = hf_model_config(args.hf_model)
+    report = plan_report(model=model, params=args.params, batch_size=args.batch_size,
                          seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
                          optimizer_impl=args.optimizer_impl, zero_stage=args.zero_stage,
                          tp=args.tp, pp=args.pp, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib,
                          checkpointing=args.checkpointing, effective_batch=args.effective_batch)
     print(json.dumps(report, allow_nan=False) if args.json else format_plan(report))
     return 0
+
+
+def hf_model_config(folder: str):
+    """The shape of a Hugging Face folder (`labkit.blocks.hf`): a bad folder is one line."""
+    from labkit.blocks.hf import model_config
+
+    return model_config(folder)
 
 
 def cmd_train_reference(args: argparse.Namespace) -> int:

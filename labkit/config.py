@@ -70,6 +70,18 @@ class ModelConfig:
     rope_theta: float = knob(10000.0, min=1.0, help="RoPE base (llama)")
     norm_eps: float = knob(1e-5, min=0.0, help="norm epsilon")
     tie_embeddings: bool = knob(False, help="share input and output embeddings")
+    qkv_bias: bool = knob(False, help="biases on the q, k and v projections (Qwen2; gpt2 has all)")
+    # Read from a Hugging Face config.json (labkit.blocks.hf), never set with --set:
+    # Llama 3's RoPE scaling (factor, low_freq_factor, high_freq_factor, original context) ...
+    rope_llama3: tuple[float, float, float, int] | None = field(default=None,
+                                                                 metadata={"internal": True})
+    # ... and the folder the shape came from: build_model loads its safetensors weights while
+    # the shape is the folder's own (not shrunk with --set).
+    source: str = field(default="", metadata={"internal": True})
+
+    def __post_init__(self):
+        if isinstance(self.rope_llama3, list):  # a stored run's params (JSON has no tuples)
+            object.__setattr__(self, "rope_llama3", tuple(self.rope_llama3))
 
     @property
     def head_dim(self) -> int:
@@ -169,7 +181,9 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls) if f.name != "model"}
+    """The settable fields: not the model, nor what only a config.json sets (`internal`)."""
+    return {f.name: f for f in dataclasses.fields(cls)
+            if f.name != "model" and not f.metadata.get("internal")}
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
@@ -309,9 +323,15 @@ def resolve(config_cls: type[RunConfig], preset: str | None = None,
 
     Order: the class defaults, then the preset's sizes (and this `experiment`'s own at that
     preset: experiment_sizes), then `overrides`. Overrides may name run fields or model-shape fields; values
-    may be strings (from the command line) or typed values (widgets, papermill).
+    may be strings (from the command line) or typed values (widgets, papermill). `model`, a
+    ModelConfig (e.g. `labkit.blocks.hf.model_config(DIR)`), replaces the preset's shape; the
+    preset still gives the sizes, and model-shape overrides apply on top of it.
     """
     overrides = dict(overrides or {})
+    base = overrides.pop("model", None)
+    if base is not None and not isinstance(base, ModelConfig):
+        raise ConfigError(f"model={base!r} must be a ModelConfig (labkit.blocks.hf.model_config(DIR) "
+                          "reads one from a Hugging Face folder)")
     run_names, model_names = set(_fields(config_cls)), set(_fields(ModelConfig))
     unknown = sorted(set(overrides) - run_names - model_names)
     if unknown:
@@ -324,7 +344,7 @@ def resolve(config_cls: type[RunConfig], preset: str | None = None,
     _check_range("preset", preset, {"choices": PRESETS})
     sizes = {**PRESET_SIZES[preset], **experiment_sizes(experiment, preset)}
     run_values = {k: v for k, v in {**sizes, **overrides}.items() if k in run_names}
-    model = _apply(MODELS[preset], {k: v for k, v in {**sizes, **overrides}.items() if k in model_names})
+    model = _apply(base or MODELS[preset], {k: v for k, v in {**sizes, **overrides}.items() if k in model_names})
     _check_model(model)
     cfg = _apply(config_cls(), run_values)
     cfg = dataclasses.replace(cfg, preset=preset, device=device, model=model,

@@ -21,12 +21,15 @@ from labkit.config import DTYPE_BYTES, MODELS, PRESETS, ConfigError, ModelConfig
 def block_linear_params(m: ModelConfig, *, biases: bool = True) -> int:
     """Weights (and biases) of the linear layers of one block; the weights alone are what the
     matmuls multiply by (bias adds are not counted as FLOPs)."""
-    hd, bias = m.head_dim, biases and m.arch == "gpt2"
+    hd, gpt2 = m.head_dim, m.arch == "gpt2"
     q_o = 2 * m.hidden_size * m.num_heads * hd
     k_v = 2 * m.hidden_size * m.num_kv_heads * hd
     mlp = (3 if m.arch == "llama" else 2) * m.hidden_size * m.ffn_size
-    biases = (m.num_heads * hd * 2 + m.num_kv_heads * hd * 2 + m.ffn_size + m.hidden_size) if bias else 0
-    return q_o + k_v + mlp + biases
+    if not biases:
+        return q_o + k_v + mlp
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * hd if gpt2 or m.qkv_bias else 0  # Qwen2: these alone
+    rest = 2 * m.hidden_size + m.ffn_size if gpt2 else 0  # wo, w1, w2
+    return q_o + k_v + mlp + qkv + rest
 
 
 def num_params(m: ModelConfig) -> int:
@@ -102,7 +105,7 @@ def generate_flops(m: ModelConfig, *, batch: int, prompt_len: int, new_tokens: i
 # - the step's timeline: which of these coexist at the peak (`training_memory`).
 # ==================================================================================================
 
-PRECISIONS = ("fp32", "fp16", "bf16", "mixed")
+PRECISIONS = ("fp32", "fp16", "bf16", "mixed", "bf16_autocast", "fp16_autocast")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 CHECKPOINTING = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -120,6 +123,13 @@ class PrecisionBytes:
     moment: int  # one optimizer moment (Adam's m or v, SGD's momentum)
     master: int  # an fp32 master copy of the weights kept by the optimizer (0: none)
     act: int  # activations (where the model does not upcast on purpose)
+    cast: int = 0  # autocast: bytes of its 16-bit compute dtype (0: no autocast)
+
+    @property
+    def residual(self) -> int:
+        """The residual stream's (and the norms') dtype: fp32 under autocast, which leaves adds
+        and norms to the weights' dtype; the activation dtype otherwise."""
+        return 4 if self.cast else self.act
 
 
 PRECISION_BYTES = {
@@ -130,8 +140,15 @@ PRECISION_BYTES = {
     # ZeRO's mixed precision: 16-bit weights and gradients, fp32 master weights and moments:
     # 2 + 2 + K with K = 12 for Adam (master 4 + m 4 + v 4), 16 bytes per parameter.
     "mixed": PrecisionBytes(weight=2, grad=2, moment=4, master=4, act=2),
+    # Autocast (torch.autocast) over fp32 weights, fp32 gradients and fp32 AdamW: the matmuls'
+    # inputs and outputs (and SDPA's) in 16 bits, the residual stream and the norms in fp32, and
+    # a cached 16-bit copy of every matmul weight (`_weight_casts`). Not "bf16": that is pure
+    # 16-bit training.
+    "bf16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
+    "fp16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
 }
-DTYPE_OF = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "mixed": "bfloat16"}
+DTYPE_OF = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "mixed": "bfloat16",
+            "bf16_autocast": "bfloat16", "fp16_autocast": "float16"}
 
 
 def optimizer_bytes_per_param(precision: str, optimizer: str) -> int:
@@ -227,7 +244,10 @@ def block_tensors(m: ModelConfig, s: LocalShape) -> list[int]:
     """Sizes of one block's parameters on one rank, in the module's order (attn_norm, mlp_norm,
     wq, wk, wv, wo, w1, [w3], w2; each Linear's bias after its weight). Column-parallel weights
     (wq, wk, wv, w1, w3) and their biases split; row-parallel ones (wo, w2) split, their biases
-    replicated; norms replicated."""
+    replicated; norms replicated. Qwen2's q, k, v biases (qkv_bias) split with their weights."""
+    if m.arch == "llama" and m.qkv_bias:
+        return [s.d, s.d, s.d * s.q, s.q, s.d * s.kv, s.kv, s.d * s.kv, s.kv, s.q * s.d, s.d * s.f,
+                s.d * s.f, s.f * s.d]
     if m.arch == "llama":
         return [s.d, s.d, s.d * s.q, s.d * s.kv, s.d * s.kv, s.q * s.d, s.d * s.f, s.d * s.f, s.f * s.d]
     return [s.d, s.d, s.d, s.d, s.d * s.q, s.q, s.d * s.kv, s.kv, s.d * s.kv, s.kv, s.q * s.d, s.d,
@@ -294,12 +314,15 @@ def layer_activation_bytes(m: ModelConfig, *, batch_size: int, seq_len: int, pre
     return batch_size * seq_len * _layer_bytes_per_token(run, run.checkpointing)
 
 
-def _norm_bytes(r: "_Run") -> int:
-    """Per token, one norm: what it keeps for backward plus its output (the next matmul's input)."""
-    s, a = r.shape, r.prec.act
-    if r.m.arch == "llama":  # x32 (4d, the input itself in fp32), rsqrt (4), x·rsqrt (a·d), output (a·d)
-        return 4 * s.d + 4 + 2 * a * s.d
-    return 2 * a * s.d + 2 * r.stat  # input (a·d), output (a·d), mean and rstd
+def _norm_bytes(r: "_Run", consumers: int = 1) -> int:
+    """Per token, one norm: what it keeps for backward plus its output (the next matmul's input).
+    Under autocast the output stays fp32 and is not kept: each of its `consumers` (the matmuls
+    it feeds) saves its own 16-bit cast of it (autocast caches only the weights' casts)."""
+    s, n = r.shape, r.prec.residual
+    out = consumers * r.prec.cast * s.d if r.prec.cast else r.prec.act * s.d
+    if r.m.arch == "llama":  # x32 (4d, the input itself in fp32), rsqrt (4), x·rsqrt (n·d), output
+        return 4 * s.d + 4 + n * s.d + out
+    return n * s.d + out + 2 * r.stat  # input (n·d), output, mean and rstd
 
 
 def _attention_bytes(r: "_Run") -> int:
@@ -319,15 +342,17 @@ def _selective_bytes(r: "_Run") -> int:
     wo, w1, [w3], w2; wo's and w2's are d wide on every rank) and SDPA's output and logsumexp."""
     s, a = r.shape, r.prec.act
     mlp = (2 if r.m.arch == "llama" else 1) * s.f + s.d
-    return a * (s.d + s.q + 2 * s.kv + s.d + mlp + s.q) + 4 * s.heads
+    return r.prec.residual * s.d + a * (s.q + 2 * s.kv + s.d + mlp + s.q) + 4 * s.heads
 
 
 def _layer_bytes_per_token(r: "_Run", mode: str) -> int:
     if mode == "full":
-        return r.prec.act * r.shape.d  # the block's input, held by torch.utils.checkpoint
+        return r.prec.residual * r.shape.d  # the block's input, held by torch.utils.checkpoint
     if mode == "selective":
         return _selective_bytes(r)
-    return 2 * _norm_bytes(r) + _attention_bytes(r) + _mlp_bytes(r)
+    # the attention norm feeds wq, wk and wv; the MLP norm w1 and w3 (SwiGLU) or w1 (GELU)
+    mlp_inputs = 2 if r.m.arch == "llama" else 1
+    return _norm_bytes(r, 3) + _norm_bytes(r, mlp_inputs) + _attention_bytes(r) + _mlp_bytes(r)
 
 
 def _embedding_side_bytes(r: "_Run") -> int:
@@ -363,6 +388,9 @@ class MemoryPlan:
     activation_bytes_per_layer: int  # one layer, one micro-batch, under the chosen checkpointing
     overhead_bytes: int  # what else the peak holds (loss/optimizer temporaries, working buffers)
     kv_cache_bytes: int = 0
+    weight_copy_bytes: int = 0  # autocast's 16-bit weight casts held at the peak (autocast cases)
+    gathered_bytes: int = 0  # FSDP2's ZeRO-2: the whole parameters held beside the shards
+    kept_weight_copy_bytes: int = 0  # autocast's casts the backward keeps (saved for it)
     held_at_peak: tuple[str, ...] = ("param", "grad", "optimizer", "activation", "overhead", "kv_cache")
     peak_phase: str = ""  # where the peak is: "backward" or "step" (the optimizer step)
     phase_bytes: dict = field(default_factory=dict, compare=False)  # each phase's predicted peak
@@ -397,6 +425,7 @@ class _Run:
     checkpointed_layers: int | None
     accumulation_steps: int
     impl: str  # the optimizer's implementation: torch's default for the device unless given
+    fsdp2: bool  # ZeRO stages 2-3 as FSDP2 builds them (shards kept beside gathered parameters)
     stat: int  # bytes of LayerNorm's mean/rstd: fp32 on CUDA, the activation dtype on the CPU
     shape: LocalShape | None
 
@@ -412,7 +441,7 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
              zero_stage: int = 0, tp: int = 1, pp: int = 1, gpus: int = 1,
              checkpointing: str = "none", checkpointed_layers: int | None = None,
              accumulation_steps: int = 1, device: str | None = None,
-             optimizer_impl: str | None = None) -> _Run:
+             optimizer_impl: str | None = None, fsdp2: bool = False) -> _Run:
     """Check every input (ConfigError naming the valid choices) and derive the rest."""
     _positive(batch_size=batch_size, seq_len=seq_len, tp=tp, pp=pp, gpus=gpus,
               accumulation_steps=accumulation_steps)
@@ -432,7 +461,7 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
                 prec=p, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
                 dp=gpus // (tp * pp), checkpointing=checkpointing,
                 checkpointed_layers=checkpointed_layers, accumulation_steps=accumulation_steps,
-                impl=impl, stat=p.act if device.startswith("cpu") else 4,
+                impl=impl, fsdp2=fsdp2, stat=p.residual if device.startswith("cpu") else 4,
                 shape=local_shape(m, tp) if m is not None else None)
 
 
@@ -469,7 +498,8 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
                     optimizer: str = "adamw", zero_stage: int = 0, tp: int = 1, pp: int = 1,
                     gpus: int = 1, checkpointing: str = "none",
                     checkpointed_layers: int | None = None, accumulation_steps: int = 1,
-                    device: str | None = None, optimizer_impl: str | None = None) -> MemoryPlan:
+                    device: str | None = None, optimizer_impl: str | None = None,
+                    fsdp2: bool = False) -> MemoryPlan:
     """Predict one training step's memory on one GPU (the busiest pipeline stage when pp > 1).
 
     The step, as `labkit.blocks.training.Trainer` runs it (zero_grad(set_to_none=True)):
@@ -486,11 +516,19 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
     implementation, as `torch.optim` does: a for-loop on the CPU ("single": two temporaries the
     size of the largest parameter), multi-tensor on CUDA ("foreach": a copy of every moment v);
     `optimizer_impl` overrides it ("fused": none). With only `num_params` (no shape), the model
-    states and the optimizer step are predicted, split evenly over tp x pp."""
+    states and the optimizer step are predicted, split evenly over tp x pp.
+
+    `precision` bf16_autocast / fp16_autocast: autocast over fp32 weights, fp32 gradients and
+    fp32 AdamW (not "bf16", pure 16-bit training): the matmuls' activations in 16 bits, the
+    residual stream and the norms in fp32, and autocast's cached 16-bit weight copies
+    (`weight_copy_bytes`): all of them at the end of the forward, a third phase ("forward"),
+    and those the backward keeps at its start. `fsdp2`: ZeRO stage 2 as FSDP2 builds it
+    (`gathered_bytes`: the whole parameters beside the shards between the passes)."""
     r = _resolve(m, num_params=num_params, batch_size=batch_size, seq_len=seq_len,
                  precision=precision, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
                  gpus=gpus, checkpointing=checkpointing, checkpointed_layers=checkpointed_layers,
-                 accumulation_steps=accumulation_steps, device=device, optimizer_impl=optimizer_impl)
+                 accumulation_steps=accumulation_steps, device=device, optimizer_impl=optimizer_impl,
+                 fsdp2=fsdp2)
     if r.m is None:
         psi = -(-r.num_params // (tp * pp))
         return _stage_plan(r, StageParams(psi, psi, 2 * psi, psi, 0), "all", first=False, last=False)
@@ -503,23 +541,70 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
 def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool) -> MemoryPlan:
     param, grad, opt = zero_model_state_bytes(sp.total, stage=r.zero_stage, dp=r.dp,
                                               precision=r.precision, optimizer=r.optimizer)
+    # FSDP2's ZeRO-2 (reshard_after_forward=False): at rest only the shards; from each unit's
+    # forward to its backward the whole parameters beside them (the paper's stage 2 keeps them
+    # whole always: `param`, then, is what the step holds between the passes, less the shards).
+    gathered = 0
+    if r.fsdp2 and r.zero_stage == 2 and r.dp > 1:
+        gathered, param = param, r.prec.weight * -(-sp.total // r.dp)
     act, per_layer = _stage_activations(r, sp, first, last) if r.m is not None else (0, 0)
     # Gradients allocated through the whole backward: earlier micro-batches' (accumulation,
     # pipelining), or DDP's all-reduce buckets (stages 0 and 1), which live as long as the model.
     resident = r.accumulation_steps > 1 or r.pp > 1 or (r.dp > 1 and r.zero_stage < 2)
+    held_grad = grad if resident else 0
     backward = _backward_temporaries(r, sp, last, resident) if r.m is not None else 0
+    # DDP accumulating under no_sync: the earlier micro-batches' gradients are plain tensors
+    # beside the buckets until the last backward copies them in (measured on gloo ranks)
+    if r.dp > 1 and r.zero_stage < 2 and r.accumulation_steps > 1:
+        backward += grad
+    casts, kept_casts = _weight_casts(r, sp, last) if r.m is not None else (0, 0)
     step = _step_temporaries(r, sp)
-    phases = {"backward": param + opt + act + backward + (grad if resident else 0),
+    phases = {"backward": param + gathered + opt + act + kept_casts + backward + held_grad,
               "step": param + opt + grad + step}
-    peak = "backward" if phases["backward"] > phases["step"] else "step"
-    held = ("param", "optimizer", "activation", "overhead") + (("grad",) if resident else ())
+    if casts:  # autocast: every cast cached until the forward (and its loss) ends
+        phases["forward"] = param + gathered + opt + act + casts + held_grad + \
+            _forward_temporaries(r, last)
+    peak = max(phases, key=phases.get)
+    with_grad = ("grad",) if resident else ()
+    held = {"backward": ("param", "gathered", "optimizer", "activation", "weight_copy", "overhead") + with_grad,
+            "forward": ("param", "gathered", "optimizer", "activation", "weight_copy", "overhead") + with_grad,
+            "step": ("param", "grad", "optimizer", "overhead")}[peak]
+    overhead = {"backward": backward, "step": step,
+                "forward": _forward_temporaries(r, last) if casts else 0}[peak]
     plan = MemoryPlan(num_params=r.num_params, param_bytes=param, grad_bytes=grad,
                       optimizer_bytes=opt, activation_bytes=act,
-                      activation_bytes_per_layer=per_layer,
-                      overhead_bytes=backward if peak == "backward" else step,
-                      held_at_peak=held if peak == "backward" else ("param", "grad", "optimizer", "overhead"),
-                      peak_phase=peak, phase_bytes=phases, stage=stage)
+                      activation_bytes_per_layer=per_layer, overhead_bytes=overhead,
+                      weight_copy_bytes=casts if peak == "forward" else kept_casts,
+                      gathered_bytes=gathered, kept_weight_copy_bytes=kept_casts, held_at_peak=held, peak_phase=peak,
+                      phase_bytes=phases, stage=stage)
     return dataclasses.replace(plan, formulas=_formulas(r, sp, plan, first))
+
+
+def _matmul_weights(s: LocalShape, arch: str) -> int:
+    """Elements of one block's matmul weights on one rank (what autocast casts)."""
+    return 2 * s.d * s.q + 2 * s.d * s.kv + (3 if arch == "llama" else 2) * s.d * s.f
+
+
+def _weight_casts(r: _Run, sp: StageParams, last: bool) -> tuple[int, int]:
+    """Autocast's 16-bit copies of the matmul weights (cast once per forward and cached for it,
+    also in checkpointed blocks and for FSDP2's gathered units): (all of them, held until the
+    forward ends; those the backward keeps: the plain blocks' and the head's, since a
+    checkpointed block casts again when it recomputes). 0 without autocast."""
+    if not r.prec.cast:
+        return 0, 0
+    block = _matmul_weights(r.shape, r.m.arch)
+    head = r.shape.vocab * r.shape.d if last else 0
+    k = _checkpointed_on_stage(r, sp.num_layers)
+    return (r.prec.cast * (sp.num_layers * block + head),
+            r.prec.cast * ((sp.num_layers - k) * block + head))
+
+
+def _forward_temporaries(r: _Run, last: bool) -> int:
+    """At the end of an autocast forward, while log_softmax writes its output (an activation):
+    the 16-bit logits and their fp32 copy (b·s·V each), which the loss alone holds."""
+    if not last:
+        return 0
+    return (r.prec.cast + 4) * r.batch_size * r.seq_len * r.shape.vocab
 
 
 def _checkpointed_on_stage(r: _Run, layers: int) -> int:
@@ -560,7 +645,7 @@ def _backward_temporaries(r: _Run, sp: StageParams, last: bool, resident: bool) 
       one module's full gradient until it is reduce-scattered."""
     tokens, s, p = r.batch_size * r.seq_len, r.shape, r.prec
     loss = head = 0
-    after_head = p.act * tokens * s.d
+    after_head = p.residual * tokens * s.d  # the residual stream's gradient
     if last:
         head_grad = 0 if resident else p.grad * s.vocab * s.d
         loss = 8 * tokens * s.vocab
@@ -583,6 +668,7 @@ def _block_backward(r: _Run, sp: StageParams, resident: bool) -> tuple[int, int]
     plain = tokens * _layer_bytes_per_token(r, "none")
     kept = tokens * _layer_bytes_per_token(r, r.checkpointing) if k else plain
     recompute = plain - tokens * _recompute_overlap(r) if k else 0
+    recompute += p.cast * _matmul_weights(s, r.m.arch) if k else 0  # autocast's casts again
     w2_grad = 0 if resident else p.grad * s.d * s.f
     live = (2 if r.m.arch == "llama" else 1) * p.act * tokens * s.f
     grads = 0 if resident else p.grad * layer_params(r.m, s)[0]
@@ -597,7 +683,7 @@ def _recompute_overlap(r: _Run) -> int:
     q and k too). An upper bound: torch's selective checkpointing frees some recomputed tensors
     early."""
     s, a, llama = r.shape, r.prec.act, r.m.arch == "llama"
-    overlap = (4 * s.d if a == 4 else 0) if llama else a * s.d
+    overlap = (4 * s.d if r.prec.residual == 4 else 0) if llama else r.prec.residual * s.d
     if r.checkpointing == "selective":
         matmuls = a * s.kv + (2 * a * s.f if llama else a * (s.q + s.kv + s.f))
         overlap += matmuls + a * s.q + 4 * s.heads
@@ -779,7 +865,7 @@ def _why(rec: Recommendation, dp: int) -> str:
 
 # --- The whole answer, as `labkit plan` and the notebook show it ----------------------------------
 
-def plan_report(*, model: str | None = None, params: float | str | None = None,
+def plan_report(*, model: str | ModelConfig | None = None, params: float | str | None = None,
                 batch_size: int = 1, seq_len: int | None = None, precision: str = "mixed",
                 optimizer: str = "adamw", optimizer_impl: str = "foreach", zero_stage: int = 0,
                 tp: int = 1, pp: int = 1, gpus: int | None = None, gpu_mem_gib: float = 80.0,
@@ -787,7 +873,8 @@ def plan_report(*, model: str | None = None, params: float | str | None = None,
     """One JSON-safe answer for a GPU run: the per-GPU terms of the step at `batch_size` sequences
     per micro-batch, whether it fits `gpu_mem_gib`, the KV cache for serving at the same batch and
     sequence, and the cheapest plan that fits `effective_batch` sequences per optimizer step.
-    `model` is a preset (default `tiny`); `params` a bare parameter count instead."""
+    `model` is a preset (default `tiny`) or a ModelConfig (e.g. read from a Hugging Face
+    config.json by `labkit.blocks.hf.model_config`); `params` a bare parameter count instead."""
     m, psi, name = _model_or_params(model, params)
     if seq_len is None:
         seq_len = min(2048, m.max_seq_len) if m else 2048
@@ -812,9 +899,11 @@ def plan_report(*, model: str | None = None, params: float | str | None = None,
     return out
 
 
-def _model_or_params(model: str | None, params) -> tuple[ModelConfig | None, int, str | None]:
+def _model_or_params(model: str | ModelConfig | None, params) -> tuple[ModelConfig | None, int, str | None]:
     if model is not None and params is not None:
         raise ConfigError("give --model or --params, not both")
+    if isinstance(model, ModelConfig):  # a shape of one's own: named by the folder it came from
+        return model, _count_params(model), model.source or "custom shape"
     if params is None:
         name = model or "tiny"
         if name not in MODELS:
@@ -849,6 +938,8 @@ def _accumulation(batch_size: int, effective_batch: int | None, dp: int) -> tupl
 def _plan_fields(plan: MemoryPlan, mem: int) -> dict:
     terms = ("param", "grad", "optimizer", "activation", "overhead")
     per_gpu = {f"{t}_bytes": getattr(plan, f"{t}_bytes") for t in terms}
+    per_gpu.update({f"{t}_bytes": getattr(plan, f"{t}_bytes") for t in ("weight_copy", "gathered")
+                    if getattr(plan, f"{t}_bytes")})  # autocast's casts, FSDP2's gathered weights
     per_gpu.update(model_states_bytes=plan.model_states_bytes, total_bytes=plan.total_bytes,
                    activation_bytes_per_layer=plan.activation_bytes_per_layer)
     return {"per_gpu": per_gpu, "held_at_peak": list(plan.held_at_peak),

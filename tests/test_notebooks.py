@@ -62,6 +62,7 @@ PARAMETERS = {
                              "variants": "workers"},
     "24_threads": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
     "25_quiz": {"n": 3, "seed": 0},
+    "26_recipe": {"overrides": TINY_DIST, "nproc": 2},
     "98_leaderboard": {"metric": "tokens_per_s"},  # reads the runs the others stored in this report
     "99_compare": {"price_per_gpu_hour": 2.0},
 }

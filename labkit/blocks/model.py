@@ -33,15 +33,34 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                llama3: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, (T, head_dim) for positions (T,), (B, 1, T, head_dim) for per-row positions
-    (B, T); fp32, rotate-half layout."""
+    (B, T); fp32, rotate-half layout. `llama3`: that release's frequency scaling
+    (ModelConfig.rope_llama3)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    if llama3 is not None:
+        inv_freq = llama3_inv_freq(inv_freq, *llama3)
     angles = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd)
     if positions.dim() == 2:
         angles = angles[:, None]  # broadcast over heads
     return angles.cos(), angles.sin()
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_len: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling, as transformers' `_compute_llama3_parameters` computes it (the
+    same operations in the same order, so the tables match bit for bit): wavelengths longer
+    than original_len / low_freq_factor are stretched by `factor`, those shorter than
+    original_len / high_freq_factor kept, those between interpolated."""
+    low_wavelen, high_wavelen = original_len / low_freq_factor, original_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,10 +120,11 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         bias = cfg.arch == "gpt2"
+        qkv_bias = bias or cfg.qkv_bias  # Qwen2: biases on q, k and v, none on o
         hd = cfg.head_dim
-        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias)
-        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
-        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
+        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, start_pos: StartPos, cache, impl: str, rope) -> torch.Tensor:
@@ -184,7 +204,7 @@ class Decoder(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         else:  # RoPE tables once per forward, shared by every layer
-            rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+            rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_llama3)
         for layer in self.layers:
             x = layer(x, start_pos, cache, self.attention, rope)
         if isinstance(last_only, torch.Tensor):
@@ -208,7 +228,9 @@ def init_weights(model: Decoder) -> None:
 
 def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, seed: int = 0, attention: str = "sdpa") -> Decoder:
-    """A seeded decoder on `device` in `dtype`; on `meta` nothing is allocated (for counting)."""
+    """A seeded decoder on `device` in `dtype`; on `meta` nothing is allocated (for counting).
+    A shape read from a Hugging Face folder (`cfg.source`) that holds safetensors weights gets
+    those weights instead, as long as the shape is the folder's own (not shrunk with --set)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_IMPLS)}")
     device = torch.device(device)
@@ -218,6 +240,10 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu",
         torch.manual_seed(seed)
         with torch.no_grad():
             init_weights(model)
+        if cfg.source:  # here, not in each experiment: every experiment builds its model here
+            from labkit.blocks import hf  # only when a shape came from a folder
+
+            hf.maybe_load_weights(model)
     return model.to(dtype)
 
 

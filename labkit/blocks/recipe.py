@@ -15,11 +15,18 @@ from dataclasses import dataclass, fields
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from labkit import planner
 from labkit.blocks import transforms as tf
 from labkit.blocks.training import Trainer
 from labkit.config import ConfigError, RunConfig, check_choice
 
 OFFLOADS = ("none", "activations", "optimizer", "both")
+# The planner's case for each precision: autocast keeps fp32 model states (`*_autocast`);
+# bf16_weights is its "mixed" (16-bit weights and gradients, fp32 master weights and AdamW);
+# TF32 changes no byte.
+PLANNER_PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16_autocast",
+                     "fp16": "fp16_autocast", "bf16_weights": "mixed"}
+ZERO_STAGE = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,10 +49,13 @@ class Recipe:
                 if getattr(self, f.name) != getattr(plain, f.name)]
 
 
-def refusal(recipe: Recipe, device: str, world: int = 1) -> str | None:
+def refusal(recipe: Recipe, device: str, world: int = 1, *, launched: bool | None = None) -> str | None:
     """Why this recipe cannot run (one line), or None. Unknown values name the valid ones. Each
-    refused combination was tried: it crashes, or it would silently run something else."""
-    return (_unknown(recipe) or _layout(recipe, world) or _optimizer_clash(recipe)
+    refused combination was tried: it crashes, or it would silently run something else.
+    `launched`: judge as if on `world` ranks torch.distributed started (True, before a launch)
+    or not (False); None: as this process is."""
+    launched = dist.is_initialized() if launched is None else launched
+    return (_unknown(recipe) or _layout(recipe, world, launched) or _optimizer_clash(recipe)
             or _offload_clash(recipe, device) or _device_clash(recipe, device))
 
 
@@ -65,10 +75,10 @@ def _unknown(recipe: Recipe) -> str | None:
     return None
 
 
-def _layout(recipe: Recipe, world: int) -> str | None:
+def _layout(recipe: Recipe, world: int, launched: bool) -> str | None:
     """How the ranks split into tensor-parallel groups and data-parallel replicas."""
     tp, data = recipe.tensor_parallel, recipe.data_parallel
-    if (data != "none" or tp > 1) and not dist.is_initialized():
+    if (data != "none" or tp > 1) and not launched:
         return ("data and tensor parallelism run on ranks that torch.distributed started "
                 "(torchrun, or the harness's launcher); this process is not one")
     if world % tp:
@@ -185,3 +195,33 @@ def _mesh(device: str, dp: int, tp: int):
     if dp > 1 and tp > 1:
         return init_device_mesh(kind, (dp, tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh(kind, (dp * tp,), mesh_dim_names=("dp" if dp > 1 else "tp",))
+
+
+def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict | None, str]:
+    """`planner.training_memory`'s keywords for `compose(cfg, recipe)` on one of `world` ranks
+    (cfg.batch_size is one micro-batch, as compose takes it), or (None, why not) where the
+    planner has no case for the recipe."""
+    if recipe.offload != "none" or recipe.compile:
+        return None, "the planner does not model offload or compile"
+    mode, layers = recipe.checkpointing, None
+    if mode == "every_n":  # the planner's full recomputation on the blocks every_n wraps
+        mode = "full"
+        layers = len(tf.checkpointed_blocks(cfg.model.num_layers, "every_n", every=recipe.checkpoint_every))
+    if mode not in planner.CHECKPOINTING:
+        return None, f"the planner has no case for checkpointing={recipe.checkpointing}"
+    stage = ZERO_STAGE[recipe.data_parallel]
+    dp = world // recipe.tensor_parallel if recipe.data_parallel != "none" else 1
+    return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                precision=PLANNER_PRECISION[recipe.precision], optimizer="adamw",
+                zero_stage=stage, gpus=dp * recipe.tensor_parallel, tp=recipe.tensor_parallel,
+                checkpointing=mode, checkpointed_layers=layers,
+                accumulation_steps=recipe.accumulation, device=cfg.device, fsdp2=stage >= 2), ""
+
+
+def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.MemoryPlan:
+    """The planner's prediction of one step of `compose(cfg, recipe)` on one of `world` ranks:
+    the same recipe the transforms apply. ConfigError where the planner has no case for it."""
+    kwargs, why = planner_kwargs(cfg, recipe, world)
+    if kwargs is None:
+        raise ConfigError(why)
+    return planner.training_memory(cfg.model, **kwargs)

@@ -134,7 +134,8 @@ def settings_of(exp: Experiment) -> set[str]:
     """The settings (run and model-shape fields) experiment `exp` takes."""
     from labkit.config import ModelConfig
 
-    return {f.name for cls in (exp.Config, ModelConfig) for f in dataclasses.fields(cls)}
+    return {f.name for cls in (exp.Config, ModelConfig) for f in dataclasses.fields(cls)
+            if not f.metadata.get("internal")}  # what only a config.json sets
 
 
 def experiment_settings(stem: str) -> set[str] | None:

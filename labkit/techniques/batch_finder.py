@@ -28,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from labkit import hardware, planner
+from labkit import hardware
 from labkit.config import RunConfig, knob, resolve_device
 from labkit.measure.memory import is_out_of_memory
-from labkit.blocks.recipe import Recipe, compose
+from labkit.blocks.recipe import Recipe, compose, planned_memory
 from labkit.blocks.training import Trainer
 from labkit.blocks.transforms import apply_accumulation
 from labkit.workload import Comparison, Workload
@@ -41,13 +41,6 @@ REFERENCE = "fp32"
 # on the CPU it searches a virtual budget (there is nothing else to run out of)
 SIZES = {"tiny": {"memory_budget_gib": 0.2, "mode": "dynamic"}}
 PROBE_STEPS = 2  # the first step allocates AdamW's state; the second runs with it resident
-# The planner has no autocast recipe. Autocast keeps fp32 weights, gradients, moments and optimizer
-# temporaries, which is the planner's "fp32"; it differs in the activations: some are saved in bf16
-# (matmul inputs; the residual stream, norms and logits stay fp32), and it keeps bf16 copies of the
-# weights for backward, which no recipe counts. So the bf16 frontier can fall on either side of
-# the prediction. (The planner's "mixed" adds fp32 gradient upcasts autocast never makes; its
-# "bf16" has 16-bit moments.)
-PLANNER_PRECISION = {"fp32": "fp32", "bf16": "fp32"}
 
 
 @dataclass(kw_only=True)
@@ -217,12 +210,9 @@ def free_bytes(cfg: Config) -> int:
 def planner_peak(cfg: Config, n: int) -> int:
     """The planner's peak for one training step at size `n` of the searched dimension."""
     at = at_size(cfg, n)
-    precision, _, ckpt = cfg.variant.partition("_")
-    plan = planner.training_memory(cfg.model, batch_size=at.batch_size, seq_len=at.seq_len,
-                                   precision=PLANNER_PRECISION[precision],
-                                   checkpointing="full" if ckpt else "none",
-                                   accumulation_steps=len(probe_sizes(at)),
-                                   device=torch.device(cfg.device).type)
+    sizes = probe_sizes(at)
+    micro = dataclasses.replace(at, batch_size=sizes[0], device=torch.device(cfg.device).type)
+    plan = planned_memory(micro, dataclasses.replace(recipe(cfg.variant), accumulation=len(sizes)))
     return plan.total_bytes
 
 

@@ -126,7 +126,7 @@ def make_block(cfg: Config) -> Target:
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     x = torch.randn(cfg.batch_size, cfg.seq_len, m.hidden_size, generator=gen)
     x = x.to(cfg.device, torch_dtype(cfg.dtype)).requires_grad_()
-    rope = rope_tables(torch.arange(cfg.seq_len, device=cfg.device), m.head_dim, m.rope_theta)
+    rope = rope_tables(torch.arange(cfg.seq_len, device=cfg.device), m.head_dim, m.rope_theta, m.rope_llama3)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = block(x, 0, None, cfg.attention, rope)  # (B, T, d)

@@ -25,6 +25,7 @@ import torch
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
+from labkit.blocks.recipe import PLANNER_PRECISION
 from labkit.blocks.training import Trainer
 from labkit.blocks.transforms import AUTOCAST, apply_precision, weights_dtype
 from labkit.workload import Comparison, Workload
@@ -34,9 +35,6 @@ REFERENCE = "fp32"
 # fp16 and bf16 steps are emulated (15-70x slower than fp32) on a CPU without AVX-512 FP16/BF16:
 # half the batch keeps the three 16-bit variants to seconds there
 SIZES = {"tiny": {"batch_size": 2}}
-# The planner's precision recipe for the variants it models (bf16_weights = its "mixed": 16-bit
-# weights and gradients, fp32 master weights and AdamW states).
-PLANNER_RECIPE = {"fp32": "fp32", "tf32": "fp32", "bf16_weights": "mixed"}
 # What the check's steps show of the precision: kept in the comparison, so also in a failed one's rows
 STEP_FIGURES = ("nonfinite_losses", "zero_grad_pct", "loss_first", "grad_norm")
 # Relative loss difference against fp32 after `steps` steps that still counts as a match.
@@ -153,10 +151,9 @@ def expected(cfg: Config) -> dict[str, float]:
     if peak:
         step_s = flops / (peak * 1e12)
         out.update(tflops=peak, step_ms=step_s * 1e3, tokens_per_s=cfg.batch_size * cfg.seq_len / step_s)
-    if cfg.variant in PLANNER_RECIPE:  # the planner has no autocast recipe: no peak predicted there
-        plan = planner.training_memory(m, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                                       precision=PLANNER_RECIPE[cfg.variant], device=cfg.device)
-        out.update(peak_mem_bytes=plan.total_bytes, activation_bytes=plan.activation_bytes)
+    plan = planner.training_memory(m, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                   precision=PLANNER_PRECISION[cfg.variant], device=cfg.device)
+    out.update(peak_mem_bytes=plan.total_bytes, activation_bytes=plan.activation_bytes)
     return out
 
 

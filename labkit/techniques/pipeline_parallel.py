@@ -131,8 +131,8 @@ class StageModule(nn.Module):
             x = self.embed(x)
             if self.pos_embed is not None:
                 x = x + self.pos_embed(positions)
-        rope = None if self.cfg.arch == "gpt2" else rope_tables(positions, self.cfg.head_dim,
-                                                                  self.cfg.rope_theta)
+        rope = None if self.cfg.arch == "gpt2" else rope_tables(
+            positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_llama3)
         for layer in self.layers:
             x = layer(x, 0, None, self.attention, rope)
         return x if self.lm_head is None else self.lm_head(self.norm(x))

@@ -1,0 +1,352 @@
+"""Recipes: several techniques on one training step at once, on every rank, against the plain step.
+
+The knobs each turn one technique on (every default is off), and `composed` is
+`labkit.blocks.recipe.compose` of them, in its fixed order:
+
+- `precision`: fp32, bf16 or fp16 autocast over fp32 weights and fp32 AdamW (fp16 with a
+  GradScaler), or bf16_weights (bf16 weights, fp32 master copies in the optimizer);
+- `checkpointing`: none, full, selective or every_n (every `checkpoint_every`-th block);
+- `micro_batches`: k micro-batches per rank and step, gradients accumulated; each rank's
+  `batch_size` is split, so the global batch is unchanged;
+- `zero_stage`: 0 (plain DDP when there are several ranks), 1 (ZeroRedundancyOptimizer), 2 or 3
+  (FSDP2), over the `nproc` ranks;
+- `offload`: the activations or the optimizer's states in host memory (GPUs only);
+- `compile`: each block through torch.compile; `attention`: sdpa or naive.
+
+Variants:
+- `plain` (the reference): fp32, nothing applied, every rank computing the whole global batch
+  (nproc x batch_size sequences) as one process would;
+- `composed`: the recipe. Checked against `plain`: the losses of `steps` steps and the whole
+  weights after them, within the tolerance of its precision.
+
+Every rank measures its own peak, model states, activations and speed, each beside the planner's
+prediction for that exact recipe (`planned`). `budget_gib` is a virtual memory budget for
+`composed` only (plain, the reference that checks it, runs without it): a composed run whose
+measured peak passes it on any rank becomes an `oom` row on every rank, its message beside the
+prediction. The budget is judged after the check's steps, on every rank together, so no rank
+stops in the middle of a collective the others are in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from labkit import hardware, planner
+from labkit.blocks import recipe as recipes
+from labkit.blocks.distributed import DistConfig, is_distributed, world_size
+from labkit.blocks.recipe import Recipe, compose
+from labkit.blocks.training import Trainer, gradient_difference, optimizer_state
+from labkit.blocks.transforms import checkpointed_blocks
+from labkit.config import ConfigError, knob
+from labkit.measure.memory import LiveTensorTracker, storage_bytes
+from labkit.techniques.mixed_precision import TOLERANCE as PRECISION_TOLERANCE
+from labkit.techniques.zero import full_tensor
+from labkit.workload import Comparison, Workload
+
+DISTRIBUTED = True
+VARIANTS = ("plain", "composed")
+REFERENCE = "plain"
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16_weights")
+CHECKPOINTING = ("none", "full", "selective", "every_n")
+OFFLOADS = ("none", "activations", "optimizer")
+DATA_PARALLEL = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16_weights": "bfloat16"}
+LR = 1e-3
+# fp32 recipes reorder sums (ranks, micro-batches): ~1e-7 per element; relative 1e-5 of the
+# weights' and losses' norms. The lossy precisions get mixed_precision's tolerance of the loss,
+# also for the weights (AdamW's first updates are ±lr whatever the precision: the weights differ
+# where a small gradient's sign does).
+FP32_TOLERANCE = 1e-5
+
+
+@dataclass(kw_only=True)
+class Config(DistConfig):
+    variant: str = knob(REFERENCE, choices=VARIANTS, help="plain (the reference) or the composed recipe")
+    precision: str = knob("fp32", choices=PRECISIONS, help="fp32; bf16/fp16 autocast over fp32 "
+                          "weights (fp16 with a GradScaler); bf16 weights with fp32 master copies")
+    checkpointing: str = knob("none", choices=CHECKPOINTING, help="activation checkpointing of the blocks")
+    checkpoint_every: int = knob(2, min=1, help="every_n: every n-th block is checkpointed")
+    micro_batches: int = knob(1, min=1, help="micro-batches per rank and step (must divide batch_size)")
+    zero_stage: int = knob(0, min=0, max=3, help="0: DDP (several ranks); 1: sharded optimizer; "
+                           "2: + sharded gradients (FSDP2); 3: + sharded parameters")
+    offload: str = knob("none", choices=OFFLOADS, help="activations or optimizer states in host "
+                        "memory (GPUs only)")
+    compile: bool = knob(False, help="torch.compile each block")
+    steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
+    budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
+                                    "(plain runs without it): past it, an oom row")
+
+
+def recipe_of(cfg: Config) -> Recipe:
+    """The knobs as a Recipe: ZeRO stage 0 is DDP over several ranks, nothing over one."""
+    ranks = cfg.nproc or world_size()
+    data = DATA_PARALLEL[cfg.zero_stage] if ranks > 1 or cfg.zero_stage else "none"
+    return Recipe(precision=cfg.precision, checkpointing=cfg.checkpointing,
+                  checkpoint_every=cfg.checkpoint_every, compile=cfg.compile, data_parallel=data,
+                  accumulation=cfg.micro_batches, offload=cfg.offload)
+
+
+def refused(cfg: Config) -> str | None:
+    """Why compose would refuse this recipe on its ranks (one line), judged before they start
+    (on nproc ranks, as if launched) and again on them."""
+    r, ranks = recipe_of(cfg), cfg.nproc or 1
+    if is_distributed():
+        return recipes.refusal(r, cfg.device, world_size())
+    if r.data_parallel != "none" and ranks == 1:
+        return (f"zero_stage={cfg.zero_stage} shards over the ranks: it needs nproc >= 2 "
+                "(zero_stage=0 on one rank)")
+    return recipes.refusal(r, cfg.device, ranks, launched=True)
+
+
+def validate(cfg: Config) -> None:
+    if cfg.dtype != "float32":
+        raise ConfigError(f"recipe chooses its precision with precision= (got dtype {cfg.dtype}); "
+                          "valid dtype: float32")
+    if cfg.memory_budget_gib is not None:
+        raise ConfigError("recipe's budget is budget_gib, which bounds composed only; "
+                          "memory_budget_gib would also bound plain, the reference")
+    if cfg.batch_size % cfg.micro_batches:
+        raise ConfigError(f"micro_batches={cfg.micro_batches} must divide batch_size="
+                          f"{cfg.batch_size} (each rank's batch is split)")
+    why = refused(cfg)
+    if why:
+        raise ConfigError(why)
+
+
+def skip_reason(cfg: Config) -> str | None:
+    if cfg.variant == REFERENCE:
+        return None
+    if cfg.offload != "none" and not cfg.device.startswith("cuda"):
+        return (f"offload={cfg.offload} moves bytes from device to host memory; on CPU ranks they "
+                "are the same memory, so there is nothing to save (runs on a GPU)")
+    if cfg.precision.startswith("bf16") and cfg.device.startswith("cuda") \
+            and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16 support (compute capability 8.0 or newer needed)"
+    return None
+
+
+# --- the two steps --------------------------------------------------------------------------------
+
+def plain_step(cfg: Config) -> Trainer:
+    """The plain fp32 step on the whole global batch (nproc x batch_size), on every rank."""
+    return Trainer(cfg, lr=LR, batch_size=cfg.batch_size * world_size())
+
+
+def composed_step(cfg: Config) -> Trainer:
+    """compose() of the recipe at micro-batches of batch_size / micro_batches: the same global
+    batch as plain's, each rank's slice of it split into micro_batches."""
+    micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
+    return compose(micro, recipe_of(cfg), lr=LR)
+
+
+def global_loss(loss: float, step: Trainer) -> float:
+    """The global batch's mean loss: the mean of the ranks' (equal slices), or this one."""
+    if step.cfg.variant == REFERENCE or world_size() == 1:
+        return loss
+    t = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(t)  # gloo and NCCL: a CPU tensor goes through gloo's default group too
+    return t.item() / world_size()
+
+
+class Observed:
+    """What the check sees of a step that the harness's meters cannot: the gradients' bytes at
+    the update (they are dropped after it), the activations one micro-batch's forward keeps, and
+    this variant's own live-tensor peak over build and check (the budget's measure)."""
+
+    def __init__(self):
+        self.grad_bytes, self.activation_bytes, self.weight_copy_bytes = 0, None, 0
+        self.tracker = LiveTensorTracker()
+        self.baseline = 0
+
+    def record_grads(self, step: Trainer) -> None:
+        self.grad_bytes = storage_bytes(p.grad for p in step.model.parameters() if p.grad is not None)
+
+
+def observed_forward(step: Trainer, seen: Observed):
+    """Step.forward measuring, once, what the first micro-batch's forward leaves allocated: every
+    storage made in it and alive at its end, less the loss and the parameters (FSDP2's gathered
+    blocks are parameters too); the 16-bit copies of parameters that autocast cached and the
+    backward keeps are counted apart."""
+    forward = step.forward
+
+    def measured(inputs=None, targets=None):
+        if seen.activation_bytes is not None:
+            return forward(inputs, targets)
+        copies = SavedWeightCopies()
+        with LiveTensorTracker() as live, copies:
+            loss = forward(inputs, targets)
+        params = {p.untyped_storage()._cdata for p in step.model.parameters()
+                  if not hasattr(p, "placements")}  # not the shards: they were made before
+        held = {k: b for k, b in live.live.items()
+                if k not in params and k != loss.untyped_storage()._cdata}
+        seen.weight_copy_bytes = sum(held.pop(k, 0) for k in copies.keys)
+        seen.activation_bytes = sum(held.values())
+        return loss
+
+    return measured
+
+
+# Ops between a parameter and a saved copy of it: autocast's cast, a transpose or view of it
+COPY_OPS = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
+            "UnsafeViewBackward0", "ExpandBackward0")
+
+
+class SavedWeightCopies(torch.autograd.graph.saved_tensors_hooks):
+    """The storages of saved tensors reached from a parameter (a leaf that requires grad, FSDP2's
+    gathered ones included) through casts and views alone: autocast's cached weight copies."""
+
+    def __init__(self):
+        self.keys: set[int] = set()
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        node = t.grad_fn
+        while node is not None and node.name() in COPY_OPS:
+            node = next((n for n, _ in node.next_functions if n is not None), None)
+        if node is not None and node.name() == "torch::autograd::AccumulateGrad":
+            self.keys.add(t.untyped_storage()._cdata)
+        return t.detach()  # as SavedTensorMeter: no cycle through the tensor's own grad_fn
+
+
+def check(step: Trainer, seen: Observed, budget: int | None) -> dict:
+    """`steps` steps: the global losses, then the whole weights (host copies, gathered from
+    shards: collectives in the same order on every rank); the budget judged on every rank."""
+    cfg = step.cfg
+    with seen.tracker:
+        losses = [global_loss(step.step(), step) for _ in range(cfg.steps)]
+    if budget is not None:
+        over_budget(seen, budget, cfg)
+    weights = {n: full_tensor(p, cfg.device).float().cpu().numpy().copy()
+               for n, p in step.model.named_parameters()}
+    return {"losses": losses, "weights": weights}
+
+
+def over_budget(seen: Observed, budget: int, cfg: Config) -> None:
+    """Raise torch.OutOfMemoryError on every rank when any rank's peak passed `budget`."""
+    peak = torch.tensor([float(seen.tracker.peak_bytes)], dtype=torch.float64)
+    if is_distributed():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if peak.item() > budget:
+        plan = planned(cfg)
+        predicted = "" if plan is None else f", predicted {plan.total_bytes / 2**20:.1f} MiB per rank"
+        raise torch.OutOfMemoryError(
+            f"over the {budget / 2**20:.1f} MiB budget: peak {peak.item() / 2**20:.1f} MiB on the "
+            f"busiest rank{predicted}")
+
+
+def optimizer_tensors(step: Trainer) -> list[torch.Tensor]:
+    """This rank's optimizer states (ZeroRedundancyOptimizer's shard is its `.optim`)."""
+    if isinstance(step.optimizer, ZeroRedundancyOptimizer):
+        return optimizer_state(step.optimizer.optim)
+    return step.optimizer_tensors()
+
+
+def build(cfg: Config) -> Workload:
+    seen = Observed()
+    budget = int(cfg.budget_gib * 2**30) if cfg.budget_gib and cfg.variant != REFERENCE else None
+    with seen.tracker:  # the budget's measure starts with the build
+        step = plain_step(cfg) if cfg.variant == REFERENCE else composed_step(cfg)
+    step.grad_hooks.append(seen.record_grads)
+    step.forward = observed_forward(step, seen)
+    sequences = len(step.inputs)  # this rank's: the global batch for plain, its slice otherwise
+    return Workload(step=step.step, check=lambda: check(step, seen, budget),
+                    tokens_per_step=sequences * cfg.seq_len,
+                    tensors={"param_bytes": step.model.parameters,
+                             "optimizer_bytes": lambda: optimizer_tensors(step)},
+                    report=lambda: report(seen), notes=notes(cfg), count_flops=False,
+                    compute_dtype=COMPUTE_DTYPE[cfg.precision if cfg.variant != REFERENCE else "fp32"])
+
+
+def report(seen: Observed) -> dict[str, float]:
+    out = {"grad_bytes": float(seen.grad_bytes)}
+    if seen.activation_bytes is not None:
+        out["activation_bytes"] = float(seen.activation_bytes)
+        out["saved_weight_copy_bytes"] = float(seen.weight_copy_bytes)
+    return out
+
+
+def tolerance(cfg: Config) -> float:
+    return max(PRECISION_TOLERANCE[cfg.precision], FP32_TOLERANCE)
+
+
+def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
+    """The losses of every step and the whole weights after them against plain's."""
+    _, weight_rel = gradient_difference(reference["weights"], outputs["weights"])
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(outputs["losses"], reference["losses"]))
+    tol = tolerance(cfg) if cfg.variant != REFERENCE else 0.0
+    checked = {"loss_rel_diff": loss_rel, "weight_max_rel_diff": weight_rel}
+    ok = all(math.isfinite(v) and v <= tol for v in checked.values())
+    message = "" if ok else ", ".join(f"{k} {v:.2e} (<= {tol:g})" for k, v in checked.items())
+    return Comparison({"loss": outputs["losses"][-1],
+                       "loss_delta": outputs["losses"][-1] - reference["losses"][-1], **checked},
+                      ok, message)
+
+
+# --- predictions ----------------------------------------------------------------------------------
+
+def planned(cfg: Config) -> planner.MemoryPlan | None:
+    """The planner's step for this variant on one rank: plain's whole global batch in fp32, or
+    the recipe as compose builds it (`recipes.planned_memory`: its precision's case,
+    checkpointing, micro-batches and ZeRO stage over nproc). None where the planner has no
+    case for the recipe (offload, compile)."""
+    n = cfg.nproc or 2
+    if cfg.variant == REFERENCE:
+        return planner.training_memory(cfg.model, batch_size=cfg.batch_size * n, seq_len=cfg.seq_len,
+                                       precision="fp32", device=cfg.device)
+    micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
+    kwargs, _ = recipes.planner_kwargs(micro, recipe_of(cfg), n)
+    return None if kwargs is None else planner.training_memory(cfg.model, **kwargs)
+
+
+def step_flops(cfg: Config) -> int:
+    """This rank's FLOPs per step: forward and backward of its sequences, plus one more forward
+    of each checkpointed block (less its MLP's down-projection, which recomputation stops
+    before; selective recomputes only elementwise ops: 0)."""
+    m, n = cfg.model, cfg.nproc or 2
+    plain = cfg.variant == REFERENCE
+    batch = cfg.batch_size * (n if plain else 1)
+    flops = planner.train_step_flops(m, batch=batch, seq_len=cfg.seq_len, attention=cfg.attention)
+    if plain or cfg.checkpointing in ("none", "selective"):
+        return flops
+    k = len(checkpointed_blocks(m.num_layers, cfg.checkpointing, every=cfg.checkpoint_every))
+    block = planner.forward_flops(m, batch=batch, new=cfg.seq_len, keys=cfg.seq_len, logits=0) // m.num_layers
+    return flops + k * (block - 2 * batch * cfg.seq_len * m.ffn_size * m.hidden_size)
+
+
+def expected(cfg: Config) -> dict[str, float]:
+    plan, out = planned(cfg), {"loss_delta": 0.0}
+    if plan is not None:
+        out.update(peak_mem_bytes=plan.total_bytes, param_bytes=plan.param_bytes,
+                   grad_bytes=plan.grad_bytes, optimizer_bytes=plan.optimizer_bytes,
+                   activation_bytes=plan.activation_bytes)
+    if plan is not None and plan.weight_copy_bytes:  # autocast: the casts its backward keeps
+        out["saved_weight_copy_bytes"] = plan.kept_weight_copy_bytes
+    dtype = "float32" if cfg.variant == REFERENCE else COMPUTE_DTYPE[cfg.precision]
+    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(dtype)
+    if peak:
+        step_s = step_flops(cfg) / (peak * 1e12)
+        sequences = cfg.batch_size * ((cfg.nproc or 2) if cfg.variant == REFERENCE else 1)
+        out.update(step_ms=step_s * 1e3, tokens_per_s=sequences * cfg.seq_len / step_s)
+    return {k: float(v) for k, v in out.items()}
+
+
+def notes(cfg: Config) -> dict[str, str]:
+    out = {"step_ms": "predicted: this rank's FLOPs (recomputation included) at the device's "
+                      "peak for the precision: a bound, communication not counted.",
+           "peak_mem_bytes": "this rank's, measured over one timed step; predicted: the "
+                             "planner's training_memory for this exact recipe.",
+           "grad_bytes": "at the optimizer step (dropped after it): DDP's buckets, FSDP2's "
+                         "gradient shards or whole gradients.",
+           "activation_bytes": "what the first micro-batch's forward leaves allocated for its "
+                               "backward, parameters (and FSDP2's gathered blocks) left out."}
+    if cfg.variant == REFERENCE:
+        out["tokens_per_s"] = "every rank computes the whole global batch (as one process would)."
+    if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:
+        out["saved_weight_copy_bytes"] = ("autocast's cached 16-bit casts of the weights that "
+                                          "the backward keeps (none in checkpointed blocks).")
+    return out
