@@ -61,14 +61,26 @@ interactive = True  # show the widget panel to re-run with other settings
 runs_dir = None  # where results are stored (None: $LABKIT_RUNS_DIR or ./runs)'''
 
 NPROC_PARAMETER = "\nnproc = None  # ranks: None is one per visible GPU, else {CPU_RANKS} CPU ranks"
+HF_MODEL_PARAMETER = ('\nhf_model = ""  # a Hugging Face folder with config.json: its shape (random weights '
+                      'unless it holds safetensors); "": the preset\'s shape')
+# Before the run: a Hugging Face folder's shape replaces the preset's (sizes still come from the
+# preset and overrides), for every cell below that reads `overrides`.
+HF_MODEL_CODE = """from labkit.blocks.hf import model_config
+
+if hf_model:
+    overrides = {**overrides, "model": model_config(hf_model)}
+
+"""
 
 
 def experiment_notebook(name: str, sweep: str = "{}", extra: tuple = (), predicted: tuple[str, ...] = (),
-                        fields: tuple[str, ...] | None = None) -> nbformat.NotebookNode:
+                        fields: tuple[str, ...] | None = None, model: bool = True,
+                        parameters: str = "") -> nbformat.NotebookNode:
     """The notebook of experiment `name`: its text's `intro`, the parameters (with `nproc` for a
-    multi-process experiment, whose run shows every rank), the run, its numbers, `extra` cells
-    ((section of its text, code) pairs) after them, the H200 overlay, the panel, `look_for` and
-    the `predicted` metrics of `expected()` for the notebook's own config (naming `fields`)."""
+    multi-process experiment, whose run shows every rank; `hf_model` where it builds a `model`;
+    then its own `parameters` lines), the run, its numbers, `extra` cells ((section of its text,
+    code) pairs) after them, the H200 overlay, the panel, `look_for` and the `predicted` metrics
+    of `expected()` for the notebook's own config (naming `fields`)."""
     rec, tpl = record(name), read_text("_experiment")
     text = read_text(Path(rec.notebook).stem)
     source = EXPERIMENT_PARAMETERS.replace("{SWEEP}", sweep)
@@ -76,6 +88,7 @@ def experiment_notebook(name: str, sweep: str = "{}", extra: tuple = (), predict
     if rec.distributed:
         source += NPROC_PARAMETER.replace("{CPU_RANKS}", str(rec.cpu_ranks))
         settings = '{**overrides, "device": device, "nproc": nproc}'
+    source += (HF_MODEL_PARAMETER if model else "") + parameters
     return new_notebook(metadata=KERNEL, cells=[
         *markdown(text, "intro"),
         new_code_cell(source, metadata={"tags": ["parameters"]}),
@@ -83,6 +96,7 @@ def experiment_notebook(name: str, sweep: str = "{}", extra: tuple = (), predict
         new_code_cell("from labkit import hardware\n\nprint(hardware.describe())"),
         *markdown(tpl, "run"),
         new_code_cell(
+            (HF_MODEL_CODE if model else "") +
             "from labkit.harness.experiment import run_experiment\n"
             "from labkit.ui.widgets import build_panel, show_result\n\n"
             f'result = run_experiment("{name}", preset=preset, overrides={settings},\n'
@@ -154,6 +168,36 @@ PROFILE_NSIGHT = '''from labkit.measure import profiler
 print(profiler.nsys_command(preset=preset))
 print(profiler.ncu_command("gemm", launch_skip=4, nvtx_range="forward", preset=preset))'''
 
+RECIPE_PARAMETERS = ('\nladder_steps = {"precision": "bf16", "checkpointing": "full"}  # the ladder: recipe '
+                     "knobs, one rung each, in compose's order")
+# The rungs set the recipe's knobs themselves: the ladder and the timelines share only the sizes.
+RECIPE_LADDER = '''from labkit.harness import ladder
+from labkit.views.recipe import ladder_figure
+
+sizes = {k: v for k, v in overrides.items() if k not in ladder.ORDER}
+ladder_settings = {**sizes, "device": device, "nproc": nproc}
+rungs = ladder.ladder_rungs(ladder_steps, preset=preset, overrides=ladder_settings)
+steps = ladder.run_ladder(rungs, preset=preset, overrides=ladder_settings, runs_dir=runs_dir)
+ladder_figure(steps).show()
+display(viz.readable(ladder.verdicts(steps)))
+viz.readable(ladder.job_throughput(steps))'''
+RECIPE_TIMELINE = '''from labkit.blocks.recipe import Recipe
+from labkit.config import resolve
+from labkit.harness.timeline import compare_timelines
+from labkit.techniques import recipe
+from labkit.views.memory import timeline_figure
+
+one = resolve(recipe.Config, preset, {**sizes, "device": device, "nproc": 1}, experiment="recipe")
+timeline = compare_timelines(one, [Recipe(), Recipe(checkpointing="full")])
+timeline_figure(timeline).show()
+peaks = timeline.groupby("recipe", sort=False).agg(measured_peak_bytes=("total_bytes", "max"),
+                                                    predicted_peak_bytes=("predicted_peak_bytes", "first"))
+viz.readable(peaks.assign(ratio=peaks["measured_peak_bytes"] / peaks["predicted_peak_bytes"]))'''
+RECIPE_PANEL = '''if interactive:
+    from labkit.ui.recipe_panel import recipe_panel
+
+    display(recipe_panel(hf_model=hf_model))'''
+
 EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "mixed_precision": dict(predicted=("param_bytes", "optimizer_bytes", "activation_bytes", "step_ms")),
     "kv_cache": dict(extra=(("block_tables", KV_BLOCK_TABLE), ("int8", KV_INT8)),
@@ -166,13 +210,16 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "offload": dict(predicted=("peak_mem_bytes", "optimizer_bytes", "device_optimizer_bytes")),
     "memory_pool": dict(predicted=("kv_bytes", "peak_mem_bytes")),
     "collectives": dict(sweep='{"message_bytes": [4096, 65536, 1048576, 16777216]}',
-                        predicted=("busbw_gbps", "step_ms"), fields=("nproc",)),
+                        predicted=("busbw_gbps", "step_ms"), fields=("nproc",), model=False),
     "data_parallel": dict(predicted=("comm_bytes", "peak_mem_bytes", "num_buckets")),
     "zero": dict(predicted=("param_bytes", "grad_bytes", "optimizer_bytes", "peak_mem_bytes")),
     "tensor_parallel": dict(predicted=("param_bytes", "comm_bytes", "comm_bus_bytes")),
     "pipeline_parallel": dict(sweep='{"micro_batches": [1, 2, 4, 8]}', predicted=("ideal_bubble_fraction",)),
     "hybrid": dict(predicted=("param_bytes", "peak_mem_bytes")),
-    "recipe": dict(extra=(("predicted", "viz.readable(viz.predicted_table(frame))"),),
+    "recipe": dict(extra=(("predicted", "viz.readable(viz.predicted_table(frame))"),
+                          ("ladder", RECIPE_LADDER), ("timeline", RECIPE_TIMELINE),
+                          ("recipe_panel", RECIPE_PANEL)),
+                   parameters=RECIPE_PARAMETERS,
                    predicted=("peak_mem_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
                               "activation_bytes")),
     "load_balance": dict(predicted=("param_bytes", "optimizer_bytes")),
@@ -180,10 +227,10 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
                       fields=("batch_size", "num_heads", "num_kv_heads", "dtype")),
     "compile": dict(sweep='{"target": ["block", "decode"]}', predicted=("flops",)),
     "fused_kernel": dict(sweep='{"rows": [256, 4096, 16384]}', predicted=("step_ms", "gbps"),
-                         fields=("hidden_size", "dtype")),
+                         fields=("hidden_size", "dtype"), model=False),
     "matmul": dict(sweep='{"alignment": ["aligned", "off_by_one"]}', extra=(("roofline", MATMUL_ROOFLINE),),
-                   predicted=("flops", "tflops", "step_ms"), fields=()),
-    "memory_access": dict(sweep='{"stride": [2, 4, 8, 16]}', predicted=("gbps", "step_ms"), fields=("op",)),
+                   predicted=("flops", "tflops", "step_ms"), fields=(), model=False),
+    "memory_access": dict(sweep='{"stride": [2, 4, 8, 16]}', predicted=("gbps", "step_ms"), fields=("op",), model=False),
     "profiling": dict(extra=(("profile", PROFILE_ONCE), ("memory_timeline", PROFILE_MEMORY),
                              ("monitor", PROFILE_MONITOR), ("nsight", PROFILE_NSIGHT)),
                       predicted=("param_bytes", "optimizer_bytes", "step_ms")),
@@ -257,6 +304,10 @@ seq_len = 4096  # tokens per sequence in the worked example
 effective_batch = 32  # sequences per optimizer step in the worked example
 check_overrides = {"batch_size": 4, "seq_len": 64}  # sizes of the tiny run measured here to check the planner
 device = "auto"  # where that check runs: auto, cpu, cuda or cuda:N
+nproc = 4  # gloo ranks of the worked example measured at CPU scale
+measured = {"batch_size": 8, "seq_len": 128, "num_layers": 2, "steps": 2, "timed_steps": 2, "warmup": 0,
+            "min_run_time_s": 0.0, "device": "cpu"}  # its sizes (tiny preset): batch_size is per rank
+measured_micro_batches = 4  # the last rung: each rank's batch of 8 in this many micro-batches
 interactive = True  # show the planner panel to try other inputs
 runs_dir = None  # where the check's results are stored (None: $LABKIT_RUNS_DIR or ./runs)''', (
     ("machine", DESCRIBE),
@@ -273,6 +324,29 @@ check = run_experiment("mixed_precision", preset="tiny", variants=["fp32"],
                        overrides={**check_overrides, "device": device},
                        runs_dir=runs_dir, progress=False)
 viz.readable(plan_view.measured_vs_predicted(check.frame()))'''),
+    ("measured_budget", '''from labkit.harness import ladder
+
+story = {"precision": "bf16", "checkpointing": "full", "micro_batches": measured_micro_batches}
+settings = {**measured, "nproc": nproc}
+rungs = ladder.ladder_rungs(story, preset="tiny", overrides=settings)
+peaks = ladder.predicted_peaks(rungs, preset="tiny", overrides=settings)
+# The budget: the last rung fits it, and the smallest of the rungs before it does not
+budget_gib = ladder.budget_between(peaks[rungs[-1].label], min(peaks[r.label] for r in rungs[1:-1]))
+print(f"virtual budget per rank: {budget_gib * 1024:.1f} MiB")
+for label, peak in peaks.items():
+    verdict = "reference, no budget" if label == "plain" else ("fits" if peak <= budget_gib * 2**30 else "does not fit")
+    print(f"  {label}: predicted {peak / 2**20:.1f} MiB per rank, {verdict}")'''),
+    ("measured_run", '''from labkit.views.recipe import ladder_figure
+
+worked = ladder.run_ladder(rungs, preset="tiny", overrides={**settings, "budget_gib": budget_gib},
+                           runs_dir=runs_dir)
+ladder_figure(worked, title=f"the worked example measured: {nproc} ranks, "
+                            f"batch {measured['batch_size']} per rank").show()
+viz.readable(ladder.verdicts(worked))'''),
+    ("balanced", '''spread = ladder.balance(worked)
+print(f"every rank's peak within {ladder.BALANCE_PCT:g}% of the busiest rank's, on every rung that ran: "
+      f"{bool(spread['balanced'].all())}")
+viz.readable(spread)'''),
     ("panel", '''if interactive:
     display(plan_view.build_plan_panel(model=model, gpus=gpus, gpu_mem_gib=gpu_mem_gib,
                                        seq_len=seq_len, effective_batch=effective_batch))'''),

@@ -29,7 +29,8 @@ PARAMETERS = {
                                            "batch_size": 1}},
     "07_batch_finder": {"overrides": {**FAST, "num_layers": 2, "mode": "dynamic"}, "seq_lens": [16, 32],
                               "cpu_budget_gib": 0.062, "variants": "fp32_ckpt"},
-    "08_memory_planner": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu"},
+    "08_memory_planner": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu",
+                          "nproc": 2},  # the measured worked example on 2 ranks, not 4
     "09_collectives": {"overrides": {**FAST, "timed_steps": 1}, "sweep": {"message_bytes": [4096]},
                              "variants": "all_gather", "nproc": 2},
     "10_data_parallel": {"overrides": TINY_DIST, "variants": "ddp", "nproc": 2},

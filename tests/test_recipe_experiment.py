@@ -50,11 +50,11 @@ def at(rows, variant, metric, rank, budget=None):
 
 def test_composed_matches_plain_within_bf16_tolerance(rows):
     for rank in RANKS:
-        for metric in ("loss_rel_diff", "weight_max_rel_diff"):
+        for metric in ("loss_rel_diff", "weight_rel_diff"):
             row = at(rows, "composed", metric, rank)
             assert row["status"] == "ok" and row["value"] <= recipe.PRECISION_TOLERANCE["bf16"], row
         # bf16 autocast did run: not bitwise the fp32 reference
-        assert at(rows, "composed", "weight_max_rel_diff", rank)["value"] > 0
+        assert at(rows, "composed", "weight_rel_diff", rank)["value"] > 0
 
 
 def test_every_rank_has_its_peak_beside_the_planners_within_10_percent(rows):
@@ -178,4 +178,7 @@ def test_fsdp2_zero2_holds_the_whole_parameters_beside_the_shards():
     psi = planner.num_params(TINY2)
     assert paper.param_bytes == 4 * psi and paper.gathered_bytes == 0
     assert (fsdp2.param_bytes, fsdp2.gathered_bytes) == (4 * psi // 2, 4 * psi)
-    assert fsdp2.phase_bytes["backward"] - paper.phase_bytes["backward"] == 4 * psi // 2
+    # the shards beside the whole parameters; and no separate gradient buffer of the largest
+    # unit (the head here): FSDP2's root unit's unsharded gradient is the head's, counted with it
+    head_unit = TINY2.vocab_size * TINY2.hidden_size + TINY2.hidden_size
+    assert fsdp2.phase_bytes["backward"] - paper.phase_bytes["backward"] == 4 * psi // 2 - 4 * head_unit

@@ -185,3 +185,15 @@ def test_a_tiny_loss_weight_flushes_fp16_gradients_to_zero_unless_scaled():
     assert unscaled["losses"][-1] == pytest.approx(unscaled["losses"][0], rel=1e-5)  # decay only
     scaled = fp16_run(loss_weight=1e-7, loss_scaling=True)
     assert scaled["zero_grad_pct"] < 90 and scaled["nonfinite_losses"] == 0
+
+
+def test_global_relative_difference_weighs_every_tensor_together():
+    """A zero-initialised bias that moved by ±lr, its sign flipped: 2.0 relative on its own,
+    negligible against the whole model's weights."""
+    from labkit.blocks.training import global_relative_difference
+    ref = {"w": np.ones(100), "b": np.full(4, 1e-3)}
+    got = {"w": np.ones(100), "b": -np.full(4, 1e-3)}
+    assert gradient_difference(ref, got)[1] == pytest.approx(2.0)
+    assert global_relative_difference(ref, got) == pytest.approx(math.sqrt(4 * 2e-3**2 / (100 + 4e-6)))
+    assert global_relative_difference(ref, ref) == 0.0
+    assert math.isnan(global_relative_difference(ref, {**got, "w": np.full(100, np.nan)}))

@@ -254,6 +254,16 @@ def gradient_difference(reference: dict, grads: dict) -> tuple[float, float]:
     return max_abs, max_rel
 
 
+def global_relative_difference(reference: dict, got: dict) -> float:
+    """||got - reference|| / ||reference|| over every tensor together (float64; nan when any
+    value is nan). For weights after AdamW steps, where a per-tensor ratio misleads: a tensor
+    that starts at zero (a bias) moves by about lr per step whatever its gradient's size, so a
+    sign that rounding flips in a near-zero gradient is a whole lr against a tiny norm."""
+    diff = sum(float(np.square(got[n].astype(np.float64) - ref).sum()) for n, ref in reference.items())
+    norm = sum(float(np.square(ref.astype(np.float64)).sum()) for ref in reference.values())
+    return math.sqrt(diff / norm) if norm else math.sqrt(diff)
+
+
 def compare_grads(reference: dict, outputs: dict, tolerance: float, *,
                   extra: dict[str, float] | None = None, limits: dict[str, float] | None = None,
                   reported: dict[str, float] | None = None) -> Comparison:

@@ -126,13 +126,8 @@ def run_points(exp: Experiment, chosen: list[str], points: list[tuple[dict[str, 
             cfg_v = dataclasses.replace(cfg, variant=variant)
             if before_variant:
                 before_variant(index, cfg_v)
-            try:
-                rows, outputs = measure_variant(exp, cfg_v, reference, point)
-            except ranks.RankAbort as e:
-                store.add(e.rows)
-                raise
+            rows, outputs = measure_stored(exp, cfg_v, reference, point, store)
             reference = outputs if variant == exp.reference else reference
-            store.add(rows)
             if on_rows:
                 on_rows([expand_row(r, store.record) for r in rows])
             bar.update(1)
@@ -169,6 +164,18 @@ def _refusal(exp: Experiment, cfg: RunConfig) -> str | None:
     except ConfigError as e:
         return str(e)
     return None
+
+
+def measure_stored(exp: Experiment, cfg: RunConfig, reference, point: dict, store) -> tuple[list, Any]:
+    """`measure_variant`, its rows stored at once; a rank that stops the run stores its failing
+    variant's rows first."""
+    try:
+        rows, outputs = measure_variant(exp, cfg, reference, point)
+    except ranks.RankAbort as e:
+        store.add(e.rows)
+        raise
+    store.add(rows)
+    return rows, outputs
 
 
 def measure_variant(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,

@@ -154,6 +154,9 @@ FAMILIES: dict[str, Family] = {
         Run("collectives", ("all_gather",), {"cpu": {"message_bytes": 65536, **QUICK}}, fixed_s=12),
         Run("load_balance", ("proportional",), {"cpu": {"num_layers": 2, "seq_len": 32, "calibration_steps": 2,
                                                         **QUICK}}, fixed_s=14),
+        # techniques together: fp32 on the CPU (bf16 would be emulated on AVX2-only CPUs)
+        Run("recipe", ("composed",), {"cpu": {**_TWO_LAYERS, "batch_size": 4, "checkpointing": "full",
+                                              "micro_batches": 2, "zero_stage": 2}}, fixed_s=14),
     ), cuda_s=40),
     "parallel": Family((
         Run("tensor_parallel", ("tp",), {"cpu": dict(_TWO_LAYERS)}, fixed_s=14),
@@ -473,6 +476,10 @@ CHECKS: dict[str, list[Check]] = {
               checked_ok("collectives", "all_gather"), ">=", 1.0),
         Check("distributed", "load_balance", "proportional shares: the same gradients as even shares",
               checked_ok("load_balance", "proportional"), ">=", 1.0),
+        Check("distributed", "recipe", "checkpointing + 2 micro-batches + ZeRO-2 (2 ranks) matches plain",
+              checked_ok("recipe", "composed"), ">=", 1.0),
+        Check("distributed", "recipe", f"that recipe, the busiest rank: {PLANNER}",
+              against_prediction("recipe", "composed", "peak_mem_bytes"), "within", 0.10),
         Check("parallel", "tensor_parallel", "tensor parallel (2 ranks) matches one process",
               checked_ok("tensor_parallel", "tp"), ">=", 1.0),
         Check("parallel", "pipeline_parallel", "GPipe (2 stages) matches one process",

@@ -32,6 +32,11 @@ RUNS = {
     "serve": Run("batching", {"num_layers": 1, "num_requests": 8, "max_output_len": 32, "arrival": "closed",
                               "batch_size": 4}, ("sequential", "static", "continuous")),
     "zero": Run("zero", {**DIST, "batch_size": 2}, ("zero0", "zero1", "zero3")),
+    # bf16 autocast on the two gloo ranks, swept over the ladder's techniques (4 of the 8 recipes
+    # are its rungs); 65 MiB sits between the DDP rungs (70 MiB and more) and ZeRO-2's (53 MiB).
+    "recipe": Run("recipe", {**DIST, "batch_size": 8, "seq_len": 32, "precision": "bf16",
+                             "budget_gib": 65 / 1024}, ("composed",),
+                  {"checkpointing": ["none", "full"], "micro_batches": [1, 2], "zero_stage": [0, 2]}),
     "pipe": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "delay_stage": 0},
                 ("single", "gpipe"), {"stage_delay_ms": [0.0, SLOW_STAGE_MS]}),
 }

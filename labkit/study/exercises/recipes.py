@@ -1,0 +1,277 @@
+"""Exercises on recipes: several techniques on one training step (`labkit.techniques.recipe`).
+
+Both share one Run ("recipe"): bf16 autocast on two CPU ranks over gloo, swept over full
+checkpointing, 2 micro-batches and ZeRO-2 (eight recipes, four of them the ladder's rungs), each
+composed recipe under a virtual budget. The Run pins device "cpu" (one GPU cannot hold two NCCL
+ranks), so every answer is the same for "cpu" and "cuda": per-rank bytes do not depend on it.
+
+The peak exercise is predicted from the planner's terms (`recipe.planned`, the prediction each
+measured row carries); the ladder's reference is the first rung whose planned peak fits the budget,
+and the measurement shows it: every earlier rung is an `oom` row on every rank."""
+from __future__ import annotations
+
+from labkit import planner
+from labkit.study.exercises.core import MiB, TOPICS, Exercise, Rows, Setup, mib, show
+from labkit.techniques import recipe
+
+VARIANT = "composed"
+DIST_WORDS = ("Measured on two CPU processes over gloo on any machine, a GPU's included: the "
+              "answer (per-rank bytes) does not depend on the device.")
+# The ladder, in the order the issue's worked example climbs it; each rung adds one technique.
+RUNGS = {"bf16 on DDP": {"checkpointing": "none", "micro_batches": 1, "zero_stage": 0},
+         "+ full checkpointing": {"checkpointing": "full", "micro_batches": 1, "zero_stage": 0},
+         "+ 2 micro-batches": {"checkpointing": "full", "micro_batches": 2, "zero_stage": 0},
+         "+ ZeRO-2": {"checkpointing": "full", "micro_batches": 2, "zero_stage": 2}}
+NONE = "none of them"
+TOP = RUNGS["+ ZeRO-2"]  # the peak exercise's recipe: bf16 + full + 2 micro-batches + ZeRO-2
+
+
+def plan(s: Setup, point: dict) -> planner.MemoryPlan:
+    return recipe.planned(s.cfg(VARIANT, **point))
+
+
+def budget_bytes(s: Setup) -> int:
+    return int(s.cfg().budget_gib * 2**30)
+
+
+def shape(s: Setup, point: dict) -> dict[str, int]:
+    """The numbers the terms are written in: Ψ, one micro-batch's b, s, V, d, ranks N."""
+    c = s.cfg(VARIANT, **point)
+    m = c.model
+    return {"psi": planner.num_params(m), "b": c.batch_size // c.micro_batches, "s": c.seq_len,
+            "V": m.vocab_size, "d": m.hidden_size, "N": c.nproc, "L": m.num_layers}
+
+
+def all_casts(s: Setup) -> int:
+    """autocast's bf16 copies of every matmul weight (cached until the forward ends): per block
+    wq, wk, wv, wo and SwiGLU's w1, w3, w2, plus the head's V x d, 2 bytes each."""
+    m = s.cfg().model
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    block = 2 * m.hidden_size * q + 2 * m.hidden_size * kv + 3 * m.hidden_size * m.ffn_size
+    return 2 * (m.num_layers * block + m.vocab_size * m.hidden_size)
+
+
+def moments(s: Setup, point: dict) -> dict[str, dict[str, int]]:
+    """What each moment of one step holds on a rank, term by term (bytes), by the rules the
+    details state; the tests hold the sums to the planner's phases."""
+    p, n = plan(s, point), shape(s, point)
+    zero, accumulating = point["zero_stage"] == 2, point["micro_batches"] > 1
+    casts = all_casts(s)
+    kept = p.kept_weight_copy_bytes
+    states = {"weights": p.param_bytes, "moments": p.optimizer_bytes}
+    if zero:  # FSDP2's ZeRO-2: shards at rest, whole weights from forward to backward
+        held = {**states, "gathered": p.gathered_bytes}
+        held.update({"grad shards": p.grad_bytes} if accumulating else {})
+    else:  # DDP: buckets for the model's life, .grad of earlier micro-batches beside them
+        held = {**states, "buckets": p.grad_bytes}
+        held.update({"accumulated grads": p.grad_bytes} if accumulating else {})
+    loss = 8 * n["b"] * n["s"] * n["V"]
+    unit = 4 * planner.stage_params(s.cfg().model).largest_unit if zero else 0
+    return {"forward": {**held, "activations": p.activation_bytes, "casts": casts,
+                        "temporaries": 6 * n["b"] * n["s"] * n["V"]},
+            "backward": {**held, "activations": p.activation_bytes, "casts": kept,
+                         "temporaries": loss + unit},
+            "step": {**states, "grads": p.grad_bytes,
+                     "temporaries": p.phase_bytes["step"] - sum(states.values()) - p.grad_bytes}}
+
+
+def peak_of(s: Setup, point: dict) -> int:
+    return plan(s, point).total_bytes
+
+
+# --- The peak of a recipe ---------------------------------------------------------------------------
+
+def peak_details(s: Setup) -> str:
+    n, p = shape(s, TOP), plan(s, TOP)
+    t = moments(s, TOP)
+    step_temps = t["step"]["temporaries"]
+    return (
+        f"Model: {n['L']} layers, hidden d = {n['d']}, vocabulary V = {n['V']}, Ψ = {n['psi']:,} "
+        f"parameters; each rank's batch of {s.cfg().batch_size} sequences of s = {n['s']} tokens "
+        f"runs as 2 micro-batches of b = {n['b']}; N = {n['N']} ranks. {DIST_WORDS}\n"
+        f"The planner's terms, per rank, in bytes:\n"
+        f"- fp32 weight shard at rest, 4Ψ/N: {p.param_bytes:,}; FSDP2's ZeRO-2 does not reshard "
+        f"after the forward, so the whole fp32 weights, 4Ψ: {p.gathered_bytes:,}, stay gathered "
+        f"from each unit's forward to its backward;\n"
+        f"- AdamW's two fp32 moments, sharded, 8Ψ/N: {p.optimizer_bytes:,};\n"
+        f"- fp32 gradient shards, 4Ψ/N: {p.grad_bytes:,} (reduce-scattered; the first "
+        f"micro-batch's are held through the second's forward and backward);\n"
+        f"- saved activations of one micro-batch: {p.activation_bytes:,};\n"
+        f"- autocast's bf16 casts of the matmul weights (2 bytes each), cached until the forward "
+        f"ends: {all_casts(s):,}; the backward keeps only the head's, 2·V·d = "
+        f"{p.kept_weight_copy_bytes:,} (a checkpointed block casts again when it recomputes);\n"
+        f"- temporaries: at the end of the forward, the bf16 logits and their fp32 copy, "
+        f"6·b·s·V = {t['forward']['temporaries']:,}; at the start of backward, the loss's fp32 "
+        f"gradients of log-probabilities and logits, 8·b·s·V, plus one unit's whole fp32 gradient "
+        f"before FSDP2 reduce-scatters it (4 x the largest unit, the head): "
+        f"{t['backward']['temporaries']:,}; at the optimizer step, the for-loop AdamW's "
+        f"temporaries: {step_temps:,}.\n"
+        f"The peak is the largest of three moments: the end of the (second) forward, the start of "
+        f"its backward and the optimizer step.")
+
+
+def peak_evidence(r: Rows, s: Setup) -> dict[str, str]:
+    t, p = moments(s, TOP), plan(s, TOP)
+    sums = {k: sum(v.values()) for k, v in t.items()}
+    measured = [r.get(VARIANT, "peak_mem_bytes", rank=k, **TOP) for k in range(shape(s, TOP)["N"])]
+    return {"terms": " + ".join(f"{k} {v:,}" for k, v in t["backward"].items()),
+            "total": f"{sums['backward']:,}", "forward": mib(sums["forward"]),
+            "step": mib(sums["step"]), "kept": f"{p.kept_weight_copy_bytes:,}",
+            "peaks": ", ".join(mib(v) for v in measured),
+            "ratio": show(100 * (measured[0] or 0) / p.total_bytes, "%")}
+
+
+def peak_supports(r: Rows, s: Setup) -> str | None:
+    """Every rank's measured peak within 10% of the planner's; its shards and kept casts within 1%."""
+    p = plan(s, TOP)
+    want = {"peak_mem_bytes": (p.total_bytes, 0.10), "param_bytes": (p.param_bytes, 0.01),
+            "grad_bytes": (p.grad_bytes, 0.01),
+            "saved_weight_copy_bytes": (p.kept_weight_copy_bytes, 0.01)}
+    for rank in range(shape(s, TOP)["N"]):
+        for metric, (predicted, rel) in want.items():
+            got = r.get(VARIANT, metric, rank=rank, **TOP)
+            if got is None or abs(got - predicted) > rel * predicted:
+                return f"rank {rank}'s {metric} is {got!r}, predicted {predicted:,} (±{rel:.0%})"
+    return None
+
+
+def weights_as_bf16(s: Setup) -> float:
+    """The peak with the fp32 weights (shard and gathered) counted at 2 bytes."""
+    p = plan(s, TOP)
+    return (p.total_bytes - (p.param_bytes + p.gathered_bytes) / 2) / MiB
+
+
+def recipe_peak() -> Exercise:
+    return Exercise(
+        "recipe_peak", TOPICS[0], "The peak memory per rank of a recipe",
+        "Two ranks train the tiny model with a recipe of four techniques: bf16 autocast (over "
+        "fp32 weights, fp32 gradients and fp32 AdamW), full activation checkpointing of every "
+        "block, 2 micro-batches per step (gradients accumulate) and ZeRO-2 as FSDP2 builds it.",
+        "What is the peak memory of one training step on one rank, in MiB?", "recipe",
+        answer=lambda s: peak_of(s, TOP) / MiB,
+        evidence=peak_evidence,
+        why="the start of the second micro-batch's backward is the peak: {terms} = {total} bytes "
+            "= {answer}. The end of its forward holds {forward} (every cast cached, but the "
+            "backward's temporaries not yet made) and the optimizer step {step} (no activations, "
+            "no gathered weights). Autocast changes no model state: weights, gradients and AdamW "
+            "stay fp32; its bf16 casts are extra bytes ({kept} kept for the backward). Measured "
+            "peaks, rank 0 and 1: {peaks} ({ratio} of the prediction).",
+        level=3, hint="Write down what is alive at each of the three moments (the details give "
+                      "every term); which terms exist only between a forward and its backward?",
+        mistake=weights_as_bf16,
+        mistake_why="bf16 autocast does not store the weights in bf16: they stay fp32 (4 bytes, "
+                    "shard and gathered alike), and autocast adds bf16 copies of them on top.",
+        supports=peak_supports, unit="MiB", rel_tol=0.02, details=peak_details)
+
+
+# --- The ladder ------------------------------------------------------------------------------------
+
+def first_fit(s: Setup, forget_accumulated: bool = False) -> str:
+    """The first rung whose planned peak fits the budget; `forget_accumulated`: as a learner who
+    forgets that DDP's accumulated .grad sits beside its buckets would find it."""
+    for name, point in RUNGS.items():
+        peak = peak_of(s, point)
+        if forget_accumulated and point["zero_stage"] == 0 and point["micro_batches"] > 1:
+            peak -= plan(s, point).grad_bytes
+        if peak <= budget_bytes(s):
+            return name
+    return NONE
+
+
+def rung_line(s: Setup, name: str) -> str:
+    t = moments(s, RUNGS[name])
+    f, b = t["forward"], t["backward"]
+    return (f"- {name}: saved activations {b['activations']:,}; casts cached to the forward's end "
+            f"{f['casts']:,}, kept by the backward {b['casts']:,}; temporaries at the forward's end "
+            f"{f['temporaries']:,}, at the start of backward {b['temporaries']:,}")
+
+
+def ladder_details(s: Setup) -> str:
+    n, base, top = shape(s, RUNGS["bf16 on DDP"]), plan(s, RUNGS["bf16 on DDP"]), plan(s, TOP)
+    step = max(moments(s, point)["step"]["temporaries"] for point in RUNGS.values())
+    return (
+        f"Model: {n['L']} layers, hidden {n['d']}, vocabulary {n['V']}, Ψ = {n['psi']:,} parameters; "
+        f"{s.cfg().batch_size} sequences of {n['s']} tokens per rank and step; N = {n['N']} ranks; "
+        f"budget {budget_bytes(s) / MiB:g} MiB = {budget_bytes(s):,} bytes per rank. {DIST_WORDS}\n"
+        f"Model states, per rank, in bytes: DDP holds the fp32 weights 4Ψ = {base.param_bytes:,}, "
+        f"AdamW's moments 8Ψ = {base.optimizer_bytes:,} and its gradient buckets 4Ψ = "
+        f"{base.grad_bytes:,} for the model's life; the .grad tensors are separate from the buckets "
+        f"(gradient_as_bucket_view=False, the default) and accumulate between micro-batches. ZeRO-2 "
+        f"(FSDP2) holds a weight shard 4Ψ/N = {top.param_bytes:,}, the whole weights 4Ψ = "
+        f"{top.gathered_bytes:,} from a unit's forward to its backward, moments 8Ψ/N = "
+        f"{top.optimizer_bytes:,} and gradient shards 4Ψ/N = {top.grad_bytes:,}.\n"
+        f"Per rung, in bytes (activations and temporaries are one micro-batch's; with ZeRO-2 the "
+        f"backward's temporaries include one unit's whole gradient before its reduce-scatter):\n"
+        + "\n".join(rung_line(s, name) for name in RUNGS)
+        + f"\nThe optimizer step holds the model states and at most {step:,} bytes of AdamW's "
+          f"temporaries (never the peak here).")
+
+
+def ladder_evidence(r: Rows, s: Setup) -> dict[str, str]:
+    lines = []
+    for name, point in RUNGS.items():
+        row = r.get(VARIANT, **point) or {}
+        fits = row.get("status") == "ok"
+        measured = f"fits, measured {mib(r.get(VARIANT, 'peak_mem_bytes', **point))}" if fits \
+            else f"{row.get('status', 'absent')} ({row.get('message', '')})"
+        lines.append(f"{name}: planned {mib(peak_of(s, point))}, {measured}")
+    return {"rungs": "; ".join(lines), "budget": mib(budget_bytes(s))}
+
+
+def ladder_supports(r: Rows, s: Setup) -> str | None:
+    """Every rung before the answer is an oom row on every rank; the answer's fits on every rank,
+    its measured peak under the budget."""
+    answer = first_fit(s)
+    for name, point in RUNGS.items():
+        for rank in range(shape(s, point)["N"]):
+            status = (r.get(VARIANT, rank=rank, **point) or {}).get("status")
+            peak = r.get(VARIANT, "peak_mem_bytes", rank=rank, **point)
+            if name != answer and status != "oom":
+                return f"rung {name!r} on rank {rank} is {status!r}, not oom under the budget"
+            if name == answer and (status != "ok" or peak is None or peak > budget_bytes(s)):
+                return f"rung {name!r} on rank {rank}: {status!r}, peak {peak!r} over the budget"
+        if name == answer:
+            return None
+    return None if answer == NONE else f"no rung {answer!r} measured"
+
+
+FEEDBACK = {
+    "bf16 on DDP": "autocast leaves every model state in fp32 and adds bf16 weight casts; it "
+                   "shrinks only the matmuls' saved outputs: far over the budget.",
+    "+ full checkpointing": "it cuts the blocks' activations, but 16Ψ of DDP model states, the "
+                            "head's log-probabilities and the loss's temporaries remain: over.",
+    "+ 2 micro-batches": "halving the micro-batch halves activations and the loss's temporaries, "
+                         "but from the second micro-batch on the first one's .grad (4Ψ) sits "
+                         "beside DDP's buckets: the peak rises.",
+    "+ ZeRO-2": "right: sharding the moments and the gradients (and the weights at rest) saves "
+                "more than FSDP2's gathered copy costs.",
+    NONE: "the last rung fits: ZeRO-2 holds 16Ψ/N of model states at rest (DDP: 16Ψ), plus "
+          "the 4Ψ of whole weights it gathers between the passes.",
+}
+
+
+def ladder_fit() -> Exercise:
+    return Exercise(
+        "ladder_fit", TOPICS[3], "The first rung of a ladder that fits",
+        "The same two ranks train with bf16 autocast on DDP and exceed their memory budget. You "
+        "climb a ladder, adding one technique per rung and keeping the ones before: full "
+        "activation checkpointing, then 2 micro-batches per step (gradients accumulate, the batch "
+        "per step is unchanged), then ZeRO-2 (FSDP2) instead of DDP. Each rung is measured under "
+        "the budget: a rung over it is an oom row.",
+        "Which rung is the first whose peak per rank fits the budget?", "recipe",
+        answer=first_fit, evidence=ladder_evidence,
+        why="{rungs}. Against the {budget} budget the first that fits is {answer}. Accumulation "
+            "on DDP does not pay here: the first micro-batch's gradients (4Ψ) stay beside DDP's "
+            "buckets while the second runs, more than its halved activations save.",
+        level=3, hint="For each rung, add the model states its layout holds to the larger of its "
+                      "two moments (the end of the forward, the start of backward); what does a "
+                      "rank hold between two micro-batches?",
+        mistake=lambda s: first_fit(s, forget_accumulated=True),
+        mistake_why="with accumulation under DDP the earlier micro-batch's .grad is a second set "
+                    "of fp32 gradients beside DDP's buckets (4Ψ more), held through the later "
+                    "micro-batch's forward and backward.",
+        feedback=FEEDBACK, supports=ladder_supports, choices=(*RUNGS, NONE), details=ladder_details)
+
+
+def build_exercises() -> list[Exercise]:
+    return [recipe_peak(), ladder_fit()]

@@ -1,0 +1,154 @@
+"""The recipe exercises (labkit.study.exercises.recipes), against answers computed here.
+
+For "cpu" and "cuda" (the Run pins CPU ranks, so a GPU machine answers the same): the careful
+learner's answer, added up here from the rules and numbers the details state (closed forms in Ψ,
+b, s, V, d, N, and the planner's activation bytes, which the details print), is graded right;
+the common mistake, computed here too, equals the exercise's and is graded wrong. One launch of
+the shared Run (8 recipes on two gloo ranks, about 20 s on 2 cores) then shows the mechanisms:
+every rank's peak beside the planner's, the rungs over the budget as oom rows, the first that
+fits measured under it; and a doctored measurement is not taken as support."""
+import pytest
+
+from labkit import planner
+from labkit.study import exercises
+from labkit.study.exercises import recipes
+
+MiB = 2**20
+DEVICES = ("cpu", "cuda")
+N = 2  # the Run's ranks (the details say so)
+KEYS = ("recipe_peak", "ladder_fit")
+
+
+def setup(device="cpu"):
+    return exercises.Setup(exercises.RUNS["recipe"], device)
+
+
+def numbers(s, point):
+    c = s.cfg("composed", **point)
+    m = c.model
+    return planner.num_params(m), c.batch_size // c.micro_batches, c.seq_len, m.vocab_size, m.hidden_size
+
+
+def learner_moments(s, point):
+    """The three moments as the details describe them, from closed forms (the activations are
+    the planner's, printed in the details)."""
+    psi, b, seq, vocab, d = numbers(s, point)
+    zero, accumulating = point["zero_stage"] == 2, point["micro_batches"] > 1
+    acts = recipes.plan(s, point).activation_bytes
+    casts = recipes.all_casts(s)
+    kept = 2 * vocab * d if point["checkpointing"] == "full" else casts
+    if zero:
+        held = 4 * psi / N + 4 * psi + 8 * psi / N + (4 * psi / N if accumulating else 0)
+        unit_grad = 4 * (vocab * d + d)  # the head (and the final norm) is the largest unit
+    else:
+        held = 4 * psi + 8 * psi + 4 * psi + (4 * psi if accumulating else 0)
+        unit_grad = 0
+    forward = held + acts + casts + 6 * b * seq * vocab
+    backward = held + acts + kept + 8 * b * seq * vocab + unit_grad
+    return forward, backward
+
+
+def learner_peak(s):
+    return max(learner_moments(s, recipes.TOP)) / MiB  # the step holds less (no activations)
+
+
+def learner_ladder(s, forget_accumulated=False):
+    budget = s.cfg().budget_gib * 2**30
+    for name, point in recipes.RUNGS.items():
+        forward, backward = learner_moments(s, point)
+        if forget_accumulated and point["zero_stage"] == 0 and point["micro_batches"] > 1:
+            forward, backward = forward - 4 * numbers(s, point)[0], backward - 4 * numbers(s, point)[0]
+        if max(forward, backward) <= budget:
+            return name
+    return recipes.NONE
+
+
+def test_the_details_print_the_numbers_the_learner_uses():
+    s = setup()
+    psi, b, seq, vocab, d = numbers(s, recipes.TOP)
+    for key in KEYS:
+        text = exercises.describe(key)
+        assert f"Ψ = {psi:,} parameters" in text and "N = 2 ranks" in text, key
+        assert f"{recipes.plan(s, recipes.TOP).activation_bytes:,}" in text
+    assert f"b = {b}" in exercises.describe("recipe_peak") and "65 MiB" in exercises.describe("ladder_fit")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_careful_learner_is_graded_right_and_the_mistake_wrong(device):
+    s = setup(device)
+    peak, ladder = exercises.get("recipe_peak"), exercises.get("ladder_fit")
+    assert exercises.grade(peak, learner_peak(s), exercises.reference_answer("recipe_peak", device))
+    assert learner_ladder(s) == exercises.reference_answer("ladder_fit", device) == "+ ZeRO-2"
+    # The mistakes: the fp32 weights (shard and gathered) counted at 2 bytes; DDP's accumulated .grad forgotten
+    psi = numbers(s, recipes.TOP)[0]
+    wrong = learner_peak(s) - (2 * psi / N + 2 * psi) / MiB
+    assert wrong == pytest.approx(peak.mistake(s), rel=1e-9)
+    assert not exercises.grade(peak, wrong, exercises.reference_answer("recipe_peak", device))
+    assert learner_ladder(s, forget_accumulated=True) == ladder.mistake(s) == "+ 2 micro-batches"
+    assert not exercises.grade(ladder, ladder.mistake(s), exercises.reference_answer("ladder_fit", device))
+    # Forgetting the head's kept cast (2·V·d) is outside the tolerance too
+    _, _, _, vocab, d = numbers(s, recipes.TOP)
+    assert not exercises.grade(peak, learner_peak(s) - 2 * vocab * d / MiB,
+                               exercises.reference_answer("recipe_peak", device))
+
+
+def test_the_moments_add_up_to_the_planners_phases():
+    """The details' terms sum to the planner's phases (the prediction each row carries), at
+    every moment of every rung."""
+    s = setup()
+    for name, point in recipes.RUNGS.items():
+        plan, mine = recipes.plan(s, point), recipes.moments(s, point)
+        sums = {phase: sum(terms.values()) for phase, terms in mine.items()}
+        assert sums == {phase: plan.phase_bytes[phase] for phase in sums}, name
+        assert plan.total_bytes == max(plan.phase_bytes.values())
+        assert learner_moments(s, point) == (sums["forward"], sums["backward"]), name
+
+
+def test_choices_have_feedback_and_a_level_and_hint():
+    for key in KEYS:
+        ex = exercises.get(key)
+        assert ex.level == 3 and ex.hint and ex.supports and ex.mistake_why
+    ladder = exercises.get("ladder_fit")
+    assert set(ladder.feedback) == set(ladder.choices) and all(ladder.feedback.values())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("recipe-runs"))
+    exercises.measure(exercises.RUNS["recipe"], "cpu", folder, reuse=False)
+    return folder
+
+
+def test_the_measurement_supports_both_answers(runs):
+    s, rows = setup(), exercises.measure(exercises.RUNS["recipe"], "cpu", runs)
+    assert "reused" in rows.source
+    for key in KEYS:
+        assert exercises.get(key).supports(rows, s) is None, key
+    budget = s.cfg().budget_gib * 2**30
+    for rank in range(N):  # the mechanism itself: rungs over the budget are oom, ZeRO-2 fits
+        statuses = [rows.get("composed", rank=rank, **p)["status"] for p in recipes.RUNGS.values()]
+        assert statuses == ["oom", "oom", "oom", "ok"], statuses
+        assert rows.get("composed", "peak_mem_bytes", rank=rank, **recipes.TOP) <= budget
+        assert rows.get("plain", "peak_mem_bytes", rank=rank, **recipes.TOP) > budget  # no budget on plain
+
+
+def test_a_doctored_measurement_does_not_support_them(runs):
+    rows = exercises.measure(exercises.RUNS["recipe"], "cpu", runs)
+    huge = exercises.Rows([{**r, "value": 1e12 if r["value"] is not None else None} for r in rows.rows], "doctored")
+    all_ok = exercises.Rows([{**r, "status": "ok"} for r in rows.rows], "doctored")
+    for bad in (huge, all_ok):
+        assert exercises.get("ladder_fit").supports(bad, setup())
+    assert exercises.get("recipe_peak").supports(huge, setup())
+
+
+def test_check_grades_the_key_right_and_a_wrong_answer_wrong(runs):
+    for key in KEYS:
+        right = exercises.check(key, solution=True, device="cpu", runs_dir=runs)
+        report = right.report()
+        assert right.correct and "reused" in right.source, report
+        assert "{" not in report and "n/a" not in report and "Note:" not in report, report
+    wrong = exercises.check("ladder_fit", "+ 2 micro-batches", device="cpu", runs_dir=runs)
+    assert not wrong.correct and wrong.mistake and "A common mistake" in wrong.report()
+    wrong = exercises.check("recipe_peak", exercises.get("recipe_peak").mistake(setup()), device="cpu",
+                            runs_dir=runs)
+    assert not wrong.correct and wrong.mistake
