@@ -14,7 +14,6 @@ statistics) since the GPUs chosen are not this machine's.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Callable
 
 import pandas as pd
@@ -26,6 +25,7 @@ from labkit.config import PRESETS, ConfigError, resolve
 from labkit.harness.ranks import RunFailed
 from labkit.results import format_value
 from labkit.techniques import recipe as experiment
+from labkit.ui.background import BackgroundRun
 
 GIB = 2**30
 # The recipe experiment's knobs the panel shows, and the planner-side inputs around them.
@@ -74,7 +74,7 @@ class Recommended:
     reason: str
 
 
-class RecipePanel:
+class RecipePanel(BackgroundRun):
     """The panel's state for `values` (DEFAULTS, then the caller's): `update()` (every `set`)
     recomputes the plan, `verdict`, `refusal`, `error` and `recommended`; `run()` measures the
     recipe through `runner` (run_experiment's signature) and keeps `frame`, `run_error` and
@@ -91,7 +91,6 @@ class RecipePanel:
         self.frame: pd.DataFrame | None = None
         self.run_error: str | None = None
         self.run_line = "press Run to measure this recipe at the size this machine holds"
-        self._thread: threading.Thread | None = None
         self.busy = False  # True from Run until its rows (or error) are shown
         self.update()
 
@@ -208,17 +207,7 @@ class RecipePanel:
         if self.running or self.busy:
             return
         self.busy = True
-        self._thread = threading.Thread(target=self.run, name="labkit-recipe-panel", daemon=True)
-        self._thread.start()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return not self.running
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        self.run_in_background("labkit-recipe-panel")
 
     def rows_table(self) -> pd.DataFrame:
         return rows_table(self.frame) if self.frame is not None else pd.DataFrame()

@@ -36,6 +36,7 @@ from labkit.harness.ranks import RunFailed
 from labkit.harness.experiment import choose_variants, run_experiment
 from labkit.measure.monitor import DeviceMonitor, timeline_figure
 from labkit.techniques import record
+from labkit.ui.background import BackgroundRun
 
 # Fields the panel shows in its own controls (or not at all).
 _SPECIAL = {"variant", "preset", "device", "model"}
@@ -104,7 +105,7 @@ def replace_figure(target: go.FigureWidget, source: go.Figure) -> None:
         target.layout = source.layout
 
 
-class Panel:
+class Panel(BackgroundRun):
     """Controls, Run and Stop, a live figure, a device monitor and an output area for one
     experiment. `start()` is what Run does (a background thread; `wait()` joins it); `run()` is the
     same run in the calling thread."""
@@ -168,24 +169,13 @@ class Panel:
         if self.running:
             return
         self._set_running(True)
-        self._thread = threading.Thread(target=self.run, name=f"labkit-panel-{self.name}", daemon=True)
-        self._thread.start()
+        self.run_in_background(f"labkit-panel-{self.name}")
 
     def stop(self) -> None:
         """What Stop does: the run ends after the variant being measured; its rows are kept."""
         if self.running and not self.distributed:
             self._stop.set()
             self._set_status("stopping after the current variant...")
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Join the background run; True when it has finished."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return not self.running
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     # --- the run
     def run(self) -> None:
