@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.config import RunConfig
@@ -196,17 +197,6 @@ class Trainer:
         self.update()
         return self.losses[-1]
 
-    def accumulate_grads(self, pieces) -> float:
-        """Forward and backward of each (inputs, targets, weight) piece; the gradients add up in
-        `.grad` (weights summing to 1 give the mean gradient of all the pieces' sequences, as one
-        batch would). Each piece's activations are freed by its backward. Returns the loss."""
-        total = 0.0
-        for inputs, targets, weight in pieces:
-            loss = self.forward(inputs, targets) * weight
-            loss.backward()
-            total += loss.item()
-        return total
-
     def train(self, steps: int) -> dict[str, object]:
         """`steps` steps; the losses and the last gradient norm (what `check()` compares)."""
         for _ in range(steps):
@@ -214,8 +204,12 @@ class Trainer:
         return {"losses": list(self.losses), "grad_norm": self.grad_norm}
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
+        """This rank's optimizer states: a CopyAdamW's copies and moments, a
+        ZeroRedundancyOptimizer's shard (its `.optim`), or the optimizer's own."""
         if isinstance(self.optimizer, CopyAdamW):
             return self.optimizer.state_tensors()
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            return optimizer_state(self.optimizer.optim)
         return optimizer_state(self.optimizer)
 
 

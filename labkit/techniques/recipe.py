@@ -34,17 +34,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit import hardware, planner
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import DistConfig, is_distributed, world_size
 from labkit.blocks.recipe import Recipe, compose
-from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference, optimizer_state
+from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference
 from labkit.blocks.transforms import checkpointed_blocks
 from labkit.config import ConfigError, knob
 from labkit.measure.memory import LiveTensorTracker, storage_bytes
-from labkit.techniques.mixed_precision import TOLERANCE as PRECISION_TOLERANCE
+from labkit.techniques.mixed_precision import TOLERANCE as PRECISION_TOLERANCE, compute_dtype
 from labkit.techniques.zero import full_tensor
 from labkit.workload import Comparison, Workload
 
@@ -55,7 +54,6 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16_weights")
 CHECKPOINTING = ("none", "full", "selective", "every_n")
 OFFLOADS = ("none", "activations", "optimizer")
 DATA_PARALLEL = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
-COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16_weights": "bfloat16"}
 LR = 1e-3
 # fp32 recipes reorder sums (ranks, micro-batches): ~1e-7 per element; relative 1e-5 of the
 # weights' and losses' norms. The lossy precisions get mixed_precision's tolerance of the loss,
@@ -94,9 +92,7 @@ def recipe_of(cfg: Config) -> Recipe:
 def refused(cfg: Config) -> str | None:
     """Why compose would refuse this recipe on its ranks (one line), judged before they start
     (on nproc ranks, as if launched) and again on them."""
-    r, ranks = recipe_of(cfg), cfg.nproc or 1
-    if is_distributed():
-        return recipes.refusal(r, cfg.device, world_size())
+    r, ranks = recipe_of(cfg), world_size() if is_distributed() else cfg.nproc or 1
     if r.data_parallel != "none" and ranks == 1:
         return (f"zero_stage={cfg.zero_stage} shards over the ranks: it needs nproc >= 2 "
                 "(zero_stage=0 on one rank)")
@@ -164,7 +160,6 @@ class Observed:
     def __init__(self):
         self.grad_bytes, self.activation_bytes, self.weight_copy_bytes = 0, None, 0
         self.tracker = LiveTensorTracker()
-        self.baseline = 0
 
     def record_grads(self, step: Trainer) -> None:
         self.grad_bytes = storage_bytes(p.grad for p in step.model.parameters() if p.grad is not None)
@@ -242,13 +237,6 @@ def over_budget(seen: Observed, budget: int, cfg: Config) -> None:
             f"busiest rank{predicted}")
 
 
-def optimizer_tensors(step: Trainer) -> list[torch.Tensor]:
-    """This rank's optimizer states (ZeroRedundancyOptimizer's shard is its `.optim`)."""
-    if isinstance(step.optimizer, ZeroRedundancyOptimizer):
-        return optimizer_state(step.optimizer.optim)
-    return step.optimizer_tensors()
-
-
 def build(cfg: Config) -> Workload:
     seen = Observed()
     budget = int(cfg.budget_gib * 2**30) if cfg.budget_gib and cfg.variant != REFERENCE else None
@@ -260,9 +248,9 @@ def build(cfg: Config) -> Workload:
     return Workload(step=step.step, check=lambda: check(step, seen, budget, cfg),
                     tokens_per_step=sequences * cfg.seq_len,
                     tensors={"param_bytes": step.model.parameters,
-                             "optimizer_bytes": lambda: optimizer_tensors(step)},
+                             "optimizer_bytes": step.optimizer_tensors},
                     report=lambda: report(seen), notes=notes(cfg), count_flops=False,
-                    compute_dtype=COMPUTE_DTYPE[cfg.precision if cfg.variant != REFERENCE else "fp32"])
+                    compute_dtype=compute_dtype(cfg.precision if cfg.variant != REFERENCE else "fp32"))
 
 
 def report(seen: Observed) -> dict[str, float]:
@@ -332,7 +320,7 @@ def expected(cfg: Config) -> dict[str, float]:
                    activation_bytes=plan.activation_bytes)
     if plan is not None and plan.weight_copy_bytes:  # autocast: the casts its backward keeps
         out["saved_weight_copy_bytes"] = plan.kept_weight_copy_bytes
-    dtype = "float32" if cfg.variant == REFERENCE else COMPUTE_DTYPE[cfg.precision]
+    dtype = "float32" if cfg.variant == REFERENCE else compute_dtype(cfg.precision)
     peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(dtype)
     if peak:
         step_s = step_flops(cfg) / (peak * 1e12)

@@ -44,15 +44,13 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit import planner
 from labkit.config import ConfigError, knob
 from labkit.blocks.distributed import DistConfig, corrupt_scale, world_size
-from labkit.blocks.training import (Trainer, compare_grads, global_relative_difference,
-                                   gradient_difference, optimizer_state)
+from labkit.blocks.training import Trainer, compare_grads, global_relative_difference, gradient_difference
 from labkit.blocks.transforms import apply_data_parallel
 from labkit.workload import Comparison, Workload
 
@@ -118,11 +116,6 @@ def maybe_corrupt_reduction(model: torch.nn.Module, cfg: Config) -> None:
         unit.set_all_reduce_hook(lambda shard: shard.mul_(scale))
 
 
-def local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's states (ZeroRedundancyOptimizer's is `.optim`)."""
-    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
-
-
 def full_tensor(p: torch.Tensor, device: str) -> torch.Tensor:
     """The whole tensor on every rank (a collective for DTensors). An offloaded shard is on the
     host while the mesh's collectives (NCCL) are on the GPU: gather a device copy."""
@@ -173,10 +166,6 @@ def grads(step: Trainer) -> list[torch.Tensor]:
     return [p.grad for p in step.model.parameters() if p.grad is not None]
 
 
-def optimizer_tensors(step: Trainer) -> list[torch.Tensor]:
-    return optimizer_state(local_optimizer(step.optimizer))
-
-
 def build(cfg: Config) -> Workload:
     step = build_step(cfg)
     # FlopCounterMode under FSDP sees DTensor ops with global shapes: FLOPs are not counted.
@@ -185,7 +174,7 @@ def build(cfg: Config) -> Workload:
                     # DTensors: storage_bytes counts the local shard
                     tensors={"param_bytes": lambda: list(step.model.parameters()),
                              "grad_bytes": lambda: grads(step),
-                             "optimizer_bytes": lambda: optimizer_tensors(step)},
+                             "optimizer_bytes": step.optimizer_tensors},
                     notes=notes(cfg), count_flops=False, compute_dtype=cfg.dtype)
 
 
