@@ -552,7 +552,10 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     # pipelining), or DDP's all-reduce buckets (stages 0 and 1), which live as long as the model.
     resident = r.accumulation_steps > 1 or r.pp > 1 or (r.dp > 1 and r.zero_stage < 2)
     held_grad = grad if resident else 0
-    backward = _backward_temporaries(r, sp, last, resident) if r.m is not None else 0
+    # FSDP2 accumulates into the gradient shards: each micro-batch's backward makes every unit's
+    # whole gradients anew, as without accumulation, and reduce-scatters them into the shards.
+    fresh = not resident or (r.fsdp2 and r.zero_stage >= 2 and r.dp > 1 and r.pp == 1)
+    backward = _backward_temporaries(r, sp, last, not fresh) if r.m is not None else 0
     # DDP accumulating under no_sync: the earlier micro-batches' gradients are plain tensors
     # beside the buckets until the last backward copies them in (measured on gloo ranks), through
     # the later micro-batches' forwards and backwards alike
@@ -562,16 +565,21 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     step = _step_temporaries(r, sp)
     phases = {"backward": param + gathered + opt + act + kept_casts + backward + held_grad,
               "step": param + opt + grad + step}
-    if casts:  # autocast: every cast cached until the forward (and its loss) ends
-        phases["forward"] = param + gathered + opt + act + casts + held_grad + no_sync + \
-            _forward_temporaries(r, last)
+    # The forward's largest moment: its end under autocast (every cast cached until the loss),
+    # or its start under FSDP2's ZeRO-3 (the first units' all-gathers in flight)
+    at_end = act + casts + _forward_temporaries(r, last) if casts else 0
+    at_start = _fsdp2_forward_gathers(r) if r.m is not None and last else 0
+    if at_end or at_start:
+        phases["forward"] = param + gathered + opt + held_grad + no_sync + max(at_end, at_start)
     peak = max(phases, key=phases.get)
+    starts = peak == "forward" and at_start > at_end
     with_grad = ("grad",) if resident else ()
     held = {"backward": ("param", "gathered", "optimizer", "activation", "weight_copy", "overhead") + with_grad,
-            "forward": ("param", "gathered", "optimizer", "activation", "weight_copy", "overhead") + with_grad,
+            "forward": ("param", "gathered", "optimizer") + (() if starts else ("activation", "weight_copy"))
+            + ("overhead",) + with_grad,
             "step": ("param", "grad", "optimizer", "overhead")}[peak]
     overhead = {"backward": backward, "step": step,
-                "forward": _forward_temporaries(r, last) + no_sync if casts else 0}[peak]
+                "forward": (at_start if starts else at_end - act - casts) + no_sync}[peak]
     plan = MemoryPlan(num_params=r.num_params, param_bytes=param, grad_bytes=grad,
                       optimizer_bytes=opt, activation_bytes=act,
                       activation_bytes_per_layer=per_layer, overhead_bytes=overhead,
@@ -653,26 +661,63 @@ def _backward_temporaries(r: _Run, sp: StageParams, last: bool, resident: bool) 
         head = head_grad + p.act * tokens * s.d + (p.act - 4) * tokens * s.vocab
         after_head += head_grad - _head_bytes(r)
     first, per_block = _block_backward(r, sp, resident)
-    blocks = after_head + first + max(0, (sp.num_layers - 1) * per_block)
-    gathered = (p.weight if r.zero_stage >= 3 else 0) + (p.grad if r.zero_stage >= 2 else 0)
-    buffers = gathered * sp.largest_unit
-    if r.fsdp2 and last and not resident and r.pp == 1:
-        buffers = _fsdp2_buffers(r)
-    return max(0, loss, head, blocks) + buffers * (r.dp > 1)
+    # the j-th block the backward goes through: j blocks finished before it
+    blocks = max(after_head + first + j * per_block + _zero_buffers(r, sp, last, resident, j)
+                 for j in range(sp.num_layers))
+    return max(max(0, loss, head) + _zero_buffers(r, sp, last, resident, None), blocks)
 
 
-def _fsdp2_buffers(r: _Run) -> int:
-    """FSDP2's working buffers in a backward without accumulation. The root unit (embedding,
-    final norms and head) is one unit: at stage 3 it is gathered whole, both V·d matrices
-    unless they are tied; its unsharded gradient is the head's, counted with the head
-    (`head_grad`), and each block's with the block (`_block_backward`). Measured on gloo ranks:
-    stage 2 within 0.01% of the peak, stage 3 within 0.01% (untied) and 2.4% (tied; above)."""
-    if r.zero_stage < 3:
+def _zero_buffers(r: _Run, sp: StageParams, last: bool, resident: bool, block: int | None) -> int:
+    """ZeRO's working buffers at the loss and the head (`block` None) or in the backward's
+    `block`-th block (0: the first it goes through): stage 3 gathers one module's full weights
+    at a time, stages 2-3 hold one module's full gradient until it is reduce-scattered; FSDP2
+    as `_fsdp2_buffers` says."""
+    if r.dp == 1:
         return 0
+    if r.fsdp2 and last and not resident and r.pp == 1:
+        return _fsdp2_buffers(r, block, sp.num_layers)
+    p = r.prec
+    return ((p.weight if r.zero_stage >= 3 else 0) + (p.grad if r.zero_stage >= 2 else 0)) * sp.largest_unit
+
+
+def _fsdp2_units(r: _Run) -> tuple[int, int]:
+    """(the root unit's parameters, one block's): FSDP2's units as `apply_data_parallel` shards
+    them. The root unit is the embedding, the final norm and the head (both V·d matrices unless
+    tied; GPT-2's learned positions too)."""
     s, gpt2 = r.shape, r.m.arch == "gpt2"
     root = s.vocab * s.d * (1 if r.m.tie_embeddings else 2) + s.d * (2 if gpt2 else 1) \
         + (r.m.max_seq_len * s.d if gpt2 else 0)
-    return r.prec.weight * max(layer_params(r.m, s)[0], root)
+    return root, layer_params(r.m, s)[0]
+
+
+def _fsdp2_buffers(r: _Run, block: int | None, num_layers: int) -> int:
+    """FSDP2's ZeRO-3 working buffers in a backward, whose micro-batch makes every unit's whole
+    gradients anew (with or without accumulation), at the loss and the head (`block` None) or
+    in the `block`-th block. The root unit stays gathered from its forward to the end of the
+    backward (FSDP2 does not reshard the root after forward). In a block: that block gathered;
+    the next one's all-gather output, already allocated (backward prefetch), unless it is the
+    last; the previous block's reduce-scatter input, unless it is the first (FSDP2 frees it at
+    the next reduce-scatter rather than record it on a stream). The unsharded gradients are the
+    head's (`head_grad`) and each block's (`_block_backward`). Measured on gloo ranks (tiny, 2
+    and 4 layers, with and without recomputation and accumulation): within 0.2% of the peak;
+    tied embeddings without accumulation 2.4% above it."""
+    if r.zero_stage < 3:
+        return 0
+    root, layer = _fsdp2_units(r)
+    if block is None:
+        return r.prec.weight * root
+    return r.prec.weight * (root + layer * (1 + (block < num_layers - 1) + (block > 0)))
+
+
+def _fsdp2_forward_gathers(r: _Run) -> int:
+    """FSDP2's ZeRO-3 all-gathers as a forward starts: the root unit's flat all-gather output
+    beside the unsharded parameters it is copied out to, and the same for the first block
+    (forward prefetch). The largest moment of the forward when the activations are small
+    (recomputation) and the gradient shards of earlier micro-batches are held. 0 elsewhere."""
+    if not (r.fsdp2 and r.zero_stage >= 3 and r.dp > 1 and r.pp == 1):
+        return 0
+    root, layer = _fsdp2_units(r)
+    return 2 * r.prec.weight * (root + layer)
 
 
 def _block_backward(r: _Run, sp: StageParams, resident: bool) -> tuple[int, int]:
@@ -680,7 +725,9 @@ def _block_backward(r: _Run, sp: StageParams, resident: bool) -> tuple[int, int]
     block first runs its forward again and holds what a plain block keeps (less what it shares
     with what was kept: `_recompute_overlap`); its MLP's backward then holds w2's new weight
     gradient and, at the product's (GELU's) backward, two (one) more f-wide gradients than the
-    saved tensors it has freed. A finished block has freed its activations and made its gradients."""
+    saved tensors it has freed. A finished block has freed its activations and made its gradients:
+    whole ones, or under FSDP2 only their shard (the whole ones are reduce-scattered and freed),
+    which an earlier micro-batch has already made when accumulating."""
     tokens, s, p = r.batch_size * r.seq_len, r.shape, r.prec
     k = _checkpointed_on_stage(r, sp.num_layers)
     plain = tokens * _layer_bytes_per_token(r, "none")
@@ -690,6 +737,8 @@ def _block_backward(r: _Run, sp: StageParams, resident: bool) -> tuple[int, int]
     w2_grad = 0 if resident else p.grad * s.d * s.f
     live = (2 if r.m.arch == "llama" else 1) * p.act * tokens * s.f
     grads = 0 if resident else p.grad * layer_params(r.m, s)[0]
+    if r.fsdp2 and r.zero_stage >= 2 and r.dp > 1:
+        grads = 0 if r.accumulation_steps > 1 else -(-grads // r.dp)
     held = (k * kept + (sp.num_layers - k) * plain) // sp.num_layers
     return recompute + w2_grad + live, grads - held
 
