@@ -104,6 +104,8 @@ def _add_train_reference_parser(sub) -> None:
     tr.add_argument("--out", default=str(REFERENCE_DIR), help="folder for reference.safetensors "
                     "and reference.json (default: the shipped data/reference)")
     tr.add_argument("--quick", action="store_true", help="a few tiny steps (a smoke test)")
+    tr.add_argument("--draft", action="store_true", help="the speculative experiment's draft "
+                    "instead (draft.safetensors, draft.json; 2000 steps by default)")
 
 
 def _add_plan_parser(sub) -> None:
@@ -479,9 +481,12 @@ def hf_model_config(folder: str):
 
 
 def cmd_train_reference(args: argparse.Namespace) -> int:
-    from labkit.blocks.reference import DEFAULTS, QUICK, train_reference, write_reference
+    from labkit.blocks.reference import (DEFAULTS, DRAFT_DEFAULTS, QUICK, train_reference,
+                                         write_reference)
 
-    settings = {**DEFAULTS, **(QUICK if args.quick else {}), "seed": args.seed}
+    name = "draft" if args.draft else "reference"
+    defaults = DRAFT_DEFAULTS if args.draft else DEFAULTS
+    settings = {**defaults, **(QUICK if args.quick else {}), "seed": args.seed}
     if args.steps is not None:
         if args.steps < 1:
             raise ConfigError(f"--steps {args.steps} must be at least 1")
@@ -492,9 +497,9 @@ def cmd_train_reference(args: argparse.Namespace) -> int:
         if sys.stderr.isatty() and (step % 100 == 0 or step == settings["steps"] - 1):
             print(f"step {step:>5}  loss {loss:.3f}", file=sys.stderr)
 
-    model, stats = train_reference(**settings, log=log)
-    record = write_reference(model, stats, args.out)
-    print(f"wrote {args.out}/reference.safetensors  sha256 {record['sha256']}\n"
+    model, stats = train_reference(**settings, log=log, name=name)
+    record = write_reference(model, stats, args.out, name)
+    print(f"wrote {args.out}/{name}.safetensors  sha256 {record['sha256']}\n"
           f"held-out perplexity {record['heldout_ppl']:.2f} (random init "
           f"{record['random_init_ppl']:.1f}); final loss {record['final_loss']:.3f}; "
           f"{record['steps']} steps in {record['train_s']:.1f} s")

@@ -91,6 +91,15 @@ UNIT_SUFFIXES = (("_steps", "steps"), ("_ms", "ms"), ("_bytes_per_token", "bytes
                  ("flops", "FLOP"), ("_s", "s"))
 
 
+def metric_skipped(rows: Any) -> Any:
+    """Rows of a metric skipped alone while its variant ran (`joules_per_token` where no energy
+    counter can be read): `skipped` with a metric, unlike a skipped variant's one row (metric None).
+    `rows`: a DataFrame (a boolean Series back) or one row dict (a bool)."""
+    if isinstance(rows, dict):
+        return rows.get("status") == "skipped" and rows.get("metric") is not None
+    return (rows["status"] == "skipped") & rows["metric"].notna()
+
+
 def unit_of(metric: str) -> str:
     """The unit carried by a metric's name (one vocabulary everywhere): `tokens_per_s` ->
     tokens/s, `peak_mem_bytes` -> bytes; dimensionless metrics (`loss`) have none."""

@@ -131,6 +131,12 @@ KV_INT8 = '''bf16 = run_experiment("kv_cache", preset=preset, variants=["static"
                       runs_dir=runs_dir, progress=False).frame()
 viz.readable(viz.metric_table(bf16).loc[["kv_bytes", "kv_bytes_per_token",
                                          "attn_output_rel_error", "token_agreement"]])'''
+SPEC_FORMULA = '''import pandas as pd
+from labkit.blocks.speculative import expected_tokens_per_step
+
+ks = range(1, 9)
+pd.DataFrame({f"alpha = {a}": [expected_tokens_per_step(a, k) for k in ks] for a in (0.5, 0.8, 0.9, 0.95)},
+             index=pd.Index(ks, name="num_speculative")).round(2)'''
 BATCHING_LATENCY = 'viz.latency_bars(frame, "ttft").show()\nviz.latency_bars(frame, "tpot").show()'
 BATCHING_SCHEDULE = '''from labkit.config import resolve
 from labkit.techniques import batching
@@ -139,6 +145,12 @@ for variant in ("static", "continuous"):
     cfg = resolve(batching.Config, preset, {**overrides, "device": device, "variant": variant},
                   experiment="batching")
     viz.schedule_figure(*batching.schedule_frames(cfg), title=variant).show()'''
+BATCHING_TRICKS = '''chunk = 32  # prefill_chunk: positions a long prompt prefills per iteration
+
+cfg = resolve(batching.Config, preset, {**overrides, "device": device, "variant": "continuous"},
+              experiment="batching")
+tricks = batching.tricks_frame(cfg, prefill_chunk=chunk)
+viz.readable(tricks)'''
 MATMUL_ROOFLINE = '''from labkit.views import roofline
 from labkit.config import resolve_device
 
@@ -168,6 +180,15 @@ PROFILE_NSIGHT = '''from labkit.measure import profiler
 print(profiler.nsys_command(preset=preset))
 print(profiler.ncu_command("gemm", launch_skip=4, nvtx_range="forward", preset=preset))'''
 
+SLA_PARAMETERS = ('\npareto_batch_sizes = [1, 2, 4, 8]  # the Pareto figure: batch limits swept, backlog replays only'
+                  '\npareto_variants = "continuous"  # the schedulers it compares beside the reference, e.g. "static,continuous"')
+SLA_PARETO = '''from labkit.views import serving
+
+pareto = run_experiment("sla", preset=preset, overrides={**overrides, "device": device, "search_steps": 0},
+                        sweep={"batch_size": pareto_batch_sizes}, variants=pareto_variants.split(","),
+                        runs_dir=runs_dir, progress=False).frame()
+serving.pareto_figure(pareto).show()
+serving.serving_points(pareto).round(3)'''
 RECIPE_PARAMETERS = ('\nladder_steps = {"precision": "bf16", "checkpointing": "full"}  # the ladder: recipe '
                      "knobs, one rung each, in compose's order")
 # The rungs set the recipe's knobs themselves: the ladder and the timelines share only the sizes.
@@ -198,11 +219,23 @@ RECIPE_PANEL = '''if interactive:
 
     display(recipe_panel(hf_model=hf_model))'''
 
+WEIGHT_QUANT_BYTES = '''table = viz.metric_table(frame)
+shown = [m for m in ("weight_bytes", "weight_bytes_ratio", "packed_layers", "dequant_layers",
+                     "logit_rel_error", "next_token_agreement", "perplexity_delta_pct") if m in table.index]
+viz.readable(table.loc[shown])'''
+WEIGHT_QUANT_LOADING = '''import pandas as pd
+from labkit.config import resolve
+from labkit.techniques import weight_quant
+
+cfg = resolve(weight_quant.Config, preset, {**overrides, "device": device, "variant": "int4"},
+              experiment="weight_quant")
+viz.readable(pd.DataFrame(weight_quant.loading_peaks(cfg)).set_index("loading"))'''
 EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "mixed_precision": dict(predicted=("param_bytes", "optimizer_bytes", "activation_bytes", "step_ms")),
     "kv_cache": dict(extra=(("block_tables", KV_BLOCK_TABLE), ("int8", KV_INT8)),
                      predicted=("kv_bytes_per_token", "kv_waste_pct", "achieved_gbps")),
-    "batching": dict(extra=(("latency", BATCHING_LATENCY), ("schedule", BATCHING_SCHEDULE)),
+    "batching": dict(extra=(("latency", BATCHING_LATENCY), ("schedule", BATCHING_SCHEDULE),
+                            ("tricks", BATCHING_TRICKS)),
                      predicted=("useful_tokens_per_s", "padding_waste_pct", "max_concurrent")),
     "checkpointing": dict(predicted=("activation_bytes", "peak_mem_bytes", "flops")),
     "grad_accumulation": dict(sweep='{"micro_batches": [1, 4]}',
@@ -238,6 +271,15 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
                         fields=("batch_size", "seq_len", "sample_cost_us", "io_latency_us", "num_workers")),
     "threads": dict(extra=(("env_knobs", "from labkit.techniques import threads\n\nprint(threads.env_note())"),),
                     predicted=("num_threads_seen", "speedup"), fields=("work",)),
+    "sla": dict(extra=(("pareto", SLA_PARETO), ("cost", "serving.cost_figure(pareto).show()")),
+                parameters=SLA_PARAMETERS,
+                predicted=("saturation_rate_per_s", "usd_per_million_tokens", "rates_tried", "bracket_ratio")),
+    "speculative": dict(extra=(("formula", SPEC_FORMULA),),
+                        predicted=("token_agreement", "tokens_per_step", "speedup")),
+    "weight_quant": dict(extra=(("bytes", WEIGHT_QUANT_BYTES), ("loading", WEIGHT_QUANT_LOADING)),
+                         predicted=("weight_bytes", "weight_bytes_ratio", "tokens_per_s",
+                                    "load_peak_mem_bytes"),
+                         fields=("dtype", "group_size", "kernel", "loading")),
 }
 
 

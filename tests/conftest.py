@@ -23,6 +23,13 @@ TINY_DIST = {**FAST, "timed_steps": 2, "batch_size": 2, "seq_len": 16, "num_laye
              "timeout_s": 60}
 
 
+def measured(rows):
+    """`rows` without the metrics this machine cannot measure while their variant ran (energy
+    where no counter can be read: `skipped` with the reason)."""
+    from labkit.results import metric_skipped
+    return [r for r in rows if not metric_skipped(r)]
+
+
 def by(rows, variant, metric):
     """The one row of `metric` for `variant` in a run's rows (a failure when absent or repeated)."""
     hits = [r for r in rows if r["variant"] == variant and r["metric"] == metric]

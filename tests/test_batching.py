@@ -73,7 +73,7 @@ def test_rows_of_different_lengths_in_one_pass_match_each_row_alone():
 
 
 def test_every_scheduler_computes_the_reference_log_probabilities(frame):
-    bad = frame[frame.status != "ok"]
+    bad = frame[(frame.status != "ok") & (frame.metric != "joules_per_token")]  # energy: where readable
     assert bad.empty, bad[["variant", "status", "message"]].to_string()
     for variant in batching.VARIANTS:
         assert value(frame, variant, "logprob_max_abs_diff") <= 1e-3
@@ -142,7 +142,7 @@ def test_the_schedule_frames_show_who_held_which_slot():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"workload": "nope"}, "unknown workload 'nope'; valid: default, short"),
+    ({"workload": "nope"}, "unknown workload 'nope'; valid: default, long_prompts, shared_prefix, short"),
     ({"kv_budget_tokens": 40}, "cannot hold one request"),
     ({"variant": "fifo"}, "valid: sequential, static, dynamic, continuous, priority"),
 ])

@@ -39,12 +39,13 @@ def learner_moments(s, point):
     kept = 2 * vocab * d if point["checkpointing"] == "full" else casts
     if zero:
         held = 4 * psi / N + 4 * psi + 8 * psi / N + (4 * psi / N if accumulating else 0)
-        unit_grad = 4 * (vocab * d + d)  # the head (and the final norm) is the largest unit
+        # FSDP2's backward working set at its largest moment, printed in the details
+        temporaries = recipes.moments(s, point)["backward"]["temporaries"]
     else:
         held = 4 * psi + 8 * psi + 4 * psi + (4 * psi if accumulating else 0)
-        unit_grad = 0
+        temporaries = 8 * b * seq * vocab  # the loss's fp32 gradients
     forward = held + acts + casts + 6 * b * seq * vocab
-    backward = held + acts + kept + 8 * b * seq * vocab + unit_grad
+    backward = held + acts + kept + temporaries
     return forward, backward
 
 

@@ -4,12 +4,12 @@ import weakref
 import pytest
 import torch
 
-from conftest import FAST, TINY_DECODE, TINY_TRAIN
+from conftest import FAST, TINY_DECODE, TINY_TRAIN, measured
 from labkit import planner
 from labkit.config import ConfigError
 from labkit.harness.experiment import lab_plan, run_experiment
 from labkit.measure.memory import CPU_ALLOCATOR_OOM, LiveTensorTracker
-from labkit.results import load_results
+from labkit.results import load_results, metric_skipped
 from labkit.techniques import kv_cache, mixed_precision
 
 
@@ -34,7 +34,7 @@ def test_kv_cache_tokens_identical_and_bytes_measured_equal_the_formula():
     held = 1 * (4 + 6 - 1)  # batch x (prompt + new - 1): the last token is never fed back
     assert by(rows, "dynamic", "kv_bytes")["value"] == per_token * held
     assert by(rows, "dynamic", "flops")["value"] == by(rows, "dynamic", "flops")["predicted"]
-    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["status"] == "ok" for r in measured(rows))
     assert len(load_results(run_id=result.run_id)) == len(rows)  # stored as returned
 
 
@@ -103,7 +103,7 @@ def test_a_cpu_allocation_failure_is_an_oom_row_its_memory_freed_and_the_sweep_g
     assert dynamic[1]["metric"] is None
     assert by(rows, "dynamic", "token_agreement", {"batch_size": 2})["status"] == "ok"
     assert held and held[0]() is None  # freed with the exception's traceback
-    assert {r["status"] for r in rows if r["variant"] == "none"} == {"ok"}
+    assert {r["status"] for r in measured(rows) if r["variant"] == "none"} == {"ok"}
 
 
 def test_a_variant_that_disagrees_with_the_reference_is_an_error_and_is_not_timed(monkeypatch):
@@ -161,7 +161,8 @@ def test_rows_are_stored_after_every_point_even_when_the_run_is_interrupted(monk
         run_experiment("kv_cache", preset="tiny", overrides={**TINY_DECODE, "device": "cpu"},
                        sweep={"batch_size": [1, 2]}, variants=["dynamic"], progress=False)
     frame = load_results(experiment="kv_cache")
-    assert set(frame["variant"]) == {"none", "dynamic"} and (frame["status"] == "ok").all()
+    assert set(frame["variant"]) == {"none", "dynamic"}
+    assert (frame[~metric_skipped(frame)]["status"] == "ok").all()
 
 
 def test_lab_plan_says_what_will_be_skipped_here():

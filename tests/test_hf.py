@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from conftest import measured
+
 from labkit import cli, planner
 from labkit.blocks import hf
 from labkit.blocks.kv_caches import DynamicCache
@@ -260,6 +262,6 @@ def test_run_kv_cache_on_a_shrunk_qwen2(tmp_path, capsys):
                      "min_run_time_s=0", "--variant", "dynamic", "--runs-dir", str(tmp_path / "runs"),
                      "--json"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert code == 0 and {r["status"] for r in rows} == {"ok"}
+    assert code == 0 and {r["status"] for r in measured(rows)} == {"ok"}
     model = rows[0]["params"]["model"]
     assert model["num_layers"] == 2 and model["qkv_bias"] and model["hidden_size"] == 64

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import FAST, TINY_DECODE, by
+from conftest import FAST, TINY_DECODE, by, measured
 
 from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
@@ -59,7 +59,7 @@ def bf16_run(tmp_path_factory):
 
 
 def test_every_lossless_cache_generates_the_reference_tokens_in_fp32(rows):
-    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["status"] == "ok" for r in measured(rows))
     for variant in ("dynamic", "static", "paged"):
         assert by(rows, variant, "token_agreement")["value"] == 1.0
         assert by(rows, variant, "attn_output_rel_error")["value"] == 0.0
@@ -97,7 +97,7 @@ def test_int8_halves_bf16_bytes_within_two_percent_attention_error(bf16_run):
         assert tokens[variant][0] is tokens["none"][1]
         assert by(bf16_rows, variant, "token_agreement")["value"] == agreement(tokens[variant])
     assert by(bf16_rows, "static", "attn_output_rel_error")["value"] <= 0.02  # bf16 is lossy too
-    assert all(r["status"] == "ok" for r in bf16_rows)
+    assert all(r["status"] == "ok" for r in measured(bf16_rows))
 
 
 def test_token_agreement_is_the_share_of_generated_positions_that_match():
@@ -180,7 +180,7 @@ def test_on_the_reference_model_quantized_reports_agreement_and_perplexity_delta
     rows, tokens = run_keeping_tokens(monkeypatch, preset="reference",
                                       variants=["static", "paged", "quantized"],
                                       overrides={**FAST, "kv_dtype": "bfloat16"})
-    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["status"] == "ok" for r in measured(rows))
     assert by(rows, "none", "perplexity_delta")["value"] == 0.0
     assert abs(by(rows, "paged", "perplexity_delta")["value"]) < 0.05
     assert abs(by(rows, "quantized", "perplexity_delta")["value"]) < 0.05

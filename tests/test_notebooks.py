@@ -64,6 +64,10 @@ PARAMETERS = {
     "24_threads": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
     "25_quiz": {"n": 3, "seed": 0},
     "26_recipe": {"overrides": TINY_DIST, "nproc": 2},
+    "27_weight_quant": {"overrides": TINY_DECODE},
+    "28_speculative": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 16}},
+    "29_sla": {"overrides": {"num_requests": 6, "max_output_len": 8, "num_layers": 2, "search_steps": 2},
+               "variants": "continuous", "pareto_batch_sizes": [2, 4], "pareto_variants": "continuous"},
     "98_leaderboard": {"metric": "tokens_per_s"},  # reads the runs the others stored in this report
     "99_compare": {"price_per_gpu_hour": 2.0},
 }

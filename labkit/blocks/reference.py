@@ -24,6 +24,7 @@ and torch (no pickle, so loading is safe): an 8-byte little-endian header length
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -42,6 +43,12 @@ from labkit.blocks.training import lm_loss
 
 REFERENCE_DIR = DATA_DIR / "reference"
 REGENERATE = "labkit train-reference"  # named in every error about the shipped weights
+# The speculative experiment's draft: the same language and vocabulary, half the layers, half the
+# width (about 1/7 of the reference's parameters, 2x cheaper per decode step on one CPU thread).
+SHAPES = {"reference": MODELS["reference"],
+          "draft": dataclasses.replace(MODELS["reference"], num_layers=2, hidden_size=64,
+                                       num_heads=2, num_kv_heads=1, ffn_size=172)}
+COMMANDS = {"reference": REGENERATE, "draft": f"{REGENERATE} --draft"}  # how to regenerate each
 LANGUAGE_SEED = 1234  # the grammar's tables; the corpus seed only draws text from them
 HELDOUT_SEED = 999_999  # held-out text; training refuses this seed
 
@@ -126,6 +133,7 @@ def heldout(num_sequences: int, seq_len: int) -> torch.Tensor:
 # ---- training ----------------------------------------------------------------------------------
 
 DEFAULTS = {"steps": 1400, "seed": 0, "batch_size": 8, "seq_len": 256, "lr": 3e-3}
+DRAFT_DEFAULTS = {**DEFAULTS, "steps": 2000}  # 2-3 minutes on one CPU thread
 QUICK = {"steps": 8, "batch_size": 2, "seq_len": 32}  # `--quick`: seconds, for tests and demos
 NUM_EVAL_SEQUENCES = 32  # held-out sequences behind the recorded perplexities
 
@@ -166,14 +174,15 @@ def perplexity(model: Decoder, tokens: torch.Tensor, batch_size: int = 8) -> flo
 def train_reference(*, steps: int = DEFAULTS["steps"], seed: int = DEFAULTS["seed"],
                     batch_size: int = DEFAULTS["batch_size"], seq_len: int = DEFAULTS["seq_len"],
                     lr: float = DEFAULTS["lr"], log: Callable[[int, float], None] | None = None,
-                    ) -> tuple[Decoder, dict]:
-    """Train the `reference` preset from seed `seed` on fresh text of the language (batch i is the
-    i-th draw of a generator seeded with `seed`): AdamW, fp32, CPU, one thread. Returns the model
-    and stats (settings, final loss, held-out perplexity before and after, seconds)."""
+                    name: str = "reference") -> tuple[Decoder, dict]:
+    """Train the `reference` preset (or, `name="draft"`, the draft shape) from seed `seed` on
+    fresh text of the language (batch i is the i-th draw of a generator seeded with `seed`):
+    AdamW, fp32, CPU, one thread. Returns the model and stats (settings, final loss, held-out
+    perplexity before and after, seconds)."""
     if seed == HELDOUT_SEED:
         raise ConfigError(f"seed {HELDOUT_SEED} draws the held-out text; choose another")
     with one_thread():
-        model = build_model(MODELS["reference"], seed=seed)
+        model = build_model(SHAPES[name], seed=seed)
         evaluation = heldout(NUM_EVAL_SEQUENCES, seq_len)
         random_ppl = perplexity(model, evaluation)
         start = time.perf_counter()
@@ -270,45 +279,50 @@ def sha256(path: str | Path) -> str:
 
 # ---- the shipped reference ---------------------------------------------------------------------
 
-def write_reference(model: Decoder, stats: dict, out_dir: str | Path = REFERENCE_DIR) -> dict:
-    """Write `reference.safetensors` and `reference.json` (settings, checksum, perplexities,
-    environment) into `out_dir`; returns the JSON record."""
+def write_reference(model: Decoder, stats: dict, out_dir: str | Path = REFERENCE_DIR,
+                    name: str = "reference") -> dict:
+    """Write `<name>.safetensors` and `<name>.json` (settings, checksum, perplexities,
+    environment; the draft's shape too) into `out_dir`; returns the JSON record."""
     from labkit import hardware
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: stats[k] for k in ("steps", "seed", "batch_size", "seq_len", "lr")}
     # Only what fixes the bits goes into the file (no time, no CPU name): same run, same checksum.
-    save_weights(model, out / "reference.safetensors",
-                 {"preset": "reference", "torch": torch.__version__, "num_threads": "1",
+    shape = {} if name == "reference" else {"model": name}  # the reference's bytes as before
+    save_weights(model, out / f"{name}.safetensors",
+                 {"preset": "reference", **shape, "torch": torch.__version__, "num_threads": "1",
                   **settings})
-    record = {"file": "reference.safetensors", "sha256": sha256(out / "reference.safetensors"),
-              "preset": "reference", **stats, "heldout_sequences": NUM_EVAL_SEQUENCES,
+    record = {"file": f"{name}.safetensors", "sha256": sha256(out / f"{name}.safetensors"),
+              "preset": "reference", **shape, **stats, "heldout_sequences": NUM_EVAL_SEQUENCES,
               "num_threads": 1, "torch": torch.__version__, "cpu": hardware.cpu_info().model,
-              "command": REGENERATE}
-    (out / "reference.json").write_text(json.dumps(record, indent=2) + "\n")
+              "command": COMMANDS[name]}
+    if shape:
+        record["shape"] = dataclasses.asdict(SHAPES[name])
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
-def reference_record(folder: str | Path = REFERENCE_DIR) -> dict:
-    """The recorded settings, checksum and perplexities of the shipped reference weights."""
-    path = Path(folder) / "reference.json"
+def reference_record(folder: str | Path = REFERENCE_DIR, name: str = "reference") -> dict:
+    """The recorded settings, checksum and perplexities of the shipped reference (or draft)."""
+    path = Path(folder) / f"{name}.json"
     if not path.is_file():
-        raise ConfigError(f"no reference record at {path}; regenerate it with `{REGENERATE}`")
+        raise ConfigError(f"no {name} record at {path}; regenerate it with `{COMMANDS[name]}`")
     return json.loads(path.read_text())
 
 
 def load_reference(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *,
-                   folder: str | Path = REFERENCE_DIR) -> Decoder:
-    """The trained `reference` preset model on `device` in `dtype`, in eval mode. The file's
-    sha256 is checked against reference.json first: missing or changed -> one-line ConfigError."""
-    record = reference_record(folder)
+                   folder: str | Path = REFERENCE_DIR, name: str = "reference") -> Decoder:
+    """The trained `reference` preset model (or, `name="draft"`, its draft) on `device` in
+    `dtype`, in eval mode. The file's sha256 is checked against `<name>.json` first: missing or
+    changed -> one-line ConfigError naming the command that regenerates it."""
+    record, command = reference_record(folder, name), COMMANDS[name]
     path = Path(folder) / record["file"]
     if not path.is_file():
-        raise ConfigError(f"no reference weights at {path}; regenerate them with `{REGENERATE}`")
+        raise ConfigError(f"no {name} weights at {path}; regenerate them with `{command}`")
     if sha256(path) != record["sha256"]:
-        raise ConfigError(f"{path} does not match the checksum in reference.json; regenerate it "
-                          f"with `{REGENERATE}`")
-    model = build_model(MODELS["reference"], device="meta")
+        raise ConfigError(f"{path} does not match the checksum in {name}.json; regenerate it "
+                          f"with `{command}`")
+    model = build_model(SHAPES[name], device="meta")
     model.load_state_dict(load_weights(path), assign=True)
     return model.to(device=device, dtype=dtype).eval()

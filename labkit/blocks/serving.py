@@ -23,11 +23,17 @@ real forward pass and each time is read from the clock.
   prompt-length bucket, started when full or when its oldest request has waited `timeout_s`)
   and `IterationPolicy` (continuous: first come, first served at every step; priority: by class,
   preempting lower classes to make room).
+- vLLM's two tricks, for the paging schedulers (the engine's `prefix_cache` and `prefill_chunk`):
+  automatic prefix caching (`PrefixCachingPool`: full blocks kept by a hash chained over their
+  tokens and their prefix; a new or resumed request reuses the cached blocks its text starts with,
+  shared and reference-counted, and prefills only the rest), and chunked prefill (a prompt
+  prefilled `prefill_chunk` positions per iteration, the running sequences decoding in between,
+  as Sarathi and vLLM do, so a long prompt no longer stalls everyone's next token).
 """
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +72,11 @@ class Sequence:
         last, which the next decode step feeds."""
         return self.prompt + self.out[:-1]
 
+    @property
+    def prefilled(self) -> bool:
+        """Its whole text is in the cache (a chunked prefill may still be under way)."""
+        return self.cached >= len(self.prompt) + max(len(self.out) - 1, 0)
+
 
 @dataclass(frozen=True)
 class Step:
@@ -80,6 +91,7 @@ class Step:
     positions: int
     padding: int
     recomputed: int
+    reused: int = 0  # prefill: positions taken from the prefix cache instead of computed
 
 
 @dataclass(frozen=True)
@@ -117,18 +129,148 @@ class RowCache:
         return k_all, v_all
 
 
+def block_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """One hash per full block of `tokens`, each chained over the block's tokens and the hash of
+    everything before it (vLLM's prefix-caching key): equal hashes mean equal prefixes, so a
+    block is reused only where the whole text before it matches too. Python's hash of a tuple of
+    ints (64 bits, not salted per process); a collision would reuse a wrong block, and vLLM
+    offers sha256 for that reason."""
+    hashes, parent = [], None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+def reusable_blocks(tokens: list[int], block_size: int) -> int:
+    """Full blocks a lookup may reuse: at least one position is always computed, since the
+    last position's logits give the next token."""
+    return (len(tokens) - 1) // block_size
+
+
+class PrefixCachingPool(BlockPool):
+    """A BlockPool that keeps computed full blocks by hash (`block_hashes`) for later requests.
+
+    A block is reference-counted: `share_prefix` hands a sequence the cached blocks its text starts
+    with (shared, never written again: they are full and the sequence writes only past them);
+    `commit` registers the blocks a sequence has just computed. A freed block whose count drops to
+    0 keeps its hash and stays cached (`evictable`) until the pool needs it: blocks with no hash
+    go first, then the least recently freed cached one (a sequence's tail blocks before its
+    prefix, as vLLM frees them in reverse)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.refs = [0] * self.num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block
+        self.hash_of: dict[int, int] = {}  # block -> hash
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # count 0, hashed: oldest first
+        self.chains: dict[int, list[int]] = {}  # seq -> hashes of its leading committed blocks
+        self.num_evicted = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks) + len(self.evictable)
+
+    def lookup(self, tokens: list[int]) -> list[int]:
+        """The cached blocks `tokens` starts with (at most `reusable_blocks`), in order."""
+        hits = []
+        for h in block_hashes(tokens[:reusable_blocks(tokens, self.block_size) * self.block_size],
+                              self.block_size):
+            if h not in self.cached:
+                break
+            hits.append(self.cached[h])
+        return hits
+
+    def new_blocks_for(self, tokens: list[int], num_tokens: int) -> tuple[int, int]:
+        """(blocks to take from the free ones, free blocks there are) for a sequence starting on
+        `tokens` and holding `num_tokens`: a cached hit costs no new block, and one waiting to be
+        evicted is no longer free once shared."""
+        hits = self.lookup(tokens)
+        need = -(-num_tokens // self.block_size) - len(hits)
+        return need, self.num_free_blocks - sum(b in self.evictable for b in hits)
+
+    def share_prefix(self, seq: int, tokens: list[int]) -> int:
+        """Point `seq`'s leading table entries at the cached blocks `tokens` starts with (a block
+        allocated there before is released: nothing was written in it yet); returns the hit count."""
+        hits, table = self.lookup(tokens), self.tables.setdefault(seq, [])
+        for i, block in enumerate(hits):
+            if i < len(table) and table[i] == block:
+                continue
+            self.evictable.pop(block, None)
+            self.refs[block] += 1
+            if i < len(table):
+                self.release(table[i])
+                table[i] = block
+            else:
+                table.append(block)
+        self.chains[seq] = block_hashes(tokens[:len(hits) * self.block_size], self.block_size)
+        return len(hits)
+
+    def commit(self, seq: int, tokens: list[int], num_computed: int) -> None:
+        """Register `seq`'s full blocks among its first `num_computed` positions (`tokens`: its
+        text so far). A block whose hash another block already holds (computed twice, at once)
+        stays private."""
+        chain, table = self.chains.setdefault(seq, []), self.tables[seq]
+        for i in range(len(chain), num_computed // self.block_size):
+            parent = chain[-1] if chain else None
+            h = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
+            chain.append(h)
+            if h not in self.cached and table[i] not in self.hash_of:
+                self.cached[h], self.hash_of[table[i]] = table[i], h
+
+    def take_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:  # evict the least recently freed cached block
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.hash_of.pop(block)]
+            self.num_evicted += 1
+        self.refs[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.hash_of:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+
+    def allocate(self, seq: int, num_tokens: int) -> None:
+        table = self.tables.setdefault(seq, [])
+        needed = -(-num_tokens // self.block_size) - len(table)
+        if needed > self.num_free_blocks:
+            raise MemoryError(f"KV block pool exhausted: {needed} blocks needed, "
+                              f"{self.num_free_blocks} free")
+        table.extend(self.take_block() for _ in range(max(needed, 0)))
+        self.lengths[seq] = max(self.lengths.get(seq, 0), num_tokens)
+
+    def free(self, seq: int) -> None:
+        for block in reversed(self.tables.pop(seq, [])):  # tail first: evicted before the prefix
+            self.release(block)
+        self.lengths.pop(seq, None)
+        self.chains.pop(seq, None)
+
+
 class Engine:
     """Serves `seqs` (in arrival order) on `model` with `num_slots` rows at most and a pool of
     `num_blocks` blocks of `block_size` positions. `reserve`: tokens a sequence takes when it
-    starts (the longest possible sequence for reservation; 0: paging, as it grows)."""
+    starts (the longest possible sequence for reservation; 0: paging, as it grows).
+    `prefix_cache`: a `PrefixCachingPool` (empty at the start of every replay); `prefill_chunk`:
+    positions a sequence prefills per iteration at most (0: its whole text at once). Both are for
+    policies that prefill each request alone (not `pad_prefill`)."""
 
     def __init__(self, model: Decoder, seqs: list[Sequence], *, num_slots: int, num_blocks: int,
-                 block_size: int, reserve: int, kv_dtype: torch.dtype, closed: bool = False):
+                 block_size: int, reserve: int, kv_dtype: torch.dtype, closed: bool = False,
+                 prefix_cache: bool = False, prefill_chunk: int = 0):
         m, device = model.cfg, model.embed.weight.device
         self.model, self.seqs, self.reserve, self.closed = model, seqs, reserve, closed
-        self.pool = BlockPool(num_layers=m.num_layers, num_blocks=num_blocks, block_size=block_size,
-                              kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=kv_dtype,
-                              device=device)
+        self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
+        pool = PrefixCachingPool if prefix_cache else BlockPool
+        self.pool = pool(num_layers=m.num_layers, num_blocks=num_blocks, block_size=block_size,
+                         kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=kv_dtype, device=device)
+        self.num_lookup_blocks = 0  # full blocks prefix lookups could have reused
+        self.num_hit_blocks = 0  # of which were reused
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out 0, 1, ...
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -155,9 +297,13 @@ class Engine:
             while pending and self.arrival(pending[0]) <= self.now():
                 self.waiting.append(pending.popleft())
             new = policy.admit(self, more_coming=bool(pending))
-            if new:
-                for group in [new] if policy.pad_prefill else [[s] for s in new]:
-                    self.prefill(group)
+            if new and policy.pad_prefill:
+                self.prefill(new)
+            # each alone, in the order they started: a new one, or the next chunk of a long one
+            filling = [s for s in self.running if not s.prefilled]
+            for s in filling:
+                self.prefill_part(s)
+            if new or filling:
                 policy.release(self)
             if self.running:
                 self.grow(policy)
@@ -180,11 +326,18 @@ class Engine:
         return -(-tokens // self.pool.block_size)
 
     def fits(self, s: Sequence) -> bool:
-        """A free slot, and blocks for its prefill and first decoded position."""
-        need = self.blocks_for(max(self.reserve, len(s.text()) + 1))
-        return bool(self.free_slots) and need <= self.pool.num_free_blocks
+        """A free slot, and blocks for its prefill and first decoded position (less the cached
+        blocks its text starts with)."""
+        tokens = max(self.reserve, len(s.text()) + 1)
+        if self.prefix_cache:
+            need, free = self.pool.new_blocks_for(s.text(), tokens)
+        else:
+            need, free = self.blocks_for(tokens), self.pool.num_free_blocks
+        return bool(self.free_slots) and need <= free
 
     def start(self, s: Sequence) -> None:
+        if self.prefix_cache:  # the hits first, so that allocating cannot evict them
+            self.pool.share_prefix(s.req.id, s.text())
         self.pool.allocate(s.req.id, max(self.reserve, len(s.text()) + 1))
         s.slot = self.free_slots.pop()
         self.waiting.remove(s)
@@ -251,9 +404,38 @@ class Engine:
         self.steps.append(Step("prefill", start, self.now(), len(seqs), len(seqs), len(seqs) * width,
                                len(seqs) * width - sum(lengths), recomputed))
 
+    def prefill_part(self, s: Sequence) -> None:
+        """One pass over `s` alone: the next `prefill_chunk` positions of its text (all of them
+        when 0), after the cached prefix on its first pass; the last part yields its next token."""
+        text = s.text()
+        reused = 0
+        if self.prefix_cache and s.cached == 0:  # blocks committed since it started count too
+            reused = self.pool.share_prefix(s.req.id, text) * self.pool.block_size
+            self.num_lookup_blocks += reusable_blocks(text, self.pool.block_size)
+            self.num_hit_blocks += reused // self.pool.block_size
+            s.cached = reused
+        begin = s.cached
+        end = min(len(text), begin + self.prefill_chunk) if self.prefill_chunk else len(text)
+        device = self.pool.k.device
+        read = self.pool.slots(s.req.id, 0, end)[None]  # (1, end): keys of positions 0..end-1
+        tokens = torch.tensor([text[begin:end]], device=device)
+        start = self.now()
+        logits = self.model(tokens, start_pos=begin, cache=RowCache(self.pool, read[:, begin:], read),
+                            last_only=True)
+        s.cached = end
+        if end == len(text) and not s.out:
+            self.emit([s], logits[:, -1])
+        if self.prefix_cache:
+            self.pool.commit(s.req.id, text, end)
+        recomputed = end - begin if s.preemptions else 0
+        self.steps.append(Step("prefill", start, self.now(), 1, 1, end - begin, 0, recomputed,
+                               reused=reused))
+
     def decode(self) -> None:
         device = self.pool.k.device
-        rows = sorted(self.running, key=lambda s: s.slot)
+        rows = sorted((s for s in self.running if s.prefilled), key=lambda s: s.slot)
+        if not rows:  # every running sequence is still prefilling
+            return
         live = [i for i, s in enumerate(rows) if not s.done]  # a batch's done rows compute: padding
         cached = [s.cached for s in rows]
         read = self.pool.padded_slots([s.req.id for s in rows], cached, max(cached) + 1)  # (B, S)
@@ -269,6 +451,8 @@ class Engine:
         self.emit([rows[i] for i in live], logits if len(live) == len(rows) else logits[live])
         for s in rows:
             s.cached += 1
+            if self.prefix_cache and s.cached % self.pool.block_size == 0:  # a block just filled
+                self.pool.commit(s.req.id, s.prompt + s.out, s.cached)
         self.steps.append(Step("decode", start, self.now(), len(rows), len(live), len(rows),
                                len(rows) - len(live), 0))
 

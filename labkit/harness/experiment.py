@@ -15,6 +15,7 @@ from labkit import hardware
 from labkit.blocks import distributed
 from labkit.harness import launch, ranks
 from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
+from labkit.measure import energy
 from labkit.measure.clock import fixed_repeats_timer
 from labkit.measure.flops import count_flops
 from labkit.measure.memory import (ActivationMeter, MemoryMeter, free_device_memory,
@@ -230,7 +231,7 @@ def _measure(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,
         measured.update({m: storage_bytes(fn()) for m, fn in wl.tensors.items()})
         measured.update({f"{m}_per_token": measured[m] / fn() for m, fn in wl.per_token.items()})
         saved = _activations(wl)
-    timing = _time(wl.step, wl, cfg)
+    timing, energy_rows = _time_with_energy(wl, cfg, row)
     measured.update(step_ms=timing.median_ms, step_iqr_ms=timing.iqr_s * 1e3)
     measured.update({m: _time(fn, wl, cfg).median_ms for m, fn in wl.timed.items()})
     if wl.tokens_per_step:
@@ -241,7 +242,43 @@ def _measure(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,
     measured.update(wl.report())
     notes = {**wl.notes, "step_ms": f"{comparison.message} {wl.notes.get('step_ms', '')}".strip()}
     predicted = {**exp.expected(cfg), **wl.predicted()}
-    return outputs, _rows(measured, saved, predicted, notes, row)
+    return outputs, _rows(measured, saved, predicted, notes, row) + energy_rows
+
+
+def _time_with_energy(wl: Workload, cfg: RunConfig,
+                      row: Callable[..., dict[str, Any]]) -> tuple[Timing, list[dict[str, Any]]]:
+    """The step's timing and, when it serves `energy_tokens`, the energy rows of exactly the calls
+    the timer made (its warm-up and calibration calls too: every call inside the window counts).
+    A counter that cannot be read gives a `skipped` row saying why; the timing is kept."""
+    if not wl.energy_tokens:
+        return _time(wl.step, wl, cfg), []
+    try:
+        window = energy.EnergyWindow(energy.make_meter(cfg.device), cfg.device)
+    except energy.EnergyUnavailable as e:
+        return _time(wl.step, wl, cfg), [row("joules_per_token", None, status="skipped", message=str(e))]
+    counted = energy.CountedCalls(wl.step)
+    timing = _time(counted, wl, cfg)
+    try:
+        span = window.stop(counted.num_calls)
+    except energy.EnergyUnavailable as e:
+        return timing, [row("joules_per_token", None, status="skipped", message=str(e))]
+    return timing, _energy_rows(span, wl.energy_tokens, cfg.device, row)
+
+
+def _energy_rows(span: energy.EnergySpan, tokens_per_call: int, device: str,
+                 row: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    """joules_per_token (predicted: the TDP upper bound, where the GPU's is known), idle_watts and
+    joules_per_token_above_idle, each in its unit."""
+    bound = energy.tdp_bound(device, span, tokens_per_call)
+    note = span.describe(tokens_per_call)
+    if bound is not None:
+        note += " Predicted: an upper bound, the datasheet TDP for the whole window per token."
+    rows = []
+    for metric, value in span.per_token(tokens_per_call).items():
+        first = metric == "joules_per_token"
+        rows.append({**row(metric, value, predicted=bound if first else None,
+                           message=note if first else ""), "unit": energy.UNITS[metric]})
+    return rows
 
 
 def _time(step: Callable[[], Any], wl: Workload, cfg: RunConfig) -> Timing:

@@ -145,7 +145,13 @@ FAMILIES: dict[str, Family] = {
         # every cache at the GPU preset's decode size: each variant generates about four times
         # (check, memory, FLOPs, timing), the instrumented ones slow, so 1024 tokens each is minutes
         Run("kv_cache", ("static", "paged", "quantized"), {"cuda": {}}),
-    ), cuda_s=120),
+        # weight-only int8 and int4 beside the model's dtype: bytes exact on any device
+        Run("weight_quant", ("int8", "int4"), {"cpu": {"prompt_len": 8, "new_tokens": 16, **QUICK},
+                                               "cuda": {}}, fixed_s=8),
+        Run("weight_quant", ("fp8",), {"cuda": {}}),
+        Run("speculative", ("prompt_lookup", "draft"),
+            {"cpu": {"num_layers": 2, "prompt_len": 8, "new_tokens": 32, **QUICK}, "cuda": {}}, fixed_s=10),
+    ), cuda_s=180),
     "distributed": Family((  # each run starts its ranks: 6-12 s of process starts on a 2-core CPU
         Run("zero", ("zero3",), {"cpu": dict(_TWO_LAYERS), "cuda": {"preset": "small", "timed_steps": 3}},
             fixed_s=14),
@@ -169,7 +175,10 @@ FAMILIES: dict[str, Family] = {
         Run("batching", ("static", "continuous"), {"cpu": {"num_requests": 16, "max_output_len": 32},
                                                    "cuda": {"num_requests": 24, "max_output_len": 128}},
             fixed_s=40, smaller=(Size(("static", "continuous"), {"num_requests": 8, "max_output_len": 16}),)),
-    ), cuda_s=70),
+        # the SLA search beside the sequential reference: two bisection replays each
+        Run("sla", ("continuous",), {"cpu": {"num_requests": 8, "max_output_len": 16, "search_steps": 2},
+                                     "cuda": {"num_requests": 16, "max_output_len": 64}}, fixed_s=20),
+    ), cuda_s=100),
 }
 
 
@@ -343,7 +352,10 @@ def against_prediction(experiment: str, variant: str, metric: str) -> Callable[[
 def checked_ok(experiment: str, variant: str) -> Callable[[Any], float]:
     """1 when the variant ran and matched the reference (every row ok), else 0."""
     def measure(f) -> float:
+        from labkit.results import metric_skipped
+
         rows = f[(f.experiment == experiment) & (f.variant == variant)]
+        rows = rows[~metric_skipped(rows)]  # energy without a counter: the variant still ran
         return float(not rows.empty and (rows.status == "ok").all())
     return measure
 
@@ -405,6 +417,25 @@ CHECKS: dict[str, list[Check]] = {
         Check("inference", "kv_cache", "achieved GB/s per decode step, at most the measured copy ceiling",
               of("kv_cache", "dynamic", "achieved_gbps"), "<=", "copy_gbps",
               "bytes counted twice in the napkin math", "GB/s"),
+        Check("inference", "kv_cache", "energy per token from NVML's counter, measured",
+              of("kv_cache", "dynamic", "joules_per_token"), ">=", 0.0, "NVML reports no total energy", "J/token"),
+        Check("inference", "weight_quant", "int8 weight bytes / the model dtype's (at most 0.52 for bf16)",
+              ratio("weight_quant", "weight_bytes", "int8", "none"), "<=", 0.52),
+        Check("inference", "weight_quant", "int4 decode tokens/s / the model dtype's (packed kernel)",
+              ratio("weight_quant", "tokens_per_s", "int4", "none"), ">=", 1.0,
+              "a model too small for decoding to be bound by its weights' bytes", "x"),
+        Check("inference", "weight_quant", "int8 achieved GB/s, at most the measured copy ceiling",
+              of("weight_quant", "int8", "achieved_gbps"), "<=", "copy_gbps",
+              "bytes counted twice in the napkin math", "GB/s"),
+        Check("inference", "weight_quant", "fp8 weights: logits within tolerance of the model dtype's",
+              checked_ok("weight_quant", "fp8"), ">=", 1.0),
+        Check("inference", "speculative", "prompt lookup: exactly greedy decoding's tokens",
+              checked_ok("speculative", "prompt_lookup"), ">=", 1.0),
+        Check("inference", "speculative", "prompt lookup tokens/s / greedy decoding's",
+              ratio("speculative", "tokens_per_s", "prompt_lookup", "none"), ">=", 1.0,
+              "text whose n-grams rarely recur (random weights)", "x"),
+        Check("serving", "sla", "SLA search: the continuous scheduler's log-probs as the reference's",
+              checked_ok("sla", "continuous"), ">=", 1.0),
         Check("training_memory", "memory_pool", "expandable segments: same tokens as the default allocator",
               checked_ok("memory_pool", "expandable"), ">=", 1.0),
         Check("training_memory", "batch_finder", "bf16 frontier found, probes freed",
@@ -468,6 +499,14 @@ CHECKS: dict[str, list[Check]] = {
               ratio("kv_cache", "tokens_per_s", "dynamic", "none"), ">=", 2.0, "other work on the cores", "x"),
         Check("inference", "kv_cache", "kv bytes per token, measured / predicted (issue 2: equal)",
               against_prediction("kv_cache", "dynamic", "kv_bytes_per_token"), "within", 0.0),
+        Check("inference", "weight_quant", "int8 weight bytes / fp32's (issue 18: <= 0.27)",
+              ratio("weight_quant", "weight_bytes", "int8", "none"), "<=", 0.27),
+        Check("inference", "weight_quant", "int4 (group 64): weight bytes measured / predicted (exactly)",
+              against_prediction("weight_quant", "int4", "weight_bytes"), "within", 0.0),
+        Check("inference", "speculative", "prompt lookup: exactly greedy decoding's tokens",
+              checked_ok("speculative", "prompt_lookup"), ">=", 1.0),
+        Check("inference", "speculative", "draft model: exactly greedy decoding's tokens",
+              checked_ok("speculative", "draft"), ">=", 1.0),
         Check("distributed", "zero", "ZeRO-3 param bytes per rank / ZeRO-0's, 2 ranks (issue 4: 1/2 within 1%)",
               lambda f: 2 * ratio("zero", "param_bytes", "zero3", "zero0")(f), "within", 0.01),
         Check("distributed", "data_parallel", "DDP over gloo matches one process", checked_ok("data_parallel", "ddp"),
@@ -494,6 +533,10 @@ CHECKS: dict[str, list[Check]] = {
               lambda f: (value(f, "batching", "static", "padding_waste_pct")
                          - value(f, "batching", "continuous", "padding_waste_pct")), ">=", 1.0,
               "", "points"),
+        Check("serving", "sla", "SLA search: the continuous scheduler's log-probs as the reference's",
+              checked_ok("sla", "continuous"), ">=", 1.0),
+        Check("serving", "sla", "SLA search: its final bracket high / low, measured / predicted (exactly)",
+              against_prediction("sla", "continuous", "bracket_ratio"), "within", 1e-9),
     ],
 }
 
@@ -720,7 +763,9 @@ def row_problem(frame, experiment: str) -> str:
     """The first message of a row that did not pass (a mismatch against the reference, an OOM)."""
     if frame.empty:
         return ""
-    bad = frame[(frame.experiment == experiment) & (frame.status != "ok")]
+    from labkit.results import metric_skipped
+
+    bad = frame[(frame.experiment == experiment) & (frame.status != "ok") & ~metric_skipped(frame)]
     return "" if bad.empty else f"{bad.variant.iloc[0]}: {bad.message.iloc[0]}"
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from labkit import hardware
-from labkit.results import expand_row, format_rows, format_value, load_runs, now
+from labkit.results import expand_row, format_rows, format_value, load_runs, metric_skipped, now
 
 
 # --- what the notebooks stored: the headline numbers
@@ -146,7 +146,7 @@ def _experiment_html(name: str, frame: pd.DataFrame, page: str | None) -> str:
     """One experiment's headline table, folded under a line: how many numbers, how many variants
     did not run, a link to its notebook's page."""
     table, esc = headline_table(frame), html.escape
-    skipped = frame[frame["status"] != "ok"]["variant"].nunique()
+    skipped = frame[(frame["status"] != "ok") & ~metric_skipped(frame)]["variant"].nunique()
     link = f" (<a href='{esc(page)}.html'>{esc(page)}</a>)" if page else ""
     return (f"<details id='{esc(name)}'><summary><b>{esc(name)}</b>{link}: {len(table)} numbers "
             f"measured beside predicted; {skipped} variant(s) not run</summary>"
@@ -154,7 +154,7 @@ def _experiment_html(name: str, frame: pd.DataFrame, page: str | None) -> str:
 
 
 def _not_run_html(frame: pd.DataFrame) -> str:
-    bad = frame[frame["status"] != "ok"].drop_duplicates("variant")
+    bad = frame[(frame["status"] != "ok") & ~metric_skipped(frame)].drop_duplicates("variant")
     items = "".join(f"<li>{html.escape(str(r.variant))}: {html.escape(str(r.status))}"
                     f"{': ' + html.escape(str(r.message)) if isinstance(r.message, str) else ''}</li>"
                     for r in bad.itertuples())

@@ -15,7 +15,10 @@ from labkit.techniques.record import Experiment, from_module
 REGISTRY: dict[str, tuple[str, str | None]] = {
     "mixed_precision": ("labkit.techniques.mixed_precision", "notebooks/01_mixed_precision.ipynb"),
     "kv_cache": ("labkit.techniques.kv_cache", "notebooks/02_kv_cache.ipynb"),
+    "weight_quant": ("labkit.techniques.weight_quant", "notebooks/27_weight_quant.ipynb"),
+    "speculative": ("labkit.techniques.speculative", "notebooks/28_speculative.ipynb"),
     "batching": ("labkit.techniques.batching", "notebooks/16_batching.ipynb"),
+    "sla": ("labkit.techniques.sla", "notebooks/29_sla.ipynb"),
     "checkpointing": ("labkit.techniques.checkpointing", "notebooks/03_checkpointing.ipynb"),
     "grad_accumulation": ("labkit.techniques.grad_accumulation", "notebooks/04_grad_accumulation.ipynb"),
     "offload": ("labkit.techniques.offload", "notebooks/05_offload.ipynb"),

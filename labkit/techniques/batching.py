@@ -11,6 +11,15 @@
 - `priority`: continuous, but the queue is ordered by class (the workload's first class is the
   most urgent) and a waiting request preempts lower-class work to make room.
 
+Two knobs of the paging schedulers (`continuous`, `priority`), vLLM's: `prefix_cache` reuses the
+cached KV blocks a prompt starts with (the `shared_prefix` workload: requests share system prompts)
+and `prefill_chunk` prefills a long prompt a chunk per iteration between the others' decode steps
+(`long_prompts`). The reference and the reserving schedulers accept both and ignore them (the
+`prefill_tokens` row says so). `prefill_tokens` counts the positions prefill computed;
+`shared_prefix_fraction`, from the workload's tokens alone, is the share of prompt tokens in full
+blocks of a prefix an earlier request holds (what the cache can save); `prefix_hit_rate` the share
+of the full prompt blocks looked up that were reused.
+
 Memory pressure is real: the KV pool holds `kv_budget_tokens` positions (allocated on the
 device; on the CPU a budget far below the machine's memory). Reserving schedulers (`static`,
 `dynamic`) take the longest possible sequence per request, so the budget caps their batch at
@@ -36,7 +45,8 @@ from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob, torch_dtype
 from labkit.techniques.kv_cache import load_model
 from labkit.blocks.requests import Request, load_workload
-from labkit.blocks.serving import BatchPolicy, Engine, IterationPolicy, Policy, Sequence
+from labkit.blocks.serving import (BatchPolicy, Engine, IterationPolicy, Policy, Sequence, block_hashes,
+                                   reusable_blocks)
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("sequential", "static", "dynamic", "continuous", "priority")
@@ -67,6 +77,10 @@ class Config(RunConfig):
     block_size: int = knob(16, min=1, help="continuous, priority: positions per KV block")
     bucket_width: int = knob(8, min=1, help="dynamic: prompt-length bucket width")
     batch_timeout_ms: float = knob(50.0, min=0.0, help="dynamic: start a partial bucket after this wait")
+    prefix_cache: bool = knob(False, help="continuous, priority: reuse cached KV blocks of a shared "
+                                          "prompt prefix (vLLM's automatic prefix caching)")
+    prefill_chunk: int = knob(0, min=0, help="continuous, priority: prefill at most this many "
+                                             "positions per iteration (0: whole prompts)")
     warmup: int = knob(0, min=0, help="untimed replays before timing (the check already warmed up)")
     min_run_time_s: float = knob(0.0, min=0.0, help="timing: least total time (a replay is long)")
     uses_seq_len = False  # lengths come from the workload; batch_size is the most rows per step
@@ -133,10 +147,22 @@ def policy(cfg: Config, classes: tuple[str, ...], slots: int) -> Policy:
 
 
 def texts(cfg: Config, requests: list[Request]) -> list[torch.Tensor]:
-    """Per request, seeded tokens: its prompt, then the continuation the check forces."""
+    """Per request, seeded tokens: its prompt, then the continuation the check forces. A request
+    with a shared prefix starts with that prefix's tokens (the same for every request naming it)."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    return [torch.randint(0, cfg.model.vocab_size, (r.prompt_len + r.output_len,), generator=gen)
-            for r in requests]
+    out = [torch.randint(0, cfg.model.vocab_size, (r.prompt_len + r.output_len,), generator=gen)
+           for r in requests]
+    for r, t in zip(requests, out):
+        if r.prefix_id >= 0:  # its own stream per prefix: the requests' tokens stay as they were
+            prefix = torch.Generator().manual_seed(cfg.seed + 1000 + r.prefix_id)
+            t[:r.prefix_len] = torch.randint(0, cfg.model.vocab_size, (r.prefix_len,), generator=prefix)
+    return out
+
+
+def pages(cfg: Config) -> bool:
+    """Whether the variant takes the prefix cache and chunked prefill: the paging schedulers. The
+    reference stays plain (the check's log-probabilities), reserving ones prefill padded batches."""
+    return cfg.variant in ("continuous", "priority")
 
 
 def make_engine(cfg: Config, model, requests: list[Request], tokens: list[torch.Tensor], *,
@@ -149,7 +175,9 @@ def make_engine(cfg: Config, model, requests: list[Request], tokens: list[torch.
             for r, t in zip(requests, tokens)]
     return Engine(model, seqs, num_slots=slots, num_blocks=cfg.kv_budget_tokens // block,
                   block_size=block, reserve=block if reserving else 0,
-                  kv_dtype=torch_dtype(cfg.dtype), closed=closed)
+                  kv_dtype=torch_dtype(cfg.dtype), closed=closed,
+                  prefix_cache=cfg.prefix_cache and pages(cfg),
+                  prefill_chunk=cfg.prefill_chunk if pages(cfg) else 0)
 
 
 def build(cfg: Config) -> Workload:
@@ -180,7 +208,8 @@ def build(cfg: Config) -> Workload:
 
     return Workload(step=step, check=check, report=report, count_flops=False, min_repeats=1,
                     tensors={"kv_bytes": lambda: replays[-1].pool.tensors()},
-                    notes=notes(cfg), compute_dtype=cfg.dtype)
+                    notes=notes(cfg), compute_dtype=cfg.dtype,
+                    energy_tokens=sum(r.output_len for r in requests))
 
 
 # --- what a replay measured --------------------------------------------------------------------------
@@ -218,7 +247,18 @@ def summary(eng: Engine, cfg: Config, classes: tuple[str, ...]) -> dict[str, flo
            "preemptions": sum(s.preemptions for s in seqs),
            "decode_steps": len(decode), "max_concurrent": max(st.live for st in decode),
            "slot_occupancy_pct": 100 * sum(st.live for st in decode) / (len(decode) * cfg.batch_size),
-           **time_shares(eng, makespan)}
+           **time_shares(eng, makespan), **prefill_rows(eng, cfg)}
+    return out
+
+
+def prefill_rows(eng: Engine, cfg: Config) -> dict[str, float]:
+    """Positions prefill computed (padding included), the workload's shared-prefix fraction and,
+    with the cache, the share of looked-up blocks reused."""
+    out = {"prefill_tokens": sum(st.positions for st in eng.steps if st.kind == "prefill"),
+           "shared_prefix_fraction": shared_prefix_fraction([s.prompt for s in eng.seqs],
+                                                            cfg.block_size)}
+    if eng.prefix_cache:
+        out["prefix_hit_rate"] = eng.num_hit_blocks / max(eng.num_lookup_blocks, 1)
     return out
 
 
@@ -275,13 +315,55 @@ def predicted_steps(cfg: Config, requests: list[Request]) -> tuple[int, int, int
     return math.ceil(tokens / rows), prompts + tokens, 0
 
 
+def prefix_savings(prompts: list[list[int]], block_size: int) -> tuple[int, int]:
+    """(full blocks reusable, full blocks looked up) over the prompts in arrival order: a request
+    reuses its leading full blocks that an earlier prompt holds (`block_hashes`: the same tokens
+    after the same prefix), at most `reusable_blocks` of them. From the tokens alone: exact for a
+    replay without preemption or eviction."""
+    held: set[int] = set()
+    reused = looked_up = 0
+    for prompt in prompts:
+        hashes = block_hashes(prompt, block_size)
+        limit = reusable_blocks(prompt, block_size)
+        looked_up += limit
+        reused += next((i for i, h in enumerate(hashes[:limit]) if h not in held), limit)
+        held.update(hashes)
+    return reused, looked_up
+
+
+def shared_prefix_fraction(prompts: list[list[int]], block_size: int) -> float:
+    """The share of all prompt tokens lying in full blocks of a prefix an earlier request holds."""
+    return prefix_savings(prompts, block_size)[0] * block_size / sum(len(p) for p in prompts)
+
+
+def prompts_of(cfg: Config, requests: list[Request]) -> list[list[int]]:
+    return [t[:r.prompt_len].tolist() for r, t in zip(requests, texts(cfg, requests))]
+
+
+def predicted_prefill(cfg: Config, requests: list[Request]) -> dict[str, float]:
+    """prefill_tokens: static's padded batches exactly; one at a time, every prompt token less
+    the blocks the cache can reuse (preemption's recomputation left out); dynamic: not predicted."""
+    if cfg.variant == "dynamic":
+        return {}
+    if cfg.variant == "static":
+        return {"prefill_tokens": sum(len(b) * max(r.prompt_len for r in b)
+                                      for b in batches(cfg, requests))}
+    total = sum(r.prompt_len for r in requests)
+    if not (cfg.prefix_cache and pages(cfg)):
+        return {"prefill_tokens": total}
+    reused, looked_up = prefix_savings(prompts_of(cfg, requests), cfg.block_size)
+    return {"prefill_tokens": total - reused * cfg.block_size,
+            "prefix_hit_rate": reused / max(looked_up, 1)}
+
+
 def expected(cfg: Config) -> dict[str, float]:
     _, requests = workload(cfg)
     block = longest(requests) if cfg.variant in ("static", "dynamic") else cfg.block_size
     per_token = planner.kv_bytes_per_token(cfg.model, cfg.dtype)
     out: dict[str, float] = {"kv_bytes": (cfg.kv_budget_tokens // block) * block * per_token,
                              "max_concurrent": num_slots(cfg, requests),
-                             "token_agreement": 1.0, "logprob_max_abs_diff": 0.0}
+                             "token_agreement": 1.0, "logprob_max_abs_diff": 0.0,
+                             **predicted_prefill(cfg, requests)}
     if cfg.variant == "dynamic":
         return out
     steps, positions, padding = predicted_steps(cfg, requests)
@@ -329,7 +411,26 @@ def notes(cfg: Config) -> dict[str, str]:
             "recomputed_pct": "positions prefilled again after a preemption.",
             "kv_bytes": "the KV pool: whole blocks of the budget (reservation: blocks of the "
                         "longest prompt + longest output).",
-            "ttft_p99_ms": "arrival to first token; the replay with the median throughput."}
+            "ttft_p99_ms": "arrival to first token; the replay with the median throughput.",
+            "prefill_tokens": prefill_note(cfg),
+            "shared_prefix_fraction": "from the workload's tokens alone: the share of prompt tokens "
+                                      f"in full blocks of {cfg.block_size} of a prefix an earlier "
+                                      "request holds (what a prefix cache can save).",
+            "prefix_hit_rate": "reused blocks / full prompt blocks looked up (a prompt's last "
+                               "position is always computed); predicted from the tokens alone."}
+
+
+def prefill_note(cfg: Config) -> str:
+    """What prefill_tokens counts, and which knobs this variant ignores."""
+    note = ("positions computed by prefill passes, padding and recomputation included; predicted: "
+            "the prompt tokens less what the prefix cache can reuse, no recomputation.")
+    ignored = [f"prefix_cache={cfg.prefix_cache}".lower()] if cfg.prefix_cache else []
+    ignored += [f"prefill_chunk={cfg.prefill_chunk}"] if cfg.prefill_chunk else []
+    if ignored and not pages(cfg):
+        why = ("the reference serves plainly (its log-probabilities are the check's)"
+               if cfg.variant == REFERENCE else "it prefills padded batches into reserved memory")
+        note += f" {' and '.join(ignored)} ignored by {cfg.variant}: {why}."
+    return note
 
 
 # --- for the notebook ------------------------------------------------------------------------------
@@ -350,3 +451,31 @@ def schedule_frames(cfg: Config):
                            "end_ms": 1e3 * st.end_s, "live": st.live, "rows": st.rows,
                            "padding": st.padding} for i, st in enumerate(eng.steps)])
     return segments.drop(columns=["start_s", "end_s"]), steps
+
+
+TRICK_METRICS = ("prefill_tokens", "prefix_hit_rate", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms",
+                 "ttft_p99_ms", "makespan_ms", "preemptions")
+
+
+def tricks_frame(cfg: Config, prefill_chunk: int = 32):
+    """vLLM's two tricks, one replay of each setting on its workload (the rest of `cfg` as given,
+    its variant continuous unless it is a paging one): `shared_prefix` without and with the prefix
+    cache, `long_prompts` without and with chunks of `prefill_chunk`. A DataFrame: metrics as its
+    index (TRICK_METRICS, then the predicted prefill tokens), one column per setting."""
+    import pandas as pd
+
+    cfg = cfg if pages(cfg) else dataclasses.replace(cfg, variant="continuous")
+    settings = {"shared_prefix, no cache": ("shared_prefix", False, 0),
+                "shared_prefix, prefix cache": ("shared_prefix", True, 0),
+                "long_prompts, whole prompts": ("long_prompts", False, 0),
+                f"long_prompts, chunks of {prefill_chunk}": ("long_prompts", False, prefill_chunk)}
+    model, columns = load_model(cfg), {}
+    for name, (load, cache, chunk) in settings.items():
+        c = dataclasses.replace(cfg, workload=load, prefix_cache=cache, prefill_chunk=chunk)
+        classes, requests = workload(c)
+        eng = make_engine(c, model, requests, texts(c, requests), forced=False,
+                          closed=c.arrival == "closed")
+        measured = summary(eng.serve(policy(c, classes, num_slots(c, requests))), c, classes)
+        columns[name] = {**{m: measured.get(m) for m in TRICK_METRICS},
+                         "predicted_prefill_tokens": predicted_prefill(c, requests)["prefill_tokens"]}
+    return pd.DataFrame(columns).rename_axis("metric")

@@ -285,7 +285,8 @@ def build(cfg: Config) -> Workload:
         tensors={"kv_bytes": lambda: last["cache"].tensors()} if cached else {},
         per_token={"kv_bytes": lambda: last["cache"].capacity} if cached else {},
         per_second={"achieved_gbps": bytes_read(cfg) / 1e9},
-        report=report if cached else dict, notes=notes(cfg), compute_dtype=cfg.dtype)
+        report=report if cached else dict, notes=notes(cfg), compute_dtype=cfg.dtype,
+        energy_tokens=cfg.batch_size * cfg.new_tokens)
 
 
 def bytes_read(cfg: Config) -> int:

@@ -6,7 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.results import BINARY_PREFIXES, format_value
+from labkit.results import BINARY_PREFIXES, format_value, metric_skipped
 
 MEMORY_METRICS = ("peak_mem_bytes", "param_bytes", "optimizer_bytes", "activation_bytes",
                   "saved_weight_copy_bytes", "kv_bytes")
@@ -99,8 +99,9 @@ def rank0(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def not_run(frame: pd.DataFrame) -> pd.DataFrame:
-    """One line per variant that did not run: variant, status, message."""
-    bad = frame[frame["status"] != "ok"]
+    """One line per variant that did not run: variant, status, message. A metric skipped alone
+    (energy where no counter can be read) leaves its variant among those that ran."""
+    bad = frame[(frame["status"] != "ok") & ~metric_skipped(frame)]
     return bad.drop_duplicates("variant")[["variant", "status", "message"]].reset_index(drop=True)
 
 

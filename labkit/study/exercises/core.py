@@ -185,6 +185,11 @@ class Outcome:
         return "\n".join(lines)
 
 
+def close(measured: float | None, predicted: float, rel: float) -> bool:
+    """A measured value within `rel` of `predicted` (False when nothing was measured)."""
+    return measured is not None and abs(measured - predicted) <= rel * abs(predicted)
+
+
 def show(value: Any, unit: str = "") -> str:
     """A number in an exercise's text: `results.format_number` (4 significant digits, thousands
     separated) and `unit` as written; text quoted, None as "none"."""

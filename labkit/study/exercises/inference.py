@@ -9,7 +9,7 @@ import math
 
 from labkit import hardware, planner
 from labkit.config import DTYPE_BYTES, MODELS
-from labkit.study.exercises.core import KiB, TOPICS, Exercise, Rows, Setup, show
+from labkit.study.exercises.core import KiB, TOPICS, Exercise, Rows, Setup, close, show
 from labkit.study.exercises.formulas import faster
 
 GiB = 2**30
@@ -126,10 +126,6 @@ def kv_bytes(s: Setup, variant: str) -> int:
     from labkit.techniques import kv_cache
 
     return kv_cache.bytes_per_token(s.cfg(variant))
-
-
-def close(measured: float | None, predicted: float, rel: float) -> bool:
-    return measured is not None and abs(measured - predicted) <= rel * abs(predicted)
 
 
 # --- the exercises -----------------------------------------------------------------------------------

@@ -65,14 +65,22 @@ def moments(s: Setup, point: dict) -> dict[str, dict[str, int]]:
     else:  # DDP: buckets for the model's life, .grad of earlier micro-batches beside them
         held = {**states, "buckets": p.grad_bytes}
         held.update({"accumulated grads": p.grad_bytes} if accumulating else {})
-    loss = 8 * n["b"] * n["s"] * n["V"]
-    unit = 4 * planner.stage_params(s.cfg().model).largest_unit if zero else 0
+    # DDP: the loss's fp32 gradients 8·b·s·V at the backward's start. FSDP2 makes each
+    # micro-batch's whole gradients anew, so its backward is largest in the first block it goes
+    # through: the details print the planner's figure for that working set
+    temporaries = 8 * n["b"] * n["s"] * n["V"]
+    if zero:
+        temporaries = p.phase_bytes["backward"] - sum(held.values()) - p.activation_bytes - kept
     return {"forward": {**held, "activations": p.activation_bytes, "casts": casts,
                         "temporaries": 6 * n["b"] * n["s"] * n["V"]},
             "backward": {**held, "activations": p.activation_bytes, "casts": kept,
-                         "temporaries": loss + unit},
+                         "temporaries": temporaries},
             "step": {**states, "grads": p.grad_bytes,
                      "temporaries": p.phase_bytes["step"] - sum(states.values()) - p.grad_bytes}}
+
+
+MOMENT_WORDS = {"forward": "end of the second micro-batch's forward",
+                "backward": "largest moment of its backward", "step": "optimizer step"}
 
 
 def peak_of(s: Setup, point: dict) -> int:
@@ -101,22 +109,24 @@ def peak_details(s: Setup) -> str:
         f"ends: {all_casts(s):,}; the backward keeps only the head's, 2·V·d = "
         f"{p.kept_weight_copy_bytes:,} (a checkpointed block casts again when it recomputes);\n"
         f"- temporaries: at the end of the forward, the bf16 logits and their fp32 copy, "
-        f"6·b·s·V = {t['forward']['temporaries']:,}; at the start of backward, the loss's fp32 "
-        f"gradients of log-probabilities and logits, 8·b·s·V, plus one unit's whole fp32 gradient "
-        f"before FSDP2 reduce-scatters it (4 x the largest unit, the head): "
-        f"{t['backward']['temporaries']:,}; at the optimizer step, the for-loop AdamW's "
-        f"temporaries: {step_temps:,}.\n"
-        f"The peak is the largest of three moments: the end of the (second) forward, the start of "
-        f"its backward and the optimizer step.")
+        f"6·b·s·V = {t['forward']['temporaries']:,}; in the backward, at its largest moment (the "
+        f"first block it goes through, recomputing its forward beside the head's whole fp32 "
+        f"gradient: FSDP2 makes each micro-batch's whole gradients anew, then reduce-scatters "
+        f"them into the shards): {t['backward']['temporaries']:,}; at the optimizer step, the "
+        f"for-loop AdamW's temporaries: {step_temps:,}.\n"
+        f"The peak is the largest of three moments: the end of the (second) forward, the largest "
+        f"moment of its backward and the optimizer step.")
 
 
 def peak_evidence(r: Rows, s: Setup) -> dict[str, str]:
     t, p = moments(s, TOP), plan(s, TOP)
     sums = {k: sum(v.values()) for k, v in t.items()}
     measured = [r.get(VARIANT, "peak_mem_bytes", rank=k, **TOP) for k in range(shape(s, TOP)["N"])]
-    return {"terms": " + ".join(f"{k} {v:,}" for k, v in t["backward"].items()),
-            "total": f"{sums['backward']:,}", "forward": mib(sums["forward"]),
-            "step": mib(sums["step"]), "kept": f"{p.kept_weight_copy_bytes:,}",
+    peak = max(sums, key=sums.get)
+    others = [f"its {MOMENT_WORDS[k]} {mib(v)}" for k, v in sums.items() if k != peak]
+    return {"moment": MOMENT_WORDS[peak], "others": " and ".join(others),
+            "terms": " + ".join(f"{k} {v:,}" for k, v in t[peak].items()),
+            "total": f"{sums[peak]:,}", "kept": f"{p.kept_weight_copy_bytes:,}",
             "peaks": ", ".join(mib(v) for v in measured),
             "ratio": show(100 * (measured[0] or 0) / p.total_bytes, "%")}
 
@@ -150,10 +160,10 @@ def recipe_peak() -> Exercise:
         "What is the peak memory of one training step on one rank, in MiB?", "recipe",
         answer=lambda s: peak_of(s, TOP) / MiB,
         evidence=peak_evidence,
-        why="the start of the second micro-batch's backward is the peak: {terms} = {total} bytes "
-            "= {answer}. The end of its forward holds {forward} (every cast cached, but the "
-            "backward's temporaries not yet made) and the optimizer step {step} (no activations, "
-            "no gathered weights). Autocast changes no model state: weights, gradients and AdamW "
+        why="the {moment} is the peak: {terms} = {total} bytes = {answer}; {others}. Every "
+            "cast is cached until the forward ends; the backward keeps fewer of them; the "
+            "optimizer step holds no activations and no gathered weights. Autocast changes no "
+            "model state: weights, gradients and AdamW "
             "stay fp32; its bf16 casts are extra bytes ({kept} kept for the backward). Measured "
             "peaks, rank 0 and 1: {peaks} ({ratio} of the prediction).",
         level=3, hint="Write down what is alive at each of the three moments (the details give "

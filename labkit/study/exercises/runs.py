@@ -39,4 +39,18 @@ RUNS = {
                   {"checkpointing": ["none", "full"], "micro_batches": [1, 2], "zero_stage": [0, 2]}),
     "pipe": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "delay_stage": 0},
                 ("single", "gpipe"), {"stage_delay_ms": [0.0, SLOW_STAGE_MS]}),
+    "quant": Run("weight_quant", {**FAST, "prompt_len": 4, "new_tokens": 8, "num_layers": 1},
+                 ("none", "int8", "int4")),
+    # the tiny preset: its random draft agrees by chance, its prompts' n-grams are what recur
+    "spec": Run("speculative", {**FAST, "prompt_len": 8, "new_tokens": 16, "num_layers": 2},
+                ("none", "draft", "prompt_lookup")),
+    # the first 8 requests of shared_prefix (3 system prompts of 64 tokens), queued at t = 0, in a
+    # pool that never runs out: no preemption or eviction, so the rows equal the tokens' counts
+    "serve_prefix": Run("batching", {"num_layers": 1, "workload": "shared_prefix", "num_requests": 8,
+                                     "max_output_len": 8, "arrival": "closed", "batch_size": 4,
+                                     "kv_budget_tokens": 2048, "block_size": 16,
+                                     "prefix_cache": True}, ("continuous",)),
+    # 8 requests of at most 16 tokens on 4 rows, two bisection steps: seconds on any CPU
+    "sla": Run("sla", {"num_layers": 2, "num_requests": 8, "max_output_len": 16,
+                       "batch_size": 4, "search_steps": 2}, ("continuous",)),
 }

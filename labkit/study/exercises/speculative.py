@@ -1,0 +1,85 @@
+"""Exercises on speculative decoding: Leviathan et al.'s expected tokens per target forward, and
+the speed-up once the draft's cost is paid. They name RUNS["spec"]: the tiny preset, whose random draft agrees by
+chance and whose prompt lookup finds the loops greedy decoding falls into."""
+from __future__ import annotations
+
+from labkit.blocks import speculative as spec
+from labkit.study.exercises.core import TOPICS, Exercise, Rows, Setup, show
+
+ALPHA = 0.8  # the per-guess acceptance both scenarios give
+COST_RATIO = 0.5  # the draft's forward over the target's in the speed-up scenario
+
+
+def k(s: Setup) -> int:
+    return s.cfg("draft").num_speculative
+
+
+def tokens_words(s: Setup) -> str:
+    return (f"The run proposes k = {k(s)} tokens per step (num_speculative). Each guess is "
+            f"accepted with probability {ALPHA}, independently, and a step stops at its first "
+            "rejection; the target's own next token is always emitted.")
+
+
+def measured(r: Rows, variant: str) -> dict[str, str]:
+    return {"alpha": show(r.get(variant, "alpha")),
+            "per_step": show(r.get(variant, "tokens_per_step")),
+            "speedup": show(r.get(variant, "speedup"), "x"),
+            "c": show(r.get(variant, "cost_ratio"))}
+
+
+def tokens_supported(r: Rows, s: Setup) -> str | None:
+    """Prompt lookup emitted 1 to k + 1 tokens per target forward, and exactly the reference's."""
+    per_step, same = r.get("prompt_lookup", "tokens_per_step"), r.get("prompt_lookup", "token_agreement")
+    if per_step is None or not 1 <= per_step <= k(s) + 1:
+        return f"prompt lookup measured {show(per_step)} tokens per forward, outside 1 to k + 1"
+    return None if same == 1 else f"prompt lookup's tokens agree {show(same)} with greedy decoding's, not 1"
+
+
+def draft_cost_supported(r: Rows, s: Setup) -> str | None:
+    """The draft's forwards are time too: its speed-up falls below its tokens per forward."""
+    speedup, per_step = r.get("draft", "speedup"), r.get("draft", "tokens_per_step")
+    if speedup is None or per_step is None or not r.get("draft", "cost_ratio"):
+        return "the run measured no draft speed-up, tokens per forward or cost ratio"
+    return None if speedup < per_step else \
+        f"the draft's speed-up {show(speedup, 'x')} is not below its {show(per_step)} tokens per forward"
+
+
+def build_exercises() -> list[Exercise]:
+    topic = TOPICS[5]
+    return [
+        Exercise(
+            "spec_tokens_per_step", topic, "Tokens per target forward",
+            "Speculative decoding: a proposer guesses k tokens, the target checks all of them in "
+            "one forward and keeps the longest agreeing prefix plus its own next token.",
+            "How many tokens does one target forward emit on average?", "spec",
+            answer=lambda s: spec.expected_tokens_per_step(ALPHA, k(s)), details=tokens_words,
+            evidence=lambda r, s: {f"pl_{m}": v for m, v in measured(r, "prompt_lookup").items()},
+            why="(1 - alpha^(k+1)) / (1 - alpha) = 1 + alpha + ... + alpha^k = {answer}: token i "
+                "is emitted only if the i guesses before it were all accepted. Prompt lookup on "
+                "the run measured alpha {pl_alpha} and {pl_per_step} tokens per forward (its "
+                "steps propose fewer than k tokens when the text matches less).",
+            level=1, hint="The j-th guess counts only if guesses 1..j were all accepted: sum the "
+                          "probabilities alpha^j, and add the target's own token.",
+            mistake=lambda s: 1 + ALPHA * k(s),
+            mistake_why="1 + k alpha counts every guess as judged on its own; a step stops at its "
+                        "first rejection, so the later guesses count only with alpha^j.",
+            supports=tokens_supported, rel_tol=0.01),
+        Exercise(
+            "spec_draft_speedup", topic, "What the draft costs",
+            f"Now the guesses come from a draft model whose decode forward costs c = {COST_RATIO} "
+            "of the target's. A step runs the draft k times and the target once (the k + 1-token "
+            "verify taken to cost one target forward).",
+            "By what factor does speculative decoding beat plain greedy decoding?", "spec",
+            answer=lambda s: spec.expected_speedup(ALPHA, k(s), COST_RATIO), details=tokens_words,
+            evidence=lambda r, s: {f"d_{m}": v for m, v in measured(r, "draft").items()},
+            why="tokens per step / (k c + 1) = {answer}x. Leviathan et al.'s formula: a draft "
+                "half the target's cost eats most of the gain at alpha 0.8. The run's random draft "
+                "(tiny preset: nothing trained) measured alpha {d_alpha}, c {d_c} and a speed-up of "
+                "{d_speedup}: guesses that are never right cost k c per token for nothing.",
+            level=2, hint="Divide the tokens one step emits by what the step costs in target "
+                          "forwards: k draft forwards at c each, plus one verify.",
+            mistake=lambda s: spec.expected_tokens_per_step(ALPHA, k(s)),
+            mistake_why="that is the tokens per target forward; the draft's k forwards per step "
+                        "are time too.",
+            supports=draft_cost_supported, unit="x", rel_tol=0.01),
+    ]
