@@ -144,6 +144,13 @@ def _add_plan_parser(sub) -> None:
     pl.add_argument("--checkpointing", default="none", help="none, selective or full")
     pl.add_argument("--effective-batch", type=int,
                     help="sequences per optimizer step (default: batch size x dp)")
+    pl.add_argument("--finetune", help="full, lora or qlora: plan a fine-tuning step on one GPU "
+                    "(frozen base, adapters; and the longest sequence / largest micro-batch per method)")
+    pl.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
+    pl.add_argument("--lora-alpha", type=float, default=16.0,
+                    help="LoRA alpha (scales the update alpha / r; no effect on memory)")
+    pl.add_argument("--lora-targets", default="q,v", help="comma list of q, k, v, o, gate, up, "
+                    "down, or attn / all (default: q,v)")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -468,7 +475,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer,
                          optimizer_impl=args.optimizer_impl, zero_stage=args.zero_stage,
                          tp=args.tp, pp=args.pp, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib,
-                         checkpointing=args.checkpointing, effective_batch=args.effective_batch)
+                         checkpointing=args.checkpointing, effective_batch=args.effective_batch,
+                         finetune=args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                         lora_targets=args.lora_targets)
     print(json.dumps(report, allow_nan=False) if args.json else format_plan(report))
     return 0
 

@@ -189,6 +189,35 @@ pareto = run_experiment("sla", preset=preset, overrides={**overrides, "device": 
                         runs_dir=runs_dir, progress=False).frame()
 serving.pareto_figure(pareto).show()
 serving.serving_points(pareto).round(3)'''
+FINETUNE_PARAMETERS = ('\nfrontier_overrides = {"batch_size": 1}  # the frontier\'s sizes over the run\'s overrides'
+                       '\nfrontier_seq_step = 16  # the frontier\'s granularity, tokens'
+                       '\nfrontier_cpu_budget_gib = 0.06  # the frontier\'s virtual budget on a CPU (a GPU searches its memory)'
+                       '\nlong_model = "mistral-7b"  # why LoRA still OOMs: a 7B model with a context of 8k or more'
+                       '\nlong_seq_len = 8192  # its sequence length, tokens')
+FINETUNE_MEMORY = '''from labkit.views import finetune as finetune_views
+
+finetune_views.memory_figure(frame).show()'''
+FINETUNE_FRONTIER = '''from labkit.config import resolve
+from labkit.techniques import finetune
+
+fcfg = resolve(finetune.Config, preset, {**overrides, **frontier_overrides, "device": device},
+               experiment="finetune")
+front = finetune.frontier(fcfg, None if fcfg.device.startswith("cuda") else frontier_cpu_budget_gib,
+                          seq_step=frontier_seq_step)
+finetune_views.frontier_figure(front).show()
+front'''
+FINETUNE_LONG_CONTEXT = '''import pandas as pd
+
+from labkit import planner
+from labkit.config import MODELS
+
+kinds = {"full": {"method": "full"}, "lora": {"method": "lora"}, "qlora": {"method": "qlora"},
+         "qlora + full checkpointing": {"method": "qlora", "checkpointing": "full"}}
+plans = {name: planner.finetune_memory(MODELS[long_model], batch_size=1, seq_len=long_seq_len,
+                                       compute_dtype="bf16", device="cuda", **kw)
+         for name, kw in kinds.items()}
+pd.DataFrame({name: {**{t: getattr(p, f"{t}_bytes") / 2**30 for t in ("param", "grad", "optimizer", "activation")},
+                     "peak": p.total_bytes / 2**30} for name, p in plans.items()}).T.round(2)  # GiB'''
 RECIPE_PARAMETERS = ('\nladder_steps = {"precision": "bf16", "checkpointing": "full"}  # the ladder: recipe '
                      "knobs, one rung each, in compose's order")
 # The rungs set the recipe's knobs themselves: the ladder and the timelines share only the sizes.
@@ -274,6 +303,12 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "sla": dict(extra=(("pareto", SLA_PARETO), ("cost", "serving.cost_figure(pareto).show()")),
                 parameters=SLA_PARAMETERS,
                 predicted=("saturation_rate_per_s", "usd_per_million_tokens", "rates_tried", "bracket_ratio")),
+    "finetune": dict(extra=(("memory", FINETUNE_MEMORY), ("frontier", FINETUNE_FRONTIER),
+                            ("long_context", FINETUNE_LONG_CONTEXT)),
+                     parameters=FINETUNE_PARAMETERS,
+                     predicted=("trainable_params", "linear_weight_bytes", "optimizer_bytes",
+                                "activation_bytes", "peak_mem_bytes"),
+                     fields=("lora_rank", "lora_targets", "batch_size", "seq_len")),
     "speculative": dict(extra=(("formula", SPEC_FORMULA),),
                         predicted=("token_agreement", "tokens_per_step", "speedup")),
     "weight_quant": dict(extra=(("bytes", WEIGHT_QUANT_BYTES), ("loading", WEIGHT_QUANT_LOADING)),

@@ -68,6 +68,9 @@ PARAMETERS = {
     "28_speculative": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 16}},
     "29_sla": {"overrides": {"num_requests": 6, "max_output_len": 8, "num_layers": 2, "search_steps": 2},
                "variants": "continuous", "pareto_batch_sizes": [2, 4], "pareto_variants": "continuous"},
+    "30_finetune": {"overrides": TINY_TRAIN, "variants": "qlora", "frontier_cpu_budget_gib": 0.001,
+                    "frontier_seq_step": 64, "frontier_overrides": {"batch_size": 1, "num_layers": 1, "vocab_size": 256,
+                                                                    "hidden_size": 64, "ffn_size": 128, "max_seq_len": 256}},
     "98_leaderboard": {"metric": "tokens_per_s"},  # reads the runs the others stored in this report
     "99_compare": {"price_per_gpu_hour": 2.0},
 }

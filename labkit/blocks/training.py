@@ -40,11 +40,13 @@ def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def total_norm(params) -> float:
-    """The global L2 norm of the gradients (nan when there are none)."""
-    grads = [p.grad.float() for p in params if p.grad is not None]
-    if not grads:
+    """The global L2 norm of the gradients (nan when there are none), accumulated in fp32 one
+    gradient at a time: a 16-bit gradient's fp32 copy lives only for its own norm, so measuring
+    the norm adds no whole-model temporary to the step it reports on."""
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if p.grad is not None]
+    if not norms:
         return math.nan
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    return torch.linalg.vector_norm(torch.stack(norms)).item()
 
 
 class CopyAdamW:

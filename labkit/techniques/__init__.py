@@ -31,6 +31,7 @@ REGISTRY: dict[str, tuple[str, str | None]] = {
     "pipeline_parallel": ("labkit.techniques.pipeline_parallel", "notebooks/13_pipeline_parallel.ipynb"),
     "hybrid": ("labkit.techniques.hybrid", "notebooks/14_hybrid.ipynb"),
     "recipe": ("labkit.techniques.recipe", "notebooks/26_recipe.ipynb"),
+    "finetune": ("labkit.techniques.finetune", "notebooks/30_finetune.ipynb"),
     "load_balance": ("labkit.techniques.load_balance", "notebooks/15_load_balance.ipynb"),
     "attention": ("labkit.techniques.attention", "notebooks/17_attention.ipynb"),
     "compile": ("labkit.techniques.compiling", "notebooks/18_compile.ipynb"),

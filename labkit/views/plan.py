@@ -35,8 +35,31 @@ def format_plan(report: dict) -> str:
     lines += ["", _fits_line(report)]
     if report["inference"]:
         lines.append(_serving_line(report))
-    lines.append(_recommendation_line(report["recommendation"]))
+    if report.get("finetune"):
+        lines += _finetune_lines(report)
+    else:
+        lines.append(_recommendation_line(report["recommendation"]))
     return "\n".join(lines)
+
+
+def _finetune_lines(r: dict) -> list[str]:
+    """Fine-tuning: what is trained and stored, and per method the longest sequence and the
+    largest micro-batch that fit the GPU (`finetune_frontier`)."""
+    ft, g = r["finetune"], r["per_gpu"]
+    share = r["trainable_params"] / r["num_params"]
+    out = [f"fine-tuning {ft['method']}: {r['trainable_params']:,} trainable parameters "
+           f"({share:.3%} of the base); LoRA r={ft['lora_rank']} alpha={ft['lora_alpha']:g} on "
+           f"{','.join(ft['lora_targets'])} ({', '.join(ft['lora_modules']) or 'every weight'}); "
+           f"compute {ft['compute_dtype']}, adapters {ft['adapter_dtype']}",
+           f"block linear weights as stored: {gib(g['linear_weight_bytes']):.2f} GiB"
+           + (" (NF4: 4-bit codes + int8 scalers per 64 + double-quantized factors)"
+              if ft["method"] == "qlora" else ""),
+           f"what fits {gib(r['gpu_mem_bytes']):.2f} GiB (longest sequence at micro-batch 1; "
+           f"largest micro-batch at {r['inputs']['seq_len']} tokens):"]
+    for row in r["finetune_frontier"]:
+        out.append(f"  {row['method']:<6} checkpointing {row['checkpointing']:<5} "
+                   f"max seq {row['max_seq_len']:>7,}  max micro-batch {row['max_micro_batch']:>6,}")
+    return out
 
 
 def _header(r: dict) -> str:
