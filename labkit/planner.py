@@ -1198,14 +1198,16 @@ def _lora_backward_temporaries(r: _Run, tokens: int, dequant: int = 0) -> int:
 
 def _lora_formulas(r: _Run, method: str, targets: tuple[str, ...], rank: int, dequant: int) -> dict[str, str]:
     base = "NF4 block linears (nf4_bytes) + the rest" if method == "qlora" else "the base"
-    return {"param": f"{base} in {r.precision} + fp32 adapters r·(in + out) per target, r = {rank}, "
-                     f"targets {','.join(targets)}",
-            "grad": "4·Ψ_trainable (fp32 adapters only; the base is frozen)",
-            "optimizer": "8·Ψ_trainable (AdamW m + v in fp32, adapters only)",
+    w = r.prec.weight
+    return {"param": f"{base} in {r.precision} + {r.precision} adapters r·(in + out) per target, "
+                     f"r = {rank}, targets {','.join(targets)}",
+            "grad": f"{w}·Ψ_trainable (the adapters only, in {r.precision}; the base is frozen)",
+            "optimizer": f"{2 * w}·Ψ_trainable + 4 per adapter tensor (AdamW m + v in {r.precision} "
+                         "and its fp32 step, adapters only)",
             "activation": "frozen layers still keep norms, attention's q/k/v/output and the MLP's "
                           "activation inputs; + each adapter's input and A x (r wide)",
-            "overhead": "backward: max(loss 8·b·s·V, a block's gradients)"
-                        + (f" + one weight's NF4 dequantization ({dequant:,} B)" if dequant else "")}
+            "overhead": "backward: max(loss 8·b·s·V, a block's gradients"
+                        + (f" + one weight's NF4 dequantization ({dequant:,} B))" if dequant else ")")}
 
 
 def finetune_frontier(m: ModelConfig, *, gpu_mem_bytes: int, seq_len: int, lora_rank: int = 8,
@@ -1321,7 +1323,7 @@ def _finetune_settings(m: ModelConfig | None, method: str, precision: str, rank:
     dtype = "fp32" if precision == "fp32" else "fp16" if precision.startswith("fp16") else "bf16"
     return {"method": method, "lora_rank": rank, "lora_alpha": alpha, "lora_targets": list(parsed),
             "lora_modules": lora_module_names(m, parsed) if method != "full" else [],
-            "compute_dtype": dtype, "adapter_dtype": "fp32", "nf4_block_size": NF4_BLOCK_SIZE}
+            "compute_dtype": dtype, "adapter_dtype": dtype, "nf4_block_size": NF4_BLOCK_SIZE}
 
 
 def _model_or_params(model: str | ModelConfig | None, params) -> tuple[ModelConfig | None, int, str | None]:

@@ -302,7 +302,7 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
                     predicted=("num_threads_seen", "speedup"), fields=("work",)),
     "sla": dict(extra=(("pareto", SLA_PARETO), ("cost", "serving.cost_figure(pareto).show()")),
                 parameters=SLA_PARAMETERS,
-                predicted=("saturation_rate_per_s", "usd_per_million_tokens", "rates_tried", "bracket_ratio")),
+                predicted=("saturation_requests_per_s", "usd_per_million_tokens", "rates_tried", "bracket_ratio")),
     "finetune": dict(extra=(("memory", FINETUNE_MEMORY), ("frontier", FINETUNE_FRONTIER),
                             ("long_context", FINETUNE_LONG_CONTEXT)),
                      parameters=FINETUNE_PARAMETERS,

@@ -66,14 +66,14 @@ def test_bisection_brackets_the_threshold_in_the_stated_steps(threshold):
     assert len(calls) == len(search.tried) == 6
     assert search.low_per_s <= threshold < search.high_per_s
     assert search.high_per_s / search.low_per_s == pytest.approx(16 ** (2 ** -6))
-    assert search.found and search.max_rate_per_s == search.low_per_s
-    assert threshold / search.max_rate_per_s < 16 ** (2 ** -6)  # within the final bracket
+    assert search.found and search.max_requests_per_s == search.low_per_s
+    assert threshold / search.max_requests_per_s < 16 ** (2 ** -6)  # within the final bracket
 
 
 def test_bisection_below_the_bracket_reports_no_rate():
     search = slos.bisect_rate(lambda r: {"slo_attainment": 0.0, "rate": r}, 2.0, 8.0,
                               target=0.9, steps=3)
-    assert not search.found and search.max_rate_per_s == 0.0
+    assert not search.found and search.max_requests_per_s == 0.0
     assert search.at_max["rate"] == min(r for r, _ in search.tried)  # the lowest rate's numbers
     with pytest.raises(ValueError):
         slos.bisect_rate(lambda r: {}, 4.0, 2.0, target=0.9, steps=1)
@@ -146,8 +146,8 @@ def test_experiment_rows_and_exact_predictions(frame):
         assert value(frame, variant, "rates_tried") == value(frame, variant, "rates_tried", "predicted") == 2
         assert value(frame, variant, "bracket_ratio") == pytest.approx(
             value(frame, variant, "bracket_ratio", "predicted"))
-        sat, top = value(frame, variant, "saturation_rate_per_s"), value(frame, variant, "max_rate_per_s")
-        assert 0 <= top <= sat and value(frame, variant, "max_rate_per_s", "predicted") > 0
+        sat, top = value(frame, variant, "saturation_requests_per_s"), value(frame, variant, "max_requests_per_s")
+        assert 0 <= top <= sat and value(frame, variant, "max_requests_per_s", "predicted") > 0
         price = frame[frame.variant == variant].params.iloc[0]["price_per_hour"]
         assert value(frame, variant, "usd_per_million_tokens") == pytest.approx(
             slos.usd_per_million_tokens(price, value(frame, variant, "useful_tokens_per_s")))
@@ -158,7 +158,7 @@ def test_experiment_rows_and_exact_predictions(frame):
 def test_a_hopeless_slo_stops_every_replay_and_finds_no_rate(tmp_path):
     frame = run_experiment("sla", preset="tiny", overrides={**SIZES, "ttft_slo_ms": 1e-3},
                            variants=["sequential"], progress=False, runs_dir=str(tmp_path)).frame()
-    assert value(frame, "sequential", "max_rate_per_s") == 0.0
+    assert value(frame, "sequential", "max_requests_per_s") == 0.0
     assert value(frame, "sequential", "replays_stopped") == 2
     assert math.isclose(value(frame, "sequential", "ttft_slo_ms"), 1e-3)
 
@@ -179,8 +179,8 @@ def test_exercises_grade_the_formula_and_the_mistake():
         assert core.grade(ex, by_hand * 1.01, reference)
         assert not core.grade(ex, ex.mistake(setup), reference) and ex.is_mistake(ex.mistake(setup), setup)
     rows = core.Rows([{"variant": "continuous", "metric": m, "value": v, "params": {"sweep": {}}}
-                      for m, v in (("decode_step_ms", 2.0), ("saturation_rate_per_s", 30.0),
-                                   ("max_rate_per_s", 20.0), ("useful_tokens_per_s", 500.0),
+                      for m, v in (("decode_step_ms", 2.0), ("saturation_requests_per_s", 30.0),
+                                   ("max_requests_per_s", 20.0), ("useful_tokens_per_s", 500.0),
                                    ("usd_per_million_tokens", 1.1))], "test")
     for ex in found.values():
         values = {**ex.evidence(rows, setup), "answer": core.show(ex.answer(setup), ex.unit),

@@ -95,12 +95,12 @@ def certain_misses(seqs: Iterable[Sequence], arrival: Callable[[Sequence], float
 
 @dataclass(frozen=True)
 class RateSearch:
-    """A search's outcome: `max_rate_per_s`, the highest rate tried that met the target (0.0 when
+    """A search's outcome: `max_requests_per_s`, the highest rate tried that met the target (0.0 when
     none did: the answer lies below the bracket), its measurements `at_max` (the lowest rate's when
     none passed), the final bracket [`low_per_s`, `high_per_s`], and every (rate, measurements)
     tried, in order."""
 
-    max_rate_per_s: float
+    max_requests_per_s: float
     at_max: Mapping[str, float]
     low_per_s: float
     high_per_s: float
@@ -108,7 +108,7 @@ class RateSearch:
 
     @property
     def found(self) -> bool:
-        return self.max_rate_per_s > 0
+        return self.max_requests_per_s > 0
 
 
 def bisect_rate(measure: Callable[[float], Mapping[str, float]], low_per_s: float,

@@ -157,10 +157,10 @@ def build(cfg: Config) -> Workload:
         out = {**closed, "ttft_slo_ms": 1e3 * slo.ttft_s, "tpot_slo_ms": 1e3 * slo.tpot_s,
                "alone_ttft_ms": 1e3 * base[0], "full_batch_step_ms": 1e3 * base[1]}
         mean_out = sum(r.output_len for r in requests) / len(requests)
-        found["max_rate_per_s"] = slos.saturation_rate(slots, mean_out, closed["decode_step_ms"] / 1e3)
+        found["max_requests_per_s"] = slos.saturation_rate(slots, mean_out, closed["decode_step_ms"] / 1e3)
         if cfg.search_steps:
             measure = functools.partial(open_loop, cfg, workload_spec(cfg), requests, serve, slo)
-            out.update(search_rows(cfg, measure, closed["saturation_rate_per_s"]))
+            out.update(search_rows(cfg, measure, closed["saturation_requests_per_s"]))
         return out
 
     return Workload(step=step, check=check, report=report, predicted=lambda: dict(found),
@@ -179,7 +179,7 @@ def closed_loop_rows(cfg: Config, classes: tuple[str, ...], replays: list[Engine
     device = m["useful_tokens_per_s"]
     return {"useful_tokens_per_s": device, "user_tokens_per_s": 1e3 / m["tpot_p50_ms"],
             "usd_per_million_tokens": slos.usd_per_million_tokens(cfg.price_per_hour, device),
-            "saturation_rate_per_s": m["requests_per_s"], "decode_step_ms": m["decode_step_ms"],
+            "saturation_requests_per_s": m["requests_per_s"], "decode_step_ms": m["decode_step_ms"],
             "ttft_p50_ms": m["ttft_p50_ms"], "tpot_p50_ms": m["tpot_p50_ms"],
             "max_concurrent": m["max_concurrent"]}
 
@@ -239,8 +239,8 @@ def search_rows(cfg: Config, measure, saturation_per_s: float) -> dict[str, floa
     search = slos.bisect_rate(measure, saturation_per_s / RATE_BRACKET, saturation_per_s,
                               target=cfg.slo_attainment, steps=cfg.search_steps)
     at = {k: v for k, v in search.at_max.items() if k != "stopped"}  # none passed: a bound only
-    return {"max_rate_per_s": search.max_rate_per_s, **at,
-            "slo_capacity_pct": 100 * search.max_rate_per_s / saturation_per_s,
+    return {"max_requests_per_s": search.max_requests_per_s, **at,
+            "slo_capacity_pct": 100 * search.max_requests_per_s / saturation_per_s,
             "rates_tried": len(search.tried),
             "replays_stopped": sum(m.get("stopped", 0) for _, m in search.tried),
             "bracket_width_per_s": search.high_per_s - search.low_per_s,
@@ -259,7 +259,7 @@ def expected(cfg: Config) -> dict[str, float]:
     if "useful_tokens_per_s" in out:
         tokens_per_s = out["useful_tokens_per_s"]
         out["usd_per_million_tokens"] = slos.usd_per_million_tokens(cfg.price_per_hour, tokens_per_s)
-        out["saturation_rate_per_s"] = tokens_per_s * len(requests) / sum(r.output_len for r in requests)
+        out["saturation_requests_per_s"] = tokens_per_s * len(requests) / sum(r.output_len for r in requests)
     if cfg.search_steps:
         out["rates_tried"] = cfg.search_steps
         out["bracket_ratio"] = RATE_BRACKET ** (2.0 ** -cfg.search_steps)
@@ -270,7 +270,7 @@ compare = batching.compare
 
 
 def notes(cfg: Config) -> dict[str, str]:
-    return {"max_rate_per_s": "the highest open-loop Poisson rate tried at which at least "
+    return {"max_requests_per_s": "the highest open-loop Poisson rate tried at which at least "
                               f"{cfg.slo_attainment:g} of the requests met both objectives "
                               "(0: none in the bracket). Predicted: the capacity, every slot "
                               "decoding at the measured closed-loop step (slots / (mean output "
@@ -278,12 +278,12 @@ def notes(cfg: Config) -> dict[str, str]:
                               "past the TTFT objective (and prefills stretch TPOT) well before "
                               "the server saturates.",
             "goodput_requests_per_s": "requests that met both objectives per second of the replay "
-                                      "at max_rate_per_s (at the lowest rate tried when none "
+                                      "at max_requests_per_s (at the lowest rate tried when none "
                                       "passed).",
-            "saturation_rate_per_s": "requests per second of the backlog replay (all queued at "
+            "saturation_requests_per_s": "requests per second of the backlog replay (all queued at "
                                      "once): the search's upper end. Predicted: batching's "
                                      "throughput bound in requests.",
-            "slo_capacity_pct": "max_rate_per_s as a share of the saturation rate: what the SLO "
+            "slo_capacity_pct": "max_requests_per_s as a share of the saturation rate: what the SLO "
                                 "leaves of the capacity.",
             "bracket_ratio": "the final bracket's high / low; predicted exactly: "
                              f"{RATE_BRACKET} ** (2 ** -search_steps).",

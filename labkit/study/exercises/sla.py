@@ -34,17 +34,17 @@ def tiny_saturation(r: Rows, s: Setup) -> dict[str, str]:
     """The run's measured saturation beside the same formula at its measured step."""
     cfg = s.cfg("continuous")
     _, requests = batching.workload(cfg)
-    return {"measured": show(r.get("continuous", "saturation_rate_per_s"), "requests/s"),
+    return {"measured": show(r.get("continuous", "saturation_requests_per_s"), "requests/s"),
             "napkin": show(tiny_napkin(r, s), "requests/s"),
             "step": show(r.get("continuous", "decode_step_ms"), "ms"), "rows": cfg.batch_size,
             "mean_out": show(sum(q.output_len for q in requests) / len(requests)),
-            "max_rate": show(r.get("continuous", "max_rate_per_s"), "requests/s")}
+            "max_rate": show(r.get("continuous", "max_requests_per_s"), "requests/s")}
 
 
 def saturation_supported(r: Rows, s: Setup) -> str | None:
     """The formula bounds the backlog replay: what it measured is at most the formula at its own
     measured step (10% for the median step against the mean)."""
-    measured, napkin = r.get("continuous", "saturation_rate_per_s"), tiny_napkin(r, s)
+    measured, napkin = r.get("continuous", "saturation_requests_per_s"), tiny_napkin(r, s)
     if measured is None or napkin is None:
         return "the run measured no saturation rate or decode step"
     return None if measured <= 1.1 * napkin else \
