@@ -10,6 +10,7 @@ from labkit import planner
 from labkit.blocks import lora
 from labkit.blocks.model import build_model
 from labkit.config import ConfigError, resolve
+from labkit.measure.memory import storage_bytes
 from labkit.techniques import finetune
 
 pytest.importorskip("peft")
@@ -78,9 +79,9 @@ def test_nf4_bytes_are_the_inner_tensors_storage_and_match_the_planner():
     inner = sum(getattr(nf4, n).untyped_storage().nbytes() for n in names)
     # codes, int8 scalers, an fp32 factor per scaler block, the fp32 mean, the 16-entry fp32 LUT
     scaler_blocks = w.numel() // 64 // planner.nf4_scaler_block(w.numel(), 64)
-    assert lora.stored_bytes([nf4]) == inner == w.numel() // 2 + w.numel() // 64 + 4 * scaler_blocks + 4 + 64
+    assert storage_bytes([nf4]) == inner == w.numel() // 2 + w.numel() // 64 + 4 * scaler_blocks + 4 + 64
     assert nf4.untyped_storage().nbytes() == w.numel() * 4  # the placeholder: never counted
-    assert lora.stored_bytes([nf4]) == planner.nf4_bytes(688, 256)
+    assert storage_bytes([nf4]) == planner.nf4_bytes(688, 256)
 
 
 @pytest.mark.parametrize("variant,targets", [("full", "q,v"), ("lora", "q,v"), ("lora", "all"),
@@ -98,7 +99,7 @@ def test_qlora_linear_weights_are_about_four_bits():
     step, _ = finetune.finetune_step(cfg)
     weights = lora.linear_weights(step.model)
     num = sum(w.numel() for w in weights)
-    bits = 8 * lora.stored_bytes(weights) / num
+    bits = 8 * storage_bytes(weights) / num
     assert 4.0 < bits < 4.145 * 1.01  # 4 bits + int8 scalers per 64 + factors (+ a LUT per weight)
 
 

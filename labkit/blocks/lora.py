@@ -14,8 +14,8 @@
   `planner.nf4_scaler_block(numel, block_size)` scalers (torchao needs that block to divide the
   number of scalers; the planner counts the same bytes). Each matmul dequantizes it to the
   input's dtype, forward and backward (`NF4Matmul`), and keeps only the 4-bit weight.
-- `stored_tensors` / `stored_bytes`: a tensor subclass's bytes are its inner tensors' storage (an
-  `NF4Tensor`'s own storage is a placeholder of the unquantized size).
+- A tensor subclass's bytes are its inner tensors' storage (`labkit.measure.memory.storage_bytes`;
+  an `NF4Tensor`'s own storage is a placeholder of the unquantized size).
 
 Both libraries are optional (`pip install labkit[finetune]`): imported inside the functions.
 """
@@ -28,10 +28,9 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from labkit import planner
-from labkit.measure.memory import storage_bytes
+from labkit.measure.memory import inner_tensors
 
 def block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
     """(name, module) of every linear inside the decoder blocks (not the head), the base's own:
@@ -133,22 +132,6 @@ def nf4_error_bound(w: torch.Tensor, nf4) -> torch.Tensor:
 
 # --- bytes of what is stored ----------------------------------------------------------------------
 
-def stored_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """The tensors whose storage holds `tensors`: a plain tensor itself, a wrapper subclass
-    (NF4Tensor, DTensor-like) its inner tensors (`__tensor_flatten__`), recursively."""
-    for t in tensors:
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            yield from stored_tensors(getattr(t, name) for name in names)
-        else:
-            yield t
-
-
-def stored_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors`, subclasses counted by their inner tensors."""
-    return storage_bytes(stored_tensors(tensors))
-
-
 def base_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every weight of the base model as stored: the parameters and buffers that are not adapters
     (the NF4 weights are buffers)."""
@@ -165,6 +148,6 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     """A SHA-1 of the bytes of `tensors` as stored: equal digests mean bitwise-equal tensors. Kept
     as a digest, not a copy, so checking the frozen base holds no memory."""
     h = hashlib.sha1()
-    for t in stored_tensors(tensors):
+    for t in inner_tensors(tensors):
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()

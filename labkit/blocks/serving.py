@@ -137,9 +137,14 @@ def block_hashes(tokens: list[int], block_size: int) -> list[int]:
     offers sha256 for that reason."""
     hashes, parent = [], None
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        parent = chain_hash(parent, tokens[start:start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def chain_hash(parent: int | None, block: list[int]) -> int:
+    """One full block's key: its tokens and the key of everything before it."""
+    return hash((parent, tuple(block)))
 
 
 def reusable_blocks(tokens: list[int], block_size: int) -> int:
@@ -212,8 +217,8 @@ class PrefixCachingPool(BlockPool):
         stays private."""
         chain, table = self.chains.setdefault(seq, []), self.tables[seq]
         for i in range(len(chain), num_computed // self.block_size):
-            parent = chain[-1] if chain else None
-            h = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
+            h = chain_hash(chain[-1] if chain else None,
+                           tokens[i * self.block_size:(i + 1) * self.block_size])
             chain.append(h)
             if h not in self.cached and table[i] not in self.hash_of:
                 self.cached[h], self.hash_of[table[i]] = table[i], h

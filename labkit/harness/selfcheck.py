@@ -39,8 +39,8 @@ from typing import Any, Callable
 
 RUN_MARK = "LABKIT_SELFCHECK_RUN "
 ERROR_MARK = "LABKIT_SELFCHECK_ERROR "
-# The default --budget-s per device kind. The CPU's is the larger: it runs a check for each of the
-# 23 experiments, seven of them multi-process (each launch re-imports torch in every rank, 6-12 s
+# The default --budget-s per device kind. The CPU's is the larger: it runs a check for each
+# experiment, seven of them multi-process (each launch re-imports torch in every rank, 6-12 s
 # on 2 cores) and two cold torch.compile builds; about 4-5 minutes on a 2-core CPU, with room for
 # a slower one. A GPU runs fewer, larger families.
 DEFAULT_BUDGET_S = {"cpu": 600.0, "cuda": 300.0}
@@ -378,6 +378,16 @@ def datasheet(key: str, share: float) -> Callable[[str, dict], float]:
 
 
 PLANNER = "the planner's predicted peak memory against the measured peak (measured / predicted)"
+# Checks of the same mechanism on either kind of device (each list ends with them)
+_EVERY_DEVICE = [
+    Check("inference", "speculative", "prompt lookup: exactly greedy decoding's tokens",
+          checked_ok("speculative", "prompt_lookup"), ">=", 1.0),
+    Check("serving", "sla", "SLA search: the continuous scheduler's log-probs as the reference's",
+          checked_ok("sla", "continuous"), ">=", 1.0),
+    Check("training_memory", "finetune", f"LoRA: {PLANNER} (within 10%)",
+          against_prediction("finetune", "lora", "peak_mem_bytes"), "within", 0.10),
+]
+
 CHECKS: dict[str, list[Check]] = {
     "cuda": [
         # 85% of the ~790 TFLOP/s H200s reach = 670 = 0.677 of the 989 dense bf16 datasheet peak
@@ -432,21 +442,15 @@ CHECKS: dict[str, list[Check]] = {
               "bytes counted twice in the napkin math", "GB/s"),
         Check("inference", "weight_quant", "fp8 weights: logits within tolerance of the model dtype's",
               checked_ok("weight_quant", "fp8"), ">=", 1.0),
-        Check("inference", "speculative", "prompt lookup: exactly greedy decoding's tokens",
-              checked_ok("speculative", "prompt_lookup"), ">=", 1.0),
         Check("inference", "speculative", "prompt lookup tokens/s / greedy decoding's",
               ratio("speculative", "tokens_per_s", "prompt_lookup", "none"), ">=", 1.0,
               "text whose n-grams rarely recur (random weights)", "x"),
-        Check("serving", "sla", "SLA search: the continuous scheduler's log-probs as the reference's",
-              checked_ok("sla", "continuous"), ">=", 1.0),
         Check("training_memory", "memory_pool", "expandable segments: same tokens as the default allocator",
               checked_ok("memory_pool", "expandable"), ">=", 1.0),
         Check("training_memory", "batch_finder", "bf16 frontier found, probes freed",
               checked_ok("batch_finder", "bf16"), ">=", 1.0),
         Check("training_memory", "finetune", f"QLoRA: {PLANNER} (within 10%)",
               against_prediction("finetune", "qlora", "peak_mem_bytes"), "within", 0.10),
-        Check("training_memory", "finetune", f"LoRA: {PLANNER} (within 10%)",
-              against_prediction("finetune", "lora", "peak_mem_bytes"), "within", 0.10),
         Check("serving", "batching", "continuous / static useful tokens/s (24 requests, outputs <= 128)",
               ratio("batching", "useful_tokens_per_s", "continuous", "static"), ">=", 1.5,
               "a workload too light to queue requests", "x"),
@@ -454,6 +458,7 @@ CHECKS: dict[str, list[Check]] = {
               "NCCL failed to start"),
         Check("distributed", "data_parallel", "DDP over NCCL matches one process",
               checked_ok("data_parallel", "ddp"), ">=", 1.0, "NCCL failed to start"),
+        *_EVERY_DEVICE,
     ],
     "cpu": [
         Check("hardware", "matmul", "bf16 matmul matches fp32 within its tolerance", checked_ok("matmul", "bf16"),
@@ -505,8 +510,6 @@ CHECKS: dict[str, list[Check]] = {
         Check("training_memory", "finetune", "QLoRA linear weight bytes / full's fp32 (issue 19: <= 0.145)",
               ratio("finetune", "linear_weight_bytes", "qlora", "full"), "<=", 0.145,
               "torchao not installed (labkit[finetune])"),
-        Check("training_memory", "finetune", f"LoRA: {PLANNER} (within 10%)",
-              against_prediction("finetune", "lora", "peak_mem_bytes"), "within", 0.10),
         Check("tooling", "profiling", "under torch.profiler: the same loss as plain", checked_ok("profiling", "profiler"),
               ">=", 1.0),
         Check("tooling", "dataloading", "worker processes: the same batches and loss as the baseline",
@@ -519,8 +522,6 @@ CHECKS: dict[str, list[Check]] = {
               ratio("weight_quant", "weight_bytes", "int8", "none"), "<=", 0.27),
         Check("inference", "weight_quant", "int4 (group 64): weight bytes measured / predicted (exactly)",
               against_prediction("weight_quant", "int4", "weight_bytes"), "within", 0.0),
-        Check("inference", "speculative", "prompt lookup: exactly greedy decoding's tokens",
-              checked_ok("speculative", "prompt_lookup"), ">=", 1.0),
         Check("inference", "speculative", "draft model: exactly greedy decoding's tokens",
               checked_ok("speculative", "draft"), ">=", 1.0),
         Check("distributed", "zero", "ZeRO-3 param bytes per rank / ZeRO-0's, 2 ranks (issue 4: 1/2 within 1%)",
@@ -549,10 +550,9 @@ CHECKS: dict[str, list[Check]] = {
               lambda f: (value(f, "batching", "static", "padding_waste_pct")
                          - value(f, "batching", "continuous", "padding_waste_pct")), ">=", 1.0,
               "", "points"),
-        Check("serving", "sla", "SLA search: the continuous scheduler's log-probs as the reference's",
-              checked_ok("sla", "continuous"), ">=", 1.0),
         Check("serving", "sla", "SLA search: its final bracket high / low, measured / predicted (exactly)",
               against_prediction("sla", "continuous", "bracket_ratio"), "within", 1e-9),
+        *_EVERY_DEVICE,
     ],
 }
 

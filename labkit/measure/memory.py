@@ -13,10 +13,10 @@ from __future__ import annotations
 import collections
 import gc
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from labkit import hardware
@@ -53,10 +53,23 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
-    seen: dict[int, int] = {}
+def inner_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The tensors whose storage holds `tensors`: a plain tensor itself, a wrapper subclass
+    (torchao's NF4Tensor, DTensor) its inner tensors (`__tensor_flatten__`), recursively; a
+    wrapper's own storage is a placeholder of the unwrapped size."""
     for t in tensors:
+        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            yield from inner_tensors(getattr(t, name) for name in names)
+        else:
+            yield t
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once; a
+    tensor subclass by its inner tensors)."""
+    seen: dict[int, int] = {}
+    for t in inner_tensors(tensors):
         st = _storage(t) if isinstance(t, torch.Tensor) else None
         if st is not None:
             seen[st._cdata] = st.nbytes()
@@ -225,6 +238,20 @@ def free_device_memory(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def fits_in_memory(run: Callable[[], bool | None], device: str) -> bool:
+    """Whether `run()` completes without running out of memory (and does not return False);
+    other errors propagate. Afterwards nothing it allocated is alive: its frames, and on an OOM
+    the traceback that holds them, are gone before the device's memory is freed."""
+    try:
+        fits = run() is not False
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
+        if not is_out_of_memory(e):
+            raise
+        fits = False
+    free_device_memory(device)
+    return fits
 
 
 # Ops that only cast, view or transpose: a saved tensor reached from a parameter through these

@@ -20,7 +20,6 @@ The step the harness then measures and times is a training step at the size foun
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import torch
 
 from labkit import hardware
 from labkit.config import RunConfig, knob, resolve_device
-from labkit.measure.memory import is_out_of_memory
+from labkit.measure.memory import fits_in_memory
 from labkit.blocks.recipe import Recipe, compose, planned_memory
 from labkit.blocks.training import Trainer
 from labkit.blocks.transforms import apply_accumulation
@@ -147,32 +146,16 @@ def find_largest(fits: Callable[[int], bool], *, start: int, cap: int, step: int
 def probe(cfg: Config, n: int, on_probe: Callable[[int, Trainer], None] | None = None) -> bool:
     """Does training at size `n` fit? PROBE_STEPS steps of a fresh trainer; afterwards (OOM or
     not) nothing of it is alive and the memory is back where it was before the probe."""
-    fits = _run_probe(at_size(cfg, n), n, on_probe)
-    release_memory(cfg.device)  # only now: the trainer's frame and any traceback are gone
-    return fits
+    return fits_in_memory(lambda: _run_probe(at_size(cfg, n), n, on_probe), cfg.device)
 
 
-def _run_probe(cfg: Config, n: int, on_probe) -> bool:
-    # The trainer lives only in this frame. On an OOM the traceback references the frames below
-    # it (the half-done forward or backward and its tensors); leaving the except block drops it.
-    try:
-        trainer = frontier_step(cfg, probe_sizes(cfg))
-        if on_probe is not None:
-            on_probe(n, trainer)
-        for _ in range(PROBE_STEPS):
-            trainer.step()
-    except (torch.OutOfMemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
-        if not is_out_of_memory(e):
-            raise
-        return False
-    return True
-
-
-def release_memory(device: str) -> None:
-    """Collect reference cycles (checkpointed blocks hold one) and hand CUDA's cache back."""
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+def _run_probe(cfg: Config, n: int, on_probe) -> None:
+    # The trainer lives only in this frame (gone, with any traceback, when fits_in_memory frees)
+    trainer = frontier_step(cfg, probe_sizes(cfg))
+    if on_probe is not None:
+        on_probe(n, trainer)
+    for _ in range(PROBE_STEPS):
+        trainer.step()
 
 
 def search_frontier(cfg: Config, on_probe: Callable[[int, Trainer], None] | None = None) -> Search:

@@ -44,7 +44,7 @@ import torch
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob, torch_dtype
 from labkit.techniques.kv_cache import load_model
-from labkit.blocks.requests import Request, load_workload
+from labkit.blocks.requests import Request, WorkloadSpec, load_workload
 from labkit.blocks.serving import (BatchPolicy, Engine, IterationPolicy, Policy, Sequence, block_hashes,
                                    reusable_blocks)
 from labkit.workload import Comparison, Workload
@@ -89,20 +89,31 @@ class Config(RunConfig):
 # --- the workload ----------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=8)
-def _load(path: str) -> tuple[tuple[str, ...], tuple[Request, ...]]:
+def _load(path: str) -> tuple[WorkloadSpec, tuple[Request, ...]]:
     spec, requests = load_workload(path)
-    return tuple(name for name, _ in spec.priorities), tuple(requests)
+    return spec, tuple(requests)
 
 
-def workload(cfg: Config) -> tuple[tuple[str, ...], list[Request]]:
-    """The priority classes (most urgent first) and the requests as this config serves them."""
+def _loaded(cfg: Config) -> tuple[WorkloadSpec, tuple[Request, ...]]:
+    """The workload file `cfg` names (a shipped name or a path), read once per process."""
     path = Path(cfg.workload)
     if cfg.workload in workload_names():
         path = WORKLOADS_DIR / f"{cfg.workload}.json"
     elif not path.is_file():
         raise ConfigError(f"unknown workload {cfg.workload!r}; valid: {', '.join(workload_names())} "
                           "or the path of a workload file")
-    classes, requests = _load(str(path))
+    return _load(str(path))
+
+
+def workload_spec(cfg: Config) -> WorkloadSpec:
+    """The spec the workload was drawn from (its seed redraws arrivals at another rate)."""
+    return _loaded(cfg)[0]
+
+
+def workload(cfg: Config) -> tuple[tuple[str, ...], list[Request]]:
+    """The priority classes (most urgent first) and the requests as this config serves them."""
+    spec, requests = _loaded(cfg)
+    classes = tuple(name for name, _ in spec.priorities)
     requests = list(requests[:cfg.num_requests or None])
     if cfg.max_output_len:
         requests = [dataclasses.replace(r, output_len=min(r.output_len, cfg.max_output_len))

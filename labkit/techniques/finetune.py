@@ -22,7 +22,6 @@ fits in a memory budget (batch_finder's grow-then-bisect search).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -33,8 +32,8 @@ from labkit.blocks import lora
 from labkit.blocks.training import Trainer, adamw, lm_loss
 from labkit.blocks.transforms import apply_checkpointing
 from labkit.config import ConfigError, MODELS, RunConfig, knob, torch_dtype
-from labkit.measure.memory import MemoryMeter, is_out_of_memory
-from labkit.techniques.batch_finder import find_largest, release_memory
+from labkit.measure.memory import MemoryMeter, fits_in_memory, storage_bytes
+from labkit.techniques.batch_finder import find_largest
 from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("full", "lora", "qlora", "lora_ckpt")
@@ -211,7 +210,7 @@ def build(cfg: Config) -> Workload:
     model, grads = step.model, {}
     if cfg.variant != "full":  # B = 0: the adapters add exact zeros
         init["init_logits_equal"] = float(logits_of(model, step.inputs) == init["logits"])
-    step.grad_hooks.append(lambda s: grads.update(bytes=lora.stored_bytes(
+    step.grad_hooks.append(lambda s: grads.update(bytes=storage_bytes(
         p.grad for p in s.model.parameters() if p.grad is not None)))
 
     def check() -> dict:
@@ -226,8 +225,8 @@ def build(cfg: Config) -> Workload:
 
     return Workload(
         step=step.step, check=check, tokens_per_step=cfg.batch_size * cfg.seq_len,
-        tensors={"param_bytes": lambda: lora.stored_tensors(lora.base_tensors(model) + adapter_params(model)),
-                 "linear_weight_bytes": lambda: lora.stored_tensors(lora.linear_weights(model)),
+        tensors={"param_bytes": lambda: lora.base_tensors(model) + adapter_params(model),
+                 "linear_weight_bytes": lambda: lora.linear_weights(model),
                  "optimizer_bytes": step.optimizer_tensors},
         forward=step.forward, resident=lambda: [*model.parameters(), *model.buffers()],
         report=lambda: {"grad_bytes": grads.get("bytes", 0), **counts(model)},
@@ -333,27 +332,21 @@ def probe(cfg: Config, seq_len: int, budget: int | None) -> bool:
     """Do two training steps at `seq_len` fit in `budget` bytes (None: the device's own memory)?
     The weights as stored count against it. Afterwards nothing of the probe is alive and the
     memory is back where it was."""
-    fits = _run_probe(dataclasses.replace(cfg, seq_len=seq_len), budget)
-    release_memory(cfg.device)  # only now: the trainer's frame and any traceback are gone
-    return fits
+    return fits_in_memory(lambda: _run_probe(dataclasses.replace(cfg, seq_len=seq_len), budget),
+                          cfg.device)
 
 
 def _run_probe(cfg: Config, budget: int | None) -> bool:
-    try:
-        # Built before the meter: quantizing to NF4 holds (chunk, 16) distance temporaries, a
-        # load-time cost; the weights it leaves are counted from storage instead.
-        step, _ = finetune_step(cfg)
-        resident = lora.stored_bytes([*step.model.parameters(), *step.model.buffers()])
-        left = None if budget is None else budget - resident
-        if left is not None and left <= 0:
-            return False
-        with MemoryMeter(cfg.device, left):  # counts what is allocated past its entry
-            for _ in range(2):  # the first allocates AdamW's state; the second runs with it
-                step.step()
-    except (torch.OutOfMemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
-        if not is_out_of_memory(e):
-            raise
+    # Built before the meter: quantizing to NF4 holds (chunk, 16) distance temporaries, a
+    # load-time cost; the weights it leaves are counted from storage instead.
+    step, _ = finetune_step(cfg)
+    resident = storage_bytes([*step.model.parameters(), *step.model.buffers()])
+    left = None if budget is None else budget - resident
+    if left is not None and left <= 0:
         return False
+    with MemoryMeter(cfg.device, left):  # counts what is allocated past its entry
+        for _ in range(2):  # the first allocates AdamW's state; the second runs with it
+            step.step()
     return True
 
 
@@ -365,13 +358,13 @@ def frontier(cfg: Config, budget_gib: float | None, variants=VARIANTS, *, seq_st
 
     budget = None if budget_gib is None else int(budget_gib * 2**30)
     cap = cfg.model.max_seq_len // seq_step
+    limit = budget if budget is not None else hardware.ceilings(cfg.device).memory_bytes
     rows = []
     for variant in variants:
         at = dataclasses.replace(cfg, variant=variant)
         if skip_reason(at):
             continue
         search = find_largest(lambda k: probe(at, k * seq_step, budget), start=1, cap=cap, step=1)
-        limit = budget if budget is not None else device_bytes(cfg.device)
         predicted = find_largest(lambda k: plan(at, k * seq_step).total_bytes <= limit,
                                  start=1, cap=cap, step=1)
         rows.append({"variant": variant, "max_seq_len": search.found * seq_step,
@@ -379,9 +372,3 @@ def frontier(cfg: Config, budget_gib: float | None, variants=VARIANTS, *, seq_st
                      "num_probes": len(search.probes), "budget_gib": limit / 2**30,
                      "capped": search.capped})
     return pd.DataFrame(rows)
-
-
-@functools.lru_cache(maxsize=None)
-def device_bytes(device: str) -> int:
-    """A GPU's total memory (the frontier's limit without a virtual budget)."""
-    return torch.cuda.get_device_properties(device).total_memory

@@ -28,13 +28,12 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from labkit.config import ConfigError, knob
+from labkit.config import knob
 from labkit.blocks import slo as slos
-from labkit.blocks.requests import Request, WorkloadSpec, load_workload
+from labkit.blocks.requests import Request, WorkloadSpec
 from labkit.blocks.serving import Engine, Policy, Sequence
 from labkit.techniques import batching
 from labkit.techniques.kv_cache import load_model
@@ -73,26 +72,10 @@ class Config(batching.Config):
                                                     "(a placeholder: enter yours)")
 
 
-def validate(cfg: Config) -> None:
-    batching.validate(cfg)
-    if cfg.slo_attainment > 1:
-        raise ConfigError(f"slo_attainment={cfg.slo_attainment} is a share; valid: 0 < x <= 1")
+validate = batching.validate  # slo_attainment's range is its knob's
 
 
 # --- the workload's spec and the objectives ---------------------------------------------------------
-
-@functools.lru_cache(maxsize=8)
-def _spec(path: str) -> WorkloadSpec:
-    return load_workload(path)[0]
-
-
-def workload_spec(cfg: Config) -> WorkloadSpec:
-    """The spec the workload was drawn from (its seed draws the search's arrivals)."""
-    path = Path(cfg.workload)
-    if cfg.workload in batching.workload_names():
-        path = batching.WORKLOADS_DIR / f"{cfg.workload}.json"
-    return _spec(str(path))
-
 
 _BASELINES: dict[str, tuple[float, float]] = {}  # probe key -> (ttft_s, full_step_s)
 
@@ -159,7 +142,7 @@ def build(cfg: Config) -> Workload:
         mean_out = sum(r.output_len for r in requests) / len(requests)
         found["max_requests_per_s"] = slos.saturation_rate(slots, mean_out, closed["decode_step_ms"] / 1e3)
         if cfg.search_steps:
-            measure = functools.partial(open_loop, cfg, workload_spec(cfg), requests, serve, slo)
+            measure = functools.partial(open_loop, cfg, batching.workload_spec(cfg), requests, serve, slo)
             out.update(search_rows(cfg, measure, closed["saturation_requests_per_s"]))
         return out
 

@@ -85,10 +85,9 @@ def skip_reason(cfg: Config) -> str | None:
 
 def linear_shapes(m: ModelConfig) -> list[tuple[int, int]]:
     """(out_features, in_features) of every quantized linear, in load order: per block q, k, v,
-    o, then the MLP (w1, w3 for SwiGLU, w2); last the output head."""
-    q, kv, d = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.hidden_size
-    mlp = [(m.ffn_size, d)] * (2 if m.arch == "llama" else 1) + [(d, m.ffn_size)]
-    return [(q, d), (kv, d), (kv, d), (d, q), *mlp] * m.num_layers + [(m.vocab_size, d)]
+    o, then the MLP (w1, w3 for SwiGLU, w2: `planner.linear_shapes`); last the output head."""
+    block = list(planner.linear_shapes(m).values())
+    return block * m.num_layers + [(m.vocab_size, m.hidden_size)]
 
 
 def layer_bytes(cfg: Config, variant: str | None = None) -> list[int]:

@@ -21,23 +21,25 @@ def saturation_answer(s: Setup) -> float:
     return slos.saturation_rate(ROWS, MEAN_OUTPUT, STEP_MS / 1e3)
 
 
+def mean_output(s: Setup) -> float:
+    """The run's requests' mean output tokens."""
+    _, requests = batching.workload(s.cfg("continuous"))
+    return sum(q.output_len for q in requests) / len(requests)
+
+
 def tiny_napkin(r: Rows, s: Setup) -> float | None:
     """The formula at the run's rows, mean output and measured decode step."""
-    cfg = s.cfg("continuous")
-    _, requests = batching.workload(cfg)
-    mean_out = sum(q.output_len for q in requests) / len(requests)
     step_ms = r.get("continuous", "decode_step_ms")
-    return None if step_ms is None else slos.saturation_rate(cfg.batch_size, mean_out, step_ms / 1e3)
+    return None if step_ms is None else slos.saturation_rate(s.cfg("continuous").batch_size,
+                                                             mean_output(s), step_ms / 1e3)
 
 
 def tiny_saturation(r: Rows, s: Setup) -> dict[str, str]:
     """The run's measured saturation beside the same formula at its measured step."""
-    cfg = s.cfg("continuous")
-    _, requests = batching.workload(cfg)
     return {"measured": show(r.get("continuous", "saturation_requests_per_s"), "requests/s"),
             "napkin": show(tiny_napkin(r, s), "requests/s"),
-            "step": show(r.get("continuous", "decode_step_ms"), "ms"), "rows": cfg.batch_size,
-            "mean_out": show(sum(q.output_len for q in requests) / len(requests)),
+            "step": show(r.get("continuous", "decode_step_ms"), "ms"),
+            "rows": s.cfg("continuous").batch_size, "mean_out": show(mean_output(s)),
             "max_rate": show(r.get("continuous", "max_requests_per_s"), "requests/s")}
 
 
