@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="result rows as JSON lines on stdout")
     run.add_argument("--hf-model", metavar="DIR", help=HF_MODEL_HELP + "; sizes still come from "
                      "--preset and --set (e.g. --set num_layers=2 shrinks it, with random weights)")
+    run.add_argument("--budget-s", type=float, metavar="S", default=None,
+                     help="on a CPU at the tiny preset, size the defaults down until this run is "
+                          "predicted to take at most S seconds here (default: 40; 0: never; "
+                          "settings given with --set or --sweep are kept)")
     run.add_argument("--nproc", type=int, metavar="N",
                      help="ranks of a multi-process experiment (default: one per visible GPU, "
                           "else 2 CPU ranks; under torchrun: its world size)")
@@ -68,8 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "comma-separate; default: every notebook outside notebooks/exercises/)")
     rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                      help="a setting given to every notebook whose experiment takes it")
-    rep.add_argument("--jobs", type=int, default=2, help="notebooks run at once (default: 2; "
-                     "multi-process notebooks one at a time)")
+    rep.add_argument("--jobs", type=int, default=None, help="core slots (default: the cores this "
+                     "process may use; 2 on a GPU); a notebook takes one per rank it starts, at most all")
+    rep.add_argument("--budget-s", type=float, default=None, metavar="S",
+                     help="on a CPU at the tiny preset, size each notebook to its share of S seconds "
+                          "before it runs (default: 480, for a goal of 600; 0: never)")
+    rep.add_argument("--dry-run", action="store_true",
+                     help="print each notebook's predicted seconds here, its sizing and the total; run nothing")
     _add_run_options(rep)
     prof = sub.add_parser("profile", help="one step of one experiment under torch.profiler: "
                                           "findings, top operators, a Chrome trace")
@@ -266,11 +275,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         result = run_experiment(args.name, preset=args.preset, overrides=overrides,
                                 sweep=parse_sweep(args.sweep), variants=split_variants(args.variant),
-                                runs_dir=args.runs_dir, progress=not args.json and sys.stderr.isatty())
+                                runs_dir=args.runs_dir, progress=not args.json and sys.stderr.isatty(),
+                                budget_s=_budget_s(args.budget_s))
     except RunFailed as e:
         _print_result(e.result, args.json)
         print(f"labkit: error: {e}", file=sys.stderr)
         return 1
+    sizing = next((r["params"]["sizing"] for r in result.rows if r["params"].get("sizing")), "")
+    if sizing:
+        print(f"labkit: {sizing}", file=sys.stderr)
     failed = reference_failure(record(args.name).reference, result.rows)
     if os.environ.get("RANK", "0") == "0":
         _print_result(result, args.json)
@@ -280,6 +293,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and record(args.name).distributed:
         launch.leave(code)  # a torchrun rank, its rows stored: see launch.leave
     return code
+
+
+def _budget_s(given: float | None) -> float:
+    from labkit.harness.budget import RUN_TARGET_S
+
+    if given is not None and given < 0:
+        raise ConfigError(f"--budget-s {given:g}: seconds >= 0 (0: never size down)")
+    return RUN_TARGET_S if given is None else given
 
 
 def reference_failure(reference: str, rows: list[dict]) -> str:
@@ -363,7 +384,9 @@ def _results_bundle(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Exit 1 when a notebook failed, once every notebook has run; bad input exits 2 first."""
     from labkit.config import resolve_device
-    from labkit.report import check_settings, choose_notebooks, find_notebooks, run_report
+    from labkit.report import (check_settings, choose_notebooks, describe_report, find_notebooks,
+                               run_report)
+    from labkit.report.plan import REPORT_TARGET_S
 
     only = split_variants(args.only)
     choose_notebooks(find_notebooks(), only)  # an unknown name: one line naming the valid ones
@@ -371,15 +394,21 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown preset {args.preset!r}; valid: {', '.join(PRESETS)}")
     if args.device is not None:
         resolve_device(args.device)  # an absent device: one line, before anything runs
-    if args.jobs < 1:
+    if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs={args.jobs}: give 1 or more")
+    if args.budget_s is not None and args.budget_s < 0:
+        raise ConfigError(f"--budget-s {args.budget_s:g}: seconds >= 0 (0: never size down)")
     overrides = parse_assignments(args.overrides) if args.overrides else {}
     check_settings(list(overrides))  # a setting no experiment takes: exit 2 before anything runs
+    budget_s = REPORT_TARGET_S if args.budget_s is None else args.budget_s
+    options = dict(preset=args.preset, device=args.device, overrides=overrides, runs_dir=args.runs_dir,
+                   only=only, jobs=args.jobs, budget_s=budget_s)
+    if args.dry_run:
+        print(describe_report(run_report(args.out, dry_run=True, **options), budget_s))
+        return 0
     writable_folder(args.out, "--out")
     checked_runs_dir(args.runs_dir or Path(args.out) / "runs")
-    report = run_report(args.out, preset=args.preset, device=args.device, overrides=overrides,
-                        runs_dir=args.runs_dir, only=only, jobs=args.jobs,
-                        progress=sys.stderr.isatty())
+    report = run_report(args.out, progress=sys.stderr.isatty(), **options)
     print(f"report written to {report.out / 'index.html'}: {len(report.notebooks)} notebooks, "
           f"{len(report.failed)} failed, {report.seconds:.0f} s")
     for run in report.failed:

@@ -168,6 +168,9 @@ class RunConfig:
     # Who ran it (a workshop's leaderboard): stored in every row's params; checked by resolve().
     participant: str = name_knob("LABKIT_PARTICIPANT", help="your name on the leaderboard")
     team: str = name_knob("LABKIT_TEAM", help="your team on the leaderboard")
+    # Why the defaults were sized down for this CPU (labkit.harness.budget), stored with every row;
+    # set by the sizing, not by hand.
+    sizing: str = field(default="", metadata={"internal": True, "help": "how the sizes were chosen"})
     model: ModelConfig | None = None
     uses_seq_len: typing.ClassVar[bool] = True  # False where an experiment never reads seq_len
 

@@ -381,7 +381,7 @@ seq_len = 4096  # tokens per sequence in the worked example
 effective_batch = 32  # sequences per optimizer step in the worked example
 check_overrides = {"batch_size": 4, "seq_len": 64}  # sizes of the tiny run measured here to check the planner
 device = "auto"  # where that check runs: auto, cpu, cuda or cuda:N
-nproc = 4  # gloo ranks of the worked example measured at CPU scale
+nproc = None  # gloo ranks of the worked example at CPU scale (None: as many as the cores hold, 2 to 4)
 measured = {"batch_size": 8, "seq_len": 128, "num_layers": 2, "steps": 2, "timed_steps": 2, "warmup": 0,
             "min_run_time_s": 0.0, "device": "cpu"}  # its sizes (tiny preset): batch_size is per rank
 measured_micro_batches = 4  # the last rung: each rank's batch of 8 in this many micro-batches
@@ -401,9 +401,13 @@ check = run_experiment("mixed_precision", preset="tiny", variants=["fp32"],
                        overrides={**check_overrides, "device": device},
                        runs_dir=runs_dir, progress=False)
 viz.readable(plan_view.measured_vs_predicted(check.frame()))'''),
-    ("measured_budget", '''from labkit.harness import ladder
+    ("measured_budget", '''from labkit.config import usable_threads
+from labkit.harness import ladder
 
 story = {"precision": "bf16", "checkpointing": "full", "micro_batches": measured_micro_batches}
+nproc = nproc or ladder.cpu_ranks()
+print(f"the worked example runs on {nproc} gloo ranks, one thread each: this machine lets labkit use "
+      f"{usable_threads()} core(s), so {ladder.cpu_ranks()} ranks share none (2 to 4)")
 settings = {**measured, "nproc": nproc}
 rungs = ladder.ladder_rungs(story, preset="tiny", overrides=settings)
 peaks = ladder.predicted_peaks(rungs, preset="tiny", overrides=settings)

@@ -2,6 +2,13 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(items):
+    """A test that starts ranks or executes notebooks is slow whatever else it does."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") or item.get_closest_marker("notebook"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """Every test stores runs in its own folder and runs torch on one thread (2-core machine)."""

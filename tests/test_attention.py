@@ -9,6 +9,8 @@ from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.techniques import attention
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 # head_dim 16 (64 / 4 heads), 2 kv heads (GQA): the S x S term dominates at these lengths. On the
 # CPU: which backends run and what they save is the CPU's (tests/test_cuda_paths.py has CUDA's).
 SIZES = {**FAST, "batch_size": 2, "seq_len": 64, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,

@@ -15,6 +15,8 @@ from labkit.measure.memory import MemoryMeter
 from labkit.techniques import batch_finder
 from labkit.blocks.training import Trainer, optimizer_state
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 BUDGET_GIB = 0.07  # 2-layer tiny model: ~62 MiB of weights, AdamW state and step temporaries
 SIZES = {**FAST, "num_layers": 2, "seq_len": 8, "memory_budget_gib": BUDGET_GIB, "mode": "grow",
          "device": "cpu"}

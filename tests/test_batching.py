@@ -13,6 +13,8 @@ from labkit.blocks.requests import Request
 from labkit.blocks.serving import RowCache
 from labkit.views.plots import schedule_figure
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 # A backlog (all queued at t = 0: no timing in the schedule) of the default workload's first 12
 # requests, outputs clipped to 32 tokens; 4 rows; a pool of 192 positions: static reserves the
 # longest prompt + longest output (30 + 32) per request (3 fit), continuous pages 8 at a time and

@@ -119,6 +119,7 @@ def kv_run(tmp_path_factory):
     return {"rc": rc, "out": out, "err": err, "runs": runs}
 
 
+@pytest.mark.slow
 def test_run_json_stdout_is_only_rows_of_the_schema(kv_run):
     assert kv_run["rc"] == 0, kv_run["err"]
     rows = [strict_json(line) for line in kv_run["out"].splitlines()]
@@ -314,6 +315,7 @@ def test_bad_input_is_one_error_line_and_exit_2(name, argv, mentions, tmp_path, 
     assert not runs.exists() or list(runs.iterdir()) == []  # refused before anything was stored
 
 
+@pytest.mark.slow
 def test_python_m_labkit_refuses_bad_input_without_a_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "LABKIT_RUNS_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "labkit", "run", "nope"], cwd=tmp_path, env=env,
@@ -493,6 +495,7 @@ def test_profile_any_experiment_prints_findings_operators_and_writes_a_trace(tmp
     assert rc == 2 and "nsys profile" in err and "--variant" not in err
 
 
+@pytest.mark.slow
 def test_lab_serves_the_notebooks_on_localhost_and_asks_for_its_token(tmp_path):
     """A real JupyterLab from `lab_command`: 127.0.0.1 only, and the API refuses a request without
     the token and answers one with it."""

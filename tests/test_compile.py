@@ -18,8 +18,9 @@ SHAPE = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, 
 # inductor_cache: a rerun of the tests reuses compiled kernels (the tests never read compile speed)
 SIZES = {**FAST, **SHAPE, "batch_size": 2, "seq_len": 8, "prompt_len": 4, "decode_steps": 4,
          "probe_calls": 2, "inductor_cache": True, "device": "cpu"}
-pytestmark = pytest.mark.skipif(hardware.inductor_cpu_problem() is not None,
-                                reason=str(hardware.inductor_cpu_problem()))
+pytestmark = [pytest.mark.skipif(hardware.inductor_cpu_problem() is not None,
+                                 reason=str(hardware.inductor_cpu_problem())),
+              pytest.mark.slow]  # cold torch.compile builds: seconds each
 
 
 @pytest.fixture(scope="module", params=["block", "decode"])
@@ -40,11 +41,35 @@ def test_compiled_matches_eager_with_one_graph_no_breaks_no_recompiles(rows):
 def test_cold_compile_rows_exist_and_flops_are_eagers(rows):
     for metric in ("first_call_ms", "compile_s", "probe_eager_ms", "probe_compiled_ms", "step_ms"):
         assert by(rows, "default", metric)["value"] > 0
+    # the break-even is the formula on the rows' own numbers: compile seconds over the seconds a
+    # steady compiled call saves; never (no value, "inf" in the note) when it saves none
+    value = {m: by(rows, "default", m)["value"]
+             for m in ("compile_s", "probe_eager_ms", "probe_compiled_ms")}
+    saved_s = (value["probe_eager_ms"] - value["probe_compiled_ms"]) / 1e3
     even = by(rows, "default", "break_even_steps")
-    assert even["value"] is None and "inf" in even["message"] or even["value"] > 0
+    if saved_s > 0:
+        assert even["value"] == pytest.approx(value["compile_s"] / saved_s, rel=1e-9)
+    else:
+        assert even["value"] is None and "inf" in even["message"]
     for variant in ("eager", "default"):
         flops = by(rows, variant, "flops")
         assert flops["value"] == flops["predicted"]
+
+
+def test_compile_rows_are_the_formulas_on_given_times():
+    """first call 2.5 s, second 0.5 s: 2 s of compiling; eager 3 ms, compiled 1 ms a call:
+    2 ms saved, 1000 calls to break even. Not faster: never. A second call slower than the
+    first (noise): no compile time, not a negative one."""
+    rows = compiling.compile_rows({"first_call_s": 2.5, "second_call_s": 0.5,
+                                   "probe_eager_s": 0.003, "probe_compiled_s": 0.001})
+    assert rows == pytest.approx({"first_call_ms": 2500.0, "compile_s": 2.0, "probe_eager_ms": 3.0,
+                                  "probe_compiled_ms": 1.0, "break_even_steps": 1000.0})
+    slower = compiling.compile_rows({"first_call_s": 2.5, "second_call_s": 0.5,
+                                     "probe_eager_s": 0.001, "probe_compiled_s": 0.002})
+    assert slower["break_even_steps"] == float("inf")
+    noisy = compiling.compile_rows({"first_call_s": 0.4, "second_call_s": 0.5,
+                                    "probe_eager_s": 0.003, "probe_compiled_s": 0.001})
+    assert noisy["compile_s"] == 0.0 and noisy["break_even_steps"] == 0.0
 
 
 def test_gpu_only_modes_are_skipped_on_the_cpu_with_the_reason(rows):

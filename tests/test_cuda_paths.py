@@ -1,13 +1,15 @@
 """The CUDA paths of the measurement layer, on a real GPU: the memory meter's counts of a known
 allocation and its OOM path under a virtual budget (down to the harness's `oom` row), CUDA-event
-timing, and the FLOPs of the fused SDPA kernels. Skipped, with the reason, without a GPU."""
+timing, and the FLOPs of the fused SDPA kernels; and the GPU side of tests that other files pin to
+the CPU: weight-only quantization (fp8, the loaders' peaks), NVML energy, NCCL settings. Skipped,
+with the reason, without a GPU."""
 import dataclasses
 import math
 
 import pytest
 import torch
 
-from conftest import TINY_TRAIN, FAST
+from conftest import TINY_TRAIN, FAST, measured
 from labkit import planner
 from labkit.config import MODELS, resolve
 from labkit.harness.experiment import run_experiment
@@ -142,3 +144,67 @@ def test_the_harness_counts_the_fused_kernels_flops_on_cuda(monkeypatch):
     for variant in ran:
         row = [r for r in rows if r["variant"] == variant and r["metric"] == "flops"]
         assert len(row) == 1 and row[0]["value"] == row[0]["predicted"]
+
+
+# --- the GPU side of tests pinned to the CPU elsewhere (test_weight_quant.py, test_energy.py,
+# test_distributed.py): what the same code does where the default device is cuda
+
+QUANT_SIZES = {**FAST, "prompt_len": 4, "new_tokens": 4, "num_layers": 2, "device": "cuda"}
+
+
+def test_weight_quant_on_cuda_stores_the_formulas_bytes_and_runs_fp8_where_it_can():
+    from labkit.techniques import weight_quant
+
+    rows = measured(run_experiment("weight_quant", preset="tiny", overrides=QUANT_SIZES,
+                                   progress=False).rows)  # energy: skipped where NVML cannot read it
+    fp8_ok = torch.cuda.get_device_capability() >= (8, 9)
+    for variant in weight_quant.VARIANTS:
+        status = {r["status"] for r in rows if r["variant"] == variant}
+        if variant == "fp8" and not fp8_ok:
+            assert status == {"skipped"}
+            continue
+        assert status == {"ok"}, [r["message"] for r in rows if r["variant"] == variant]
+        (stored,) = [r for r in rows if r["variant"] == variant and r["metric"] == "weight_bytes"]
+        assert stored["value"] == stored["predicted"]  # scales and zero points included
+
+
+def test_quantize_on_load_peaks_lower_than_load_then_quantize_on_the_cuda_allocator():
+    from labkit.techniques import weight_quant
+
+    cfg = resolve(weight_quant.Config, "tiny", {**QUANT_SIZES, "variant": "int4"},
+                  experiment="weight_quant")
+    peaks = {p["loading"]: p for p in weight_quant.loading_peaks(cfg)}
+    for p in peaks.values():  # the quantizer's temporaries come on top of the prediction
+        assert p["measured_peak_bytes"] >= p["predicted_peak_bytes"], p
+    assert (peaks["quantize_on_load"]["measured_peak_bytes"]
+            < peaks["load_then_quantize"]["measured_peak_bytes"])
+
+
+def test_energy_per_token_on_cuda_is_read_from_nvml_under_the_board_power_bound():
+    from labkit.measure import energy
+
+    rows = run_experiment("kv_cache", preset="tiny", variants=["static"], progress=False,
+                          overrides={**FAST, "prompt_len": 4, "new_tokens": 6, "num_layers": 2,
+                                     "batch_size": 2, "device": "cuda",
+                                     "min_run_time_s": 1.0}).rows  # NVML's counter is coarse
+    tdp = energy.gpu_tdp_watts("cuda")  # None for a GPU not in data/gpus.json
+    for variant in ("none", "static"):
+        (jpt,) = [r for r in rows if r["variant"] == variant and r["metric"] == "joules_per_token"]
+        if jpt["status"] == "skipped":
+            pytest.skip(f"NVML's energy counter is not readable here: {jpt['message']}")
+        assert jpt["status"] == "ok" and jpt["unit"] == "J/token" and jpt["value"] > 0
+        # the datasheet's board power over the whole window, per token: an upper bound
+        assert (jpt["predicted"] is not None) == (tdp is not None)
+        assert tdp is None or jpt["value"] <= jpt["predicted"], jpt
+        (idle,) = [r for r in rows if r["variant"] == variant and r["metric"] == "idle_watts"]
+        assert idle["value"] > 0  # a GPU draws power doing nothing
+
+
+def test_nccl_settings_are_accepted_for_gpu_ranks():
+    from labkit.techniques import collectives
+
+    cfg = resolve(collectives.Config, "tiny",
+                  {"device": "cuda", "nccl_algo": "Ring", "nccl_channels": "4"})
+    collectives.validate(cfg)  # refused on CPU ranks (test_distributed.py), accepted here
+    assert collectives.nccl_env(cfg) == {"NCCL_ALGO": "Ring", "NCCL_MIN_NCHANNELS": "4",
+                                         "NCCL_MAX_NCHANNELS": "4"}

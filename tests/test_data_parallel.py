@@ -14,6 +14,8 @@ from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.techniques import data_parallel as dp
 
+pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
+
 # 1 MiB buckets: the tiny model's gradients (13.5 MiB) span several, so every hook sees many.
 OVERRIDES = {**TINY_DIST, "device": "cpu", "steps": 2, "micro_batches": 2, "bucket_cap_mb": 1}
 DDP_VARIANTS = [v for v in dp.VARIANTS if v != dp.REFERENCE]

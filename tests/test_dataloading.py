@@ -9,6 +9,8 @@ from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.techniques import dataloading
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 SIZES = {**TINY_TRAIN, "batch_size": 2, "steps": 3, "epoch_steps": 6, "sample_cost_us": 300.0,
          "device": "cpu"}
 

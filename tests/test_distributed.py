@@ -24,6 +24,8 @@ from labkit.harness.ranks import RankExit, RunFailed, root_cause
 from labkit.harness.experiment import run_experiment
 from labkit.results import RunRecord, load_results, load_runs
 
+pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
+
 SIZES = [4096, 65536]
 COLLECTIVES = {**FAST, "timed_steps": 2}
 LINUX_PROC = os.path.isdir("/proc/self/net")
@@ -97,9 +99,11 @@ def collectives(tmp_path_factory):
     folders = []
     mkdtemp = ranks.tempfile.mkdtemp
 
-    def recording_mkdtemp(*args, **kwargs):
-        folders.append(mkdtemp(*args, **kwargs))
-        return folders[-1]
+    def recording_mkdtemp(*args, **kwargs):  # the rendezvous folders (not multiprocessing's own)
+        folder = mkdtemp(*args, **kwargs)
+        if str(kwargs.get("prefix", "")).startswith("labkit-"):
+            folders.append(folder)
+        return folder
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ranks.tempfile, "mkdtemp", recording_mkdtemp)
@@ -181,8 +185,9 @@ def test_nccl_ranks_listen_only_on_loopback_and_their_collectives_are_exact(tmp_
 
 def test_a_killed_rank_ends_the_run_with_its_name_and_keeps_the_rows(tmp_path, capsys):
     start = time.monotonic()
-    code = main(["run", "collectives", "--set", "fault=crash", "--set", "timeout_s=30",
-                 "--set", "min_run_time_s=0", "--set", "timed_steps=1", "--runs-dir", str(tmp_path)])
+    code = main(["run", "collectives", "--device", "cpu", "--set", "fault=crash",
+                 "--set", "timeout_s=30", "--set", "min_run_time_s=0", "--set", "timed_steps=1",
+                 "--runs-dir", str(tmp_path)])
     elapsed = time.monotonic() - start
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
@@ -199,8 +204,8 @@ def test_a_killed_rank_ends_the_run_with_its_name_and_keeps_the_rows(tmp_path, c
 def test_a_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(RunFailed) as failed:
-        run_experiment("collectives", overrides={**COLLECTIVES, "fault": "hang", "timeout_s": 5,
-                                                 "fault_rank": 1},
+        run_experiment("collectives", overrides={**COLLECTIVES, "device": "cpu", "fault": "hang",
+                                                 "timeout_s": 5, "fault_rank": 1},
                        runs_dir=str(tmp_path), progress=False)
     elapsed = time.monotonic() - start
     assert "rank 1 hung: it did not reach the barrier within 5 s (reported by rank 0)" in str(failed.value)
@@ -216,7 +221,7 @@ def test_a_hung_rank_ends_the_run_within_the_timeout(tmp_path):
 def test_torchrun_starts_the_same_experiment_and_rank_0_prints_every_rank(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "labkit", "run",
-           "collectives", "--variant", "all_gather", "--set", "min_run_time_s=0",
+           "collectives", "--device", "cpu", "--variant", "all_gather", "--set", "min_run_time_s=0",
            "--set", "timed_steps=1", "--runs-dir", str(tmp_path), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -242,8 +247,9 @@ def test_the_slurm_script_runs_torchrun_with_a_rendezvous(tmp_path):
            "LABKIT_NPROC_PER_NODE": "2", "LABKIT_RUNS_DIR": str(tmp_path / "runs"),
            "LABKIT_RDZV_PORT": str(ranks.free_port())}
     script = os.path.join(os.path.dirname(__file__), "..", "data", "slurm", "labkit.sbatch")
-    out = subprocess.run(["bash", script, "collectives", "--variant", "reduce_scatter", "--set",
-                          "min_run_time_s=0", "--set", "timed_steps=1", "--json"],
+    out = subprocess.run(["bash", script, "collectives", "--device", "cpu", "--variant",
+                          "reduce_scatter", "--set", "min_run_time_s=0", "--set", "timed_steps=1",
+                          "--json"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
@@ -291,7 +297,8 @@ def test_nccl_settings_are_gpu_knobs_recorded_per_point():
     from labkit.config import resolve
     from labkit.techniques import collectives
 
-    cfg = resolve(collectives.Config, "tiny", {"nccl_algo": "Ring", "nccl_channels": "4"})
+    cfg = resolve(collectives.Config, "tiny",
+                  {"device": "cpu", "nccl_algo": "Ring", "nccl_channels": "4"})
     assert collectives.nccl_env(cfg) == {"NCCL_ALGO": "Ring", "NCCL_MIN_NCHANNELS": "4",
                                          "NCCL_MAX_NCHANNELS": "4"}
     with pytest.raises(ConfigError, match="NCCL settings: they apply on GPUs"):

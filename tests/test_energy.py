@@ -18,7 +18,9 @@ from labkit.harness.experiment import run_experiment
 from labkit.measure import energy
 from labkit.techniques import kv_cache
 
-SIZES = {**TINY_DECODE, "batch_size": 2}
+# The CPU, read by RAPL (the fake powercap trees below): on a GPU host the default device is
+# cuda, read by NVML (test_cuda_paths.py).
+SIZES = {**TINY_DECODE, "batch_size": 2, "device": "cpu"}
 TOKENS = SIZES["batch_size"] * SIZES["new_tokens"]  # kv_cache's energy_tokens: one step's tokens
 BIG = 2**40  # a max_energy_range_uj no test reaches
 
@@ -180,6 +182,7 @@ def energy_row(rows, variant, metric="joules_per_token"):
     return row
 
 
+@pytest.mark.slow
 def test_run_says_why_energy_is_missing(tmp_path, monkeypatch, capsys):
     """Through `labkit run`: the skipped row carries the reason; the measured rows stay."""
     monkeypatch.setenv(energy.POWERCAP_ENV, str(tmp_path / "no-powercap"))

@@ -11,6 +11,8 @@ import pytest
 from labkit.study import exercises
 from labkit.config import ConfigError
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 ROOT = Path(__file__).resolve().parents[1] / "notebooks" / "exercises"
 
 
@@ -71,14 +73,39 @@ def test_bad_input_is_one_line_naming_the_valid_choices():
 def test_solution_graded_correct_and_a_wrong_prediction_graded_wrong(key, shared_runs):
     ex = exercises.get(key)
     right = exercises.check(key, solution=True, device="cpu", runs_dir=shared_runs)
-    assert right.correct, right.report()
     assert "reused" in right.source  # the session's measurement, not a new run
     report = right.report()
-    assert report.startswith("Graded: correct") and "{" not in report and "n/a" not in report, report
-    if ex.graded_against == "formula" and not ex.choices:  # the answer is not the measurement
-        assert right.reference == exercises.reference_answer(key, "cpu")
-    wrong = exercises.check(key, wrong_answer(ex), device="cpu", runs_dir=shared_runs)
+    assert "{" not in report and "n/a" not in report, report
+    if ex.graded_against == "measurement":
+        # graded against this machine's timing (which run was faster): the verdict is the
+        # measurement's, whichever it is; the grading itself is tested on given numbers below
+        rows = exercises.measure(exercises.RUNS[ex.run], "cpu", shared_runs)
+        assert right.reference == ex.measured(rows)
+        assert right.correct == (right.prediction == right.reference), report
+        wrong = next(c for c in ex.choices if c != right.reference)
+    else:
+        assert right.correct and report.startswith("Graded: correct"), report
+        if not ex.choices:  # the answer is not the measurement
+            assert right.reference == exercises.reference_answer(key, "cpu")
+        wrong = wrong_answer(ex)
+    wrong = exercises.check(key, wrong, device="cpu", runs_dir=shared_runs)
     assert not wrong.correct and wrong.report().startswith("Graded: wrong"), wrong.report()
+
+
+def test_kv_speedup_grades_the_verdict_of_the_tokens_per_s_it_is_given():
+    """The kv_speedup verdict on given tokens/s (dynamic, none): faster beyond 1.2x either way."""
+    ex = exercises.get("kv_speedup")
+    assert exercises.reference_answer("kv_speedup", "cpu") == "the cached run"  # FLOPs: many x
+    cases = {(300.0, 100.0): "the cached run", (121.0, 100.0): "the cached run",
+             (120.0, 100.0): "about the same", (100.0, 110.0): "about the same",
+             (100.0, 130.0): "the uncached run"}
+    for (cached, uncached), verdict in cases.items():
+        rows = exercises.Rows([{"variant": v, "metric": "tokens_per_s", "value": tps, "rank": 0,
+                                "status": "ok", "params": {"sweep": {}}}
+                               for v, tps in (("dynamic", cached), ("none", uncached))], "given")
+        measured = ex.measured(rows)
+        assert measured == verdict, (cached, uncached, measured)
+        assert [c for c in ex.choices if exercises.grade(ex, c, measured)] == [verdict]
 
 
 def test_every_exercise_has_a_level_a_hint_a_common_mistake_and_a_check_of_its_evidence():
@@ -147,6 +174,7 @@ def run_notebook(path, out_dir, runs_dir):
     return out
 
 
+@pytest.mark.notebook
 def test_every_exercise_notebook_in_solution_mode(shared_runs, tmp_path):
     pytest.importorskip("papermill")
     import nbformat
@@ -161,6 +189,7 @@ def test_every_exercise_notebook_in_solution_mode(shared_runs, tmp_path):
         assert "Graded: correct" in text and "reused" in text, (out.name, text[-2000:])
 
 
+@pytest.mark.notebook
 def test_an_exercise_notebook_by_default_asks_for_a_prediction(tmp_path):
     """What a learner opens: no prediction yet, so nothing is graded or run; the box is shown."""
     pytest.importorskip("papermill")

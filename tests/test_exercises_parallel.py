@@ -130,10 +130,25 @@ def test_choices_have_feedback_and_the_reference_on_both_devices(key):
         assert exercises.reference_answer(key, device) in ex.choices
 
 
-def test_roofline_answers_differ_where_the_devices_do():
-    """A 256^3 matmul: about 90 µs at a CPU core's peak, compute-bound; 0.5 µs at an H200's fp32
-    peak, far under a launch: launch/overhead-bound."""
-    assert exercises.reference_answer("roofline_bound", "cpu") == "compute-bound"
+@pytest.mark.parametrize("peak_tflops, gbps, bound", [
+    (0.37, 20.0, "compute-bound"),  # a CPU core: 90 µs of FLOPs, 39 µs of bytes
+    (1.0, 0.05, "memory-bound"),  # 34 µs of FLOPs, 15.7 ms of bytes
+    (67.0, 4800.0, "launch/overhead-bound"),  # an H200: 0.5 µs, under the 10 µs of a launch
+])
+def test_the_roofline_verdict_on_given_ceilings(monkeypatch, peak_tflops, gbps, bound):
+    """A 256^3 fp32 matmul (2 x 256^3 FLOPs, 3 x 256^2 x 4 bytes) against ceilings given here,
+    not this machine's measured ones: the longer of the two times decides, unless both are
+    under a launch."""
+    given = hardware.Ceilings(device="cpu", name="given", peak_tflops={"float32": peak_tflops},
+                              bandwidth_gbps=gbps, memory_bytes=None, source="test", measured=False)
+    monkeypatch.setattr(hardware, "ceilings", lambda device, num_threads=1: given)
+    assert exercises.reference_answer("roofline_bound", "cpu") == bound
+    compute_s, memory_s = 2 * MNK**3 / (peak_tflops * 1e12), 3 * MNK**2 * 4 / (gbps * 1e9)
+    assert (max(compute_s, memory_s) < LAUNCH_US * 1e-6) == (bound == "launch/overhead-bound")
+
+
+def test_the_roofline_answer_on_an_h200_is_launch_bound():
+    """The simulated H200's datasheet (no measurement): 0.5 µs at its fp32 peak, under a launch."""
     assert exercises.reference_answer("roofline_bound", "cuda") == "launch/overhead-bound"
 
 

@@ -13,6 +13,8 @@ from labkit import planner
 from labkit.study import exercises
 from labkit.study.exercises import recipes
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 MiB = 2**20
 DEVICES = ("cpu", "cuda")
 N = 2  # the Run's ranks (the details say so)

@@ -20,6 +20,7 @@ def by(rows, variant, metric, sweep=None):
     return hits[0]
 
 
+@pytest.mark.slow
 def test_kv_cache_tokens_identical_and_bytes_measured_equal_the_formula():
     result = run_experiment("kv_cache", preset="tiny", overrides={**TINY_DECODE, "device": "cpu"},
                             progress=False)
@@ -38,6 +39,7 @@ def test_kv_cache_tokens_identical_and_bytes_measured_equal_the_formula():
     assert len(load_results(run_id=result.run_id)) == len(rows)  # stored as returned
 
 
+@pytest.mark.slow
 def test_mixed_precision_bytes_and_precision_rows():
     variants = ["fp16", "bf16", "bf16_weights", "tf32"]
     rows = run_experiment("mixed_precision", preset="tiny", overrides={**TINY_TRAIN, "device": "cpu"},
@@ -67,6 +69,7 @@ def test_mixed_precision_bytes_and_precision_rows():
     assert by(rows, "fp32", "flops")["value"] == by(rows, "fp32", "flops")["predicted"]
 
 
+@pytest.mark.slow
 def test_oom_under_the_virtual_budget_is_a_row_memory_is_freed_and_the_sweep_goes_on():
     gc.collect()
     outer = LiveTensorTracker()
@@ -117,6 +120,7 @@ def test_a_variant_that_disagrees_with_the_reference_is_an_error_and_is_not_time
     assert "does not match fp32" in bf16[0]["message"]
 
 
+@pytest.mark.slow
 def test_an_exception_is_an_error_row_and_the_other_variants_still_run(monkeypatch):
     real_build = kv_cache.build
 

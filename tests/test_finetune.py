@@ -119,6 +119,7 @@ def test_bad_targets_are_refused_naming_the_valid_ones():
         finetune.validate(config("lora", dtype="bfloat16"))
 
 
+@pytest.mark.slow
 def test_frontier_orders_qlora_over_lora_over_full():
     cfg = resolve(finetune.Config, "tiny", {"batch_size": 1, "num_layers": 1, "vocab_size": 256,
                                             "hidden_size": 64, "ffn_size": 128, "max_seq_len": 256,

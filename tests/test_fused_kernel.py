@@ -117,6 +117,7 @@ def test_rows_zero_is_the_batch_and_bad_settings_are_refused():
         run_experiment("fused_kernel", variants=["fused"], overrides={"device": "cpu"})
 
 
+@pytest.mark.slow
 def test_labkit_runs_without_triton_and_says_why_the_kernel_is_skipped():
     out = run_python("""
         import sys

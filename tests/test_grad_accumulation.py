@@ -45,6 +45,7 @@ def test_accumulated_gradients_equal_the_large_batch_within_fp32_rounding():
     assert all(np.array_equal(got["grads"][n], g) for n, g in reference["grads"].items())
 
 
+@pytest.mark.slow
 def test_experiment_peak_follows_the_micro_batch_and_tokens_the_large_batch():
     # Sizes where one forward's activations, not the optimizer step, set the peak.
     rows = run_experiment("grad_accumulation", preset="tiny", progress=False,

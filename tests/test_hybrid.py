@@ -8,6 +8,8 @@ from labkit.harness.experiment import run_experiment
 from labkit.blocks.model import build_model
 from labkit.techniques import hybrid
 
+pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
+
 N = 4
 # 4-way 1-D tensor parallel needs 4 kv heads (the tiny preset has 2); one layer keeps 4 ranks on
 # 2 cores fast.

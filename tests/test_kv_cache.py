@@ -11,6 +11,8 @@ from labkit.blocks.model import build_model
 from labkit.techniques import kv_cache
 from labkit.blocks.kv_caches import BlockPool, block_table_frame
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 # prompt 4 + 12 new: 15 positions held per sequence; 4 blocks of 4 (one slot wasted each)
 SIZES = {**TINY_DECODE, "new_tokens": 12, "batch_size": 2, "block_size": 4, "max_cache_len": 32}
 HELD = 4 + 12 - 1

@@ -18,6 +18,8 @@ from labkit.harness import ladder
 from labkit.techniques import recipe
 from labkit.views.recipe import TRACES, ladder_figure
 
+pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
+
 SIZES = {**FAST, "device": "cpu", "nproc": 2, "timed_steps": 1, "steps": 1, "batch_size": 4,
          "seq_len": 32, "num_layers": 2, "timeout_s": 60}
 STEPS = {"micro_batches": 2, "checkpointing": "full", "precision": "bf16"}  # any order in

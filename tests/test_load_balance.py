@@ -1,12 +1,15 @@
 """Load balance: with one rank made slower, a split proportional to the measured speeds gives it
-fewer sequences, and both splits train on the same global-batch gradient. Shares are asserted,
-not timings (the CPU is shared); one launch serves every test."""
+fewer sequences, and both splits train on the same global-batch gradient. Shares and predictions
+are asserted as the formulas on the speeds the run measured, never which rank was faster (the CPU
+is shared); the slowdown itself is checked on a fake clock. One launch serves every test."""
 import pytest
 
 from conftest import TINY_DIST
 from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.techniques import load_balance as lb
+
+pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
 
 # G = 2 x 4 sequences; rank 1 sleeps 3 x its compute time: about 4 x slower, robust to noise.
 OVERRIDES = {**TINY_DIST, "batch_size": 4, "slowdown": 4.0, "slow_rank": 1, "device": "cpu"}  # gloo ranks
@@ -30,20 +33,56 @@ def test_both_splits_run_on_both_ranks_and_pass_the_check(rows):
     assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"][:2]
 
 
-def test_the_slow_rank_is_measured_slower_and_gets_fewer_sequences(rows):
-    for variant in lb.VARIANTS:
-        fast, slow = (by(rows, variant, "sequences_per_s", r)["value"] for r in (0, 1))
-        assert slow < fast
-    even = [by(rows, "even", "num_sequences", r)["value"] for r in (0, 1)]
-    proportional = [by(rows, "proportional", "num_sequences", r)["value"] for r in (0, 1)]
+def speeds_and_shares(rows, variant):
+    """The calibrated sequences/s every rank reported and the sequences each got."""
+    return ([by(rows, variant, "sequences_per_s", r)["value"] for r in (0, 1)],
+            [by(rows, variant, "num_sequences", r)["value"] for r in (0, 1)])
+
+
+def test_the_proportional_split_follows_the_measured_speeds(rows):
+    """Whatever this machine measured: the shares are split() of the speeds in the rows."""
+    _, even = speeds_and_shares(rows, "even")
     assert even == [4, 4]
-    assert sum(proportional) == 8 and 1 <= proportional[1] < proportional[0]
+    speeds, proportional = speeds_and_shares(rows, "proportional")
+    assert proportional == lb.split(8, speeds)
+    for r in (0, 1):  # predicted: the exact share, before rounding to whole sequences
+        assert by(rows, "proportional", "num_sequences", r)["predicted"] == pytest.approx(
+            8 * speeds[r] / sum(speeds), rel=1e-9)
 
 
-def test_the_proportional_split_lowers_the_predicted_step(rows):
-    # both predictions from the same calibrated speeds, one per variant's own calibration
-    even, proportional = (by(rows, v, "step_ms", 0)["predicted"] for v in lb.VARIANTS)
-    assert proportional < even
+def test_the_predicted_step_is_the_slowest_share_over_its_speed(rows):
+    for variant in lb.VARIANTS:
+        speeds, shares = speeds_and_shares(rows, variant)
+        step_ms = 1e3 * lb.predicted_step_s(shares, speeds)
+        for r in (0, 1):
+            compute_ms = 1e3 * shares[r] / speeds[r]
+            assert by(rows, variant, "step_ms", r)["predicted"] == pytest.approx(step_ms, rel=1e-9)
+            assert by(rows, variant, "compute_ms", r)["predicted"] == pytest.approx(compute_ms, rel=1e-9)
+            assert by(rows, variant, "wait_ms", r)["predicted"] == pytest.approx(
+                step_ms - compute_ms, rel=1e-9, abs=1e-9)
+
+
+def test_the_slow_rank_sleeps_its_slowdown_less_one_times_its_compute(monkeypatch):
+    """busy() on a fake clock: 0.5 s of forward and backward, then a sleep of (4 - 1) x 0.5 s
+    on the slow rank (slowdown 4), none on the others."""
+    cfg = resolve(lb.Config, "tiny", {**OVERRIDES, "nproc": 2}, experiment="load_balance")
+    step = lb.BalancedStep.__new__(lb.BalancedStep)  # no process group: busy() alone
+    step.cfg, step.trainer = cfg, lb.Trainer(cfg)
+    slept = []
+    monkeypatch.setattr(lb.time, "sleep", slept.append)
+    for delay, want in ((cfg.slowdown - 1, 1.5), (0.0, 0.0)):
+        ticks = iter([10.0, 10.5])
+        monkeypatch.setattr(lb, "clock", lambda device: next(ticks))
+        step.delay = delay
+        step.busy(step.trainer.inputs, step.trainer.targets, 1.0)
+        assert slept.pop() == pytest.approx(want)
+
+
+def test_the_proportional_split_never_predicts_a_longer_step_than_the_even_one():
+    for speeds in ([40.0, 10.0], [10.0, 40.0], [1.0, 1.01], [3.0, 2.0], [1.0, 100.0]):
+        even = lb.predicted_step_s([4, 4], speeds)
+        assert lb.predicted_step_s(lb.split(8, speeds), speeds) <= even, speeds
+    assert lb.predicted_step_s(lb.split(8, [40.0, 10.0]), [40.0, 10.0]) == 0.2  # [6, 2]: 2 / 10
 
 
 def test_weighted_shares_give_the_even_split_gradients(rows):

@@ -10,6 +10,8 @@ from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.techniques import matmul
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 SIZES = {**FAST, "size": 128}
 
 

@@ -7,6 +7,8 @@ from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.techniques import memory_access
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 SIZES = {**FAST, "size_mib": 1, "stride": 4, "device": "cpu"}
 N = 2**20 // 4  # float32 values in 1 MiB
 

@@ -16,7 +16,9 @@ pytest.importorskip("nbconvert")
 from labkit.report import find_notebooks, run_report  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-# Each notebook's own parameters on top of report mode: sizes that finish in seconds.
+# Each notebook's own parameters on top of report mode: sizes that finish in seconds. What they
+# leave unset, the report's plan sizes at a budget no notebook fits: the smallest it has, on any CPU.
+TEST_BUDGET_S = 1.0
 PARAMETERS = {
     "00_environment": {},
     "01_mixed_precision": {"overrides": {**TINY_TRAIN, "batch_size": 2}, "variants": "bf16_weights"},
@@ -78,9 +80,27 @@ PARAMETERS = {
 
 @pytest.fixture(scope="session")
 def report(tmp_path_factory):
-    """The whole report, once: every notebook outside notebooks/exercises/."""
+    """The whole report, once, at the plan's smallest sizes: every notebook outside
+    notebooks/exercises/."""
     return run_report(tmp_path_factory.mktemp("report"), preset="tiny", parameters=PARAMETERS,
-                      jobs=2, progress=False)
+                      budget_s=TEST_BUDGET_S, jobs=2, progress=False)
+
+
+@pytest.mark.notebook
+def test_the_plan_sized_every_notebook_down_to_its_smallest(report):
+    """Every notebook predicted beside measured; each one sized down at its smallest size (the
+    budget is one second), where its parameters leave a smaller size to take."""
+    from labkit.report.plan import levels
+    from labkit.techniques import notebook_names
+
+    names = notebook_names()
+    for run in report.notebooks:
+        known = papermill.inspect_notebook(str(NOTEBOOKS / f"{run.stem}.ipynb"))
+        count = len(levels(run.stem, names.get(run.stem), known))
+        assert run.predicted_s > 0 and run.seconds > 0, run
+        assert bool(run.sizing) == (run.level > 0), run
+        if run.level:  # its smallest: a budget of one second fits nothing
+            assert 0 < run.level < count and "still over it at its smallest size" in run.sizing, run
 
 
 def test_every_notebook_is_covered_committed_clean_with_one_parameters_cell():
@@ -97,6 +117,7 @@ def outputs_of(nb: dict) -> list[dict]:
     return [o for c in nb["cells"] for o in c.get("outputs", [])]
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("stem", sorted(PARAMETERS))
 def test_notebook_runs_in_report_mode(stem, report):
     run = next(n for n in report.notebooks if n.stem == stem)
@@ -125,6 +146,7 @@ def test_notebook_runs_in_report_mode(stem, report):
     assert page.count('class="plotly-graph-div"') == figures  # every figure drawn on its page
 
 
+@pytest.mark.notebook
 def test_index_lists_every_notebook_with_its_page_and_the_headline_numbers(report):
     index = (report.out / "index.html").read_text()
     stems = sorted(find_notebooks(NOTEBOOKS))
@@ -145,6 +167,7 @@ NETWORK_REF = re.compile(r"""<(?:script|link|img|iframe|source|embed)\b[^>]*\b(?
                          r"""["']?(?:https?:)?//""", re.IGNORECASE)
 
 
+@pytest.mark.notebook
 def test_pages_load_nothing_from_the_network_and_share_one_plotly_js(report):
     pages = sorted(report.out.glob("*.html"))
     assert len(pages) == len(report.notebooks) + 1  # one per notebook and the index
@@ -158,6 +181,7 @@ def test_pages_load_nothing_from_the_network_and_share_one_plotly_js(report):
         assert page.stat().st_size < 2_000_000, page  # plotly.js is not embedded
 
 
+@pytest.mark.notebook
 def test_interactive_mode_shows_the_panel(tmp_path):
     """With `interactive` on (what JupyterLab gets by default), the widget panel is displayed;
     widget state is not stored, so the executed notebook stays small."""

@@ -53,6 +53,7 @@ def test_sweep_text_uses_the_cli_syntax():
         parse_sweep_text("new_tokens")
 
 
+@pytest.mark.slow
 def test_run_button_measures_in_the_background_and_draws_the_points(tmp_path):
     panel = Panel("kv_cache", device="cpu", overrides=SIZES, runs_dir=str(tmp_path), min_interval_s=0)
     panel.variants.value = ("dynamic",)

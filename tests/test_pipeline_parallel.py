@@ -14,10 +14,14 @@ from labkit.techniques.pipeline_parallel import (CORRUPTION, GRAD_TOLERANCE, LOS
                                                  bubble_metrics, skip_reason)
 from labkit.blocks.pipeline_schedule import replay, replayed_bubbles, schedule_order
 
+pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
+
 M = 2  # micro-batches of one sequence each
 CORRUPT = ["none", "activation", "gradient"]
 DELAY_MS = 1.0  # stage 1 sleeps in every forward: its calibrated forward holds the sleep
-SIZES = {**TINY_DIST, "micro_batches": M, "delay_stage": 1, "stage_delay_ms": DELAY_MS}
+# gloo ranks on the CPU: on a GPU host the default device is cuda, one NCCL rank per GPU
+SIZES = {**TINY_DIST, "device": "cpu", "micro_batches": M, "delay_stage": 1,
+         "stage_delay_ms": DELAY_MS}
 
 
 @pytest.fixture(scope="module")
@@ -179,5 +183,5 @@ def test_bubble_of_a_textbook_gpipe_timeline_is_the_formula():
 ])
 def test_bad_settings_are_refused_before_any_rank_starts(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        run_experiment("pipeline_parallel", preset="tiny", overrides={**TINY_DIST, **overrides},
-                       progress=False)
+        run_experiment("pipeline_parallel", preset="tiny",
+                       overrides={**TINY_DIST, "device": "cpu", **overrides}, progress=False)

@@ -10,24 +10,40 @@ from labkit import planner
 from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.measure import profiler
+from labkit.blocks.model import build_model
+from labkit.blocks.training import make_batch
+from labkit.measure.timer import Timing
 from labkit.techniques import profiling
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 SIZES = {**TINY_TRAIN, "overhead_repeats": 1}
+TWO_STEPS = {"device": "cpu", "steps": 2}  # the losses compared are after an optimizer step
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     traces = tmp_path_factory.mktemp("traces")
     return run_experiment("profiling", preset="tiny", progress=False,
-                          overrides={**SIZES, "device": "cpu", "trace_dir": str(traces)},
+                          overrides={**SIZES, **TWO_STEPS, "trace_dir": str(traces)},
                           runs_dir=str(tmp_path_factory.mktemp("runs"))).rows
 
 
 def test_every_variant_computes_the_plain_losses_and_reports_its_rows(rows):
     assert all(r["status"] == "ok" for r in rows)
+    # the plain training loop, written out here: the same seeded model, batch and AdamW
+    cfg = resolve(profiling.Config, "tiny", {**SIZES, **TWO_STEPS}, experiment="profiling")
+    model = build_model(cfg.model, seed=cfg.seed, attention=cfg.attention)
+    inputs, targets = make_batch(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    for _ in range(cfg.steps):
+        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
     for variant in profiling.VARIANTS:
         assert by(rows, variant, "loss_delta")["value"] == 0.0
-        assert by(rows, variant, "loss")["value"] == by(rows, "plain", "loss")["value"]
+        assert by(rows, variant, "loss")["value"] == loss.item(), variant  # one thread: exact
     value = {r["metric"]: r["value"] for r in rows if r["variant"] == "profiler"}
     # the largest of shares that sum to 100 is at least their mean
     assert 100 / value["num_ops"] <= value["top_op_share_pct"] <= 100
@@ -35,9 +51,26 @@ def test_every_variant_computes_the_plain_losses_and_reports_its_rows(rows):
     assert value["small_ops_pct"] <= 100 and 0 <= value["idle_gap_pct"] < 100
     # the timeline's step holds the parameters and AdamW's state the whole time
     assert value["timeline_peak_bytes"] >= value["param_bytes"] + value["optimizer_bytes"]
-    assert value["profiler_overhead_pct"] > -100  # a ratio of two positive times, minus 1
     monitor = by(rows, "monitor", "num_monitor_samples")
     assert 2 <= monitor["value"] <= monitor["predicted"]  # start, stop, at most one per interval
+
+
+def test_overhead_is_the_ratio_of_medians_timed_in_turns_minus_one(monkeypatch):
+    """Scripted times (s): plain 2, 9, 2 (median 2), observed 3, 3, 50 (median 3, mean 18.7):
+    +50%, the medians' ratio; a mean or a swapped ratio gives another number."""
+    script = {"plain": iter([2.0, 9.0, 2.0]), "observed": iter([3.0, 3.0, 50.0])}
+    order = []
+
+    def fake_time_step(step, **kw):
+        order.append(step())
+        return Timing((next(script[order[-1]]),), 0)
+
+    monkeypatch.setattr(profiling, "time_step", fake_time_step)
+    cfg = resolve(profiling.Config, "tiny", {**SIZES, "device": "cpu", "overhead_repeats": 3},
+                  experiment="profiling")
+    pct = profiling.overhead_pct(lambda: "plain", lambda: "observed", cfg)
+    assert pct == pytest.approx(50.0)
+    assert order == ["plain", "observed"] * 3  # alternating, after one untimed call each
 
 
 def trace_events(rows) -> list[dict]:

@@ -348,6 +348,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", DATA_PARALLEL_CASES)
+@pytest.mark.slow
 def test_a_data_parallel_recipe_matches_the_plain_step_of_the_global_batch(ranks, name):
     for rank in ranks:
         assert rank[name]["max_rel"] <= FP32_ROUNDING, (name, rank[name]["max_rel"])
@@ -386,6 +387,7 @@ def test_a_layout_that_cannot_run_is_refused_on_the_ranks(ranks):
 # --- the one slow test: torch.compile on the CPU (inductor's C++ codegen, ~15-30 s cold) ------------
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_slow_compile_matches_and_compiled_blocks_are_also_checkpointed():
     ref = plain(1)
     compiled = compose(config(), Recipe(compile=True))

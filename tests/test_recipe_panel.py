@@ -238,6 +238,7 @@ def test_oom_errors_and_crashes_are_rows_and_lines_never_tracebacks():
     assert panel.run_line.startswith("error: --hf-model /no/such/folder: no such folder")
 
 
+@pytest.mark.multiprocess
 def test_run_for_real_on_two_cpu_ranks_shows_measured_beside_predicted(tmp_path):
     # A 4 GiB GPU for the small recipe: it fits with room, so the scaled budget lets composed run.
     panel = RecipePanel(runs_dir=str(tmp_path), **{**SMALL, **RECIPE, "gpu_mem_gib": 4.0})

@@ -5,6 +5,8 @@ import pytest
 from conftest import TINY_DECODE
 from labkit.cli import main
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 

@@ -8,6 +8,8 @@ from labkit.views import roofline
 from labkit.harness.experiment import run_experiment
 from labkit.results import RunRecord, load_results
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 
 def test_ridge_point_and_roof_are_the_formulas():
     assert roofline.ridge_point(100.0, 2000.0) == pytest.approx(50.0)  # 100e12 / 2000e9

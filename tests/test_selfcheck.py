@@ -124,6 +124,7 @@ def test_stopped_at_its_share_skipped_crashed_failed_left_out_skipped(monkeypatc
     assert selfcheck.exit_code(without_crash) == 0
 
 
+@pytest.mark.multiprocess  # its families' processes, and ranks
 def test_a_short_real_selfcheck_has_a_run_or_a_reason_behind_every_check(tmp_path):
     out, runs = tmp_path / "selfcheck.json", tmp_path / "runs"
     code = main(["selfcheck", "--device", "cpu", "--budget-s", "25", "--runs-dir", str(runs), "--out", str(out)])

@@ -163,9 +163,26 @@ def test_the_prefix_exercises_grade_the_formula_against_the_replay(tmp_path):
     assert set(exercises) == {"prefix_prefill_tokens", "prefix_hit_rate"}
     setup = Setup(RUNS["serve_prefix"], "cpu")
     rows = measure(RUNS["serve_prefix"], "cpu", str(tmp_path))
-    for ex in exercises.values():
+    # computed here from the requests alone: a prompt of n tokens looks up (n - 1) // 16 full
+    # blocks; the first request of a system prompt finds none cached, every later one finds the
+    # system prompt's full blocks (its own tokens after them match nothing)
+    cfg, requests = serving.requests_of(setup)
+    bs, seen, reused, looked_up = cfg.block_size, set(), 0, 0
+    for r in requests:
+        looked_up += (r.prompt_len - 1) // bs
+        reused += min(r.prefix_len // bs, (r.prompt_len - 1) // bs) if r.prefix_id in seen else 0
+        seen.add(r.prefix_id)
+    total = sum(r.prompt_len for r in requests)
+    assert 0 < reused < looked_up
+    careful = {"prefix_prefill_tokens": total - reused * bs, "prefix_hit_rate": reused / looked_up}
+    mistakes = {"prefix_prefill_tokens": total - sum(r.prefix_len for r in requests),
+                "prefix_hit_rate": reused / sum(-(-r.prompt_len // bs) for r in requests)}
+    for key, ex in exercises.items():
         answer = ex.answer(setup)
-        assert grade(ex, answer, answer) and not grade(ex, ex.mistake(setup), answer)
+        assert grade(ex, careful[key], answer), (key, careful[key], answer)
+        assert ex.mistake(setup) == pytest.approx(mistakes[key], rel=1e-12)
+        off = careful[key] + 2 * ex.tolerance(careful[key]) + (0 if ex.abs_tol else 1)
+        assert not grade(ex, mistakes[key], answer) and not grade(ex, off, answer), key
         assert ex.supports(rows, setup) is None, ex.key  # the replay measured the formula
         assert "system prompt" in ex.details(setup)
         ex.why.format(**ex.evidence(rows, setup), answer=answer, prediction=answer)

@@ -14,6 +14,8 @@ from labkit.harness.experiment import run_experiment
 from labkit.techniques import speculative
 from labkit.techniques.kv_cache import generate_cached
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 SIZES = {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 10, "num_prompts": 1}
 SHAPE = dataclasses.replace(MODELS["tiny"], num_layers=2, hidden_size=64, num_heads=4,
                             num_kv_heads=2, ffn_size=128, vocab_size=512)
@@ -152,12 +154,36 @@ def test_every_variant_gives_the_reference_tokens_and_its_step_rows(rows):
     for variant in speculative.VARIANTS:
         assert by(rows, variant, "token_agreement")["value"] == 1.0
     assert by(rows, "none", "tokens_per_step")["value"] == 1.0
+    k = resolve(speculative.Config, "tiny", SIZES, experiment="speculative").num_speculative
     for variant in ("draft", "prompt_lookup"):
         per_step = by(rows, variant, "tokens_per_step")
         forwards = by(rows, variant, "num_target_forwards")["value"]
         assert per_step["value"] == pytest.approx(10 / forwards)
-        assert 1.0 <= per_step["predicted"] <= 4 + 1  # num_speculative (4) + its own token
-        assert by(rows, variant, "speedup")["predicted"] > 0
+        assert 1.0 <= per_step["predicted"] <= k + 1  # its guesses + its own token
+        # the predicted speed-up divides by a step's cost in target forwards, from the measured c:
+        # the prefill proposes nothing; a lookup costs c a step, a draft c per guess (k a step,
+        # fewer near the end: none where one token is left)
+        c, later = by(rows, variant, "cost_ratio")["value"], (forwards - 1) / forwards
+        cost = per_step["predicted"] / by(rows, variant, "speedup")["predicted"]
+        if variant == "prompt_lookup":
+            assert cost == pytest.approx(1 + c * later, rel=1e-9)
+        else:
+            lowest = 1 + c * (forwards - 2) / forwards
+            assert lowest * (1 - 1e-9) <= cost <= (1 + c * k * later) * (1 + 1e-9)
+
+
+def test_predictions_are_leviathans_formula_at_each_steps_guesses_over_its_cost():
+    """Steps: the prefill (no guess), 4 guesses all accepted, 4 with 1 accepted, 2 both accepted.
+    Judged: 4 + 2 + 2 = 8 of which 7 accepted: alpha = 7/8. A step of k guesses emits
+    1 + alpha + ... + alpha^k tokens on average; a draft costs c per guess, a lookup c a step."""
+    stats = spec.SpecStats([0, 4, 4, 2], [0, 4, 1, 2])
+    a, c = 7 / 8, 0.1
+    emitted = [sum(a**j for j in range(g + 1)) for g in (0, 4, 4, 2)]
+    per_step = sum(emitted) / 4
+    for variant, cost in (("draft", 1 + c * 10 / 4), ("prompt_lookup", 1 + c * 3 / 4)):
+        cfg = resolve(speculative.Config, "tiny", {"variant": variant}, experiment="speculative")
+        got = speculative.predictions(stats, c, cfg)
+        assert got == pytest.approx({"tokens_per_step": per_step, "speedup": per_step / cost})
 
 
 def test_reference_preset_with_the_trained_draft(tmp_path):
@@ -165,7 +191,18 @@ def test_reference_preset_with_the_trained_draft(tmp_path):
     rows = run_experiment("speculative", preset="reference", overrides=sizes, progress=False,
                           variants=["draft"], runs_dir=str(tmp_path)).rows
     assert by(rows, "draft", "token_agreement")["value"] == 1.0
-    assert by(rows, "draft", "acceptance_rate")["value"] > 0  # a trained draft agrees sometimes
+    # each target forward emits its accepted guesses and one token of its own (the prefill: one)
+    forwards = by(rows, "draft", "num_target_forwards")["value"]
+    accepted = sizes["new_tokens"] - forwards
+    assert by(rows, "draft", "tokens_per_step")["value"] == pytest.approx(sizes["new_tokens"] / forwards)
+    # accepted / proposed and accepted / judged: whole numbers of guesses, judged <= proposed <=
+    # k a step; a random draft (1 / vocab per guess) would accept next to none of 15 tokens
+    k = resolve(speculative.Config, "reference", sizes, experiment="speculative").num_speculative
+    proposed = accepted / by(rows, "draft", "acceptance_rate")["value"]
+    judged = accepted / by(rows, "draft", "alpha")["value"]
+    assert proposed == pytest.approx(round(proposed)) and judged == pytest.approx(round(judged))
+    assert accepted <= round(judged) <= round(proposed) <= k * (forwards - 1)
+    assert accepted >= 4  # the trained draft: measured 8 of 15 here
 
 
 def test_compare_relaxes_only_below_float32_and_only_at_a_near_tie():
@@ -198,11 +235,17 @@ def test_exercises_grade_the_formula_and_the_run_has_their_evidence(tmp_path):
                                variants=list(run.variants), progress=False,
                                runs_dir=str(tmp_path)).rows, "test")
     exercises = {ex.key: ex for ex in spec_ex.build_exercises()}
-    assert exercises["spec_tokens_per_step"].answer(setup) == pytest.approx(3.3616)  # k = 4
-    assert exercises["spec_draft_speedup"].answer(setup) == pytest.approx(3.3616 / 3)
-    for ex in exercises.values():
+    assert setup.cfg("draft").num_speculative == 4
+    # computed here: alpha 0.8, k = 4: 1 + 0.8 + 0.64 + 0.512 + 0.4096 tokens a step; a draft
+    # at c = 0.5 costs 1 + 4 x 0.5 = 3 target forwards a step
+    careful = {"spec_tokens_per_step": 3.3616, "spec_draft_speedup": 3.3616 / 3}
+    mistakes = {"spec_tokens_per_step": 1 + 0.8 * 4, "spec_draft_speedup": 3.3616}
+    for key, ex in exercises.items():
         answer = ex.answer(setup)
-        assert grade(ex, answer, answer) and not grade(ex, ex.mistake(setup), answer)
+        assert answer == pytest.approx(careful[key], rel=1e-12)
+        assert grade(ex, careful[key], answer) and ex.mistake(setup) == pytest.approx(mistakes[key])
+        assert not grade(ex, mistakes[key], answer)
+        assert not grade(ex, careful[key] * (1 + 2 * ex.rel_tol), answer)  # off by the tolerance
         evidence = ex.evidence(rows, setup)
         assert all(v is not None and "None" not in str(v) for v in evidence.values()), evidence
         ex.why.format(answer=answer, prediction=answer, **evidence)

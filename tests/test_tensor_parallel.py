@@ -13,6 +13,8 @@ from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.techniques import tensor_parallel as tp
 
+pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
+
 N = 2
 VARIANTS = ("single", "tp", "tp_sp")
 CPU = {**TINY_DIST, "device": "cpu"}  # two gloo ranks, whatever GPUs the machine has

@@ -9,6 +9,8 @@ from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
 from labkit.techniques import threads
 
+pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
+
 # a one-layer model on 8 tokens: the fresh processes rebuild it from the config, seeded
 SIZES = {**FAST, "work": "forward", "threads": 2, "num_layers": 1, "batch_size": 1, "seq_len": 8,
          "device": "cpu"}
@@ -36,11 +38,27 @@ def test_each_knob_took_effect_in_the_process_that_ran_the_work(rows):
 def test_every_variant_computes_the_reference_output(rows):
     for v in threads.VARIANTS:
         assert by(rows, v, "max_abs_diff")["value"] <= 1e-5
-        assert by(rows, v, "speedup")["value"] > 0
     assert by(rows, "one_thread", "speedup")["value"] == 1.0
-    # the fresh processes' timings replace the empty in-process step's; no memory rows for them
-    assert not [r for r in rows if r["variant"] == "omp_env" and r["metric"] == "peak_mem_bytes"]
-    assert by(rows, "omp_env", "tokens_per_s")["value"] > 0
+
+
+def test_speedups_and_rates_are_the_formulas_on_the_rows_own_times(rows):
+    tokens = SIZES["batch_size"] * SIZES["seq_len"]  # work=forward: one call's tokens
+    for v in threads.VARIANTS[1:]:
+        speedup = by(rows, v, "speedup")["value"]
+        n = threads.intra_threads(_cfg(variant=v))
+        fraction = [r for r in rows if r["variant"] == v and r["metric"] == "serial_fraction"]
+        if n > 1:  # Amdahl's f from S and n
+            assert fraction[0]["value"] == pytest.approx((n / speedup - 1) / (n - 1), rel=1e-9)
+        else:
+            assert not fraction
+    for v in threads.FRESH:
+        # the fresh process's times replace the empty in-process step's (whose step takes
+        # nanoseconds): the rate and the speed-up come from the same median as step_ms
+        step_ms = by(rows, v, "step_ms")["value"]
+        assert by(rows, v, "tokens_per_s")["value"] == pytest.approx(tokens / (step_ms / 1e3), rel=1e-9)
+        assert by(rows, v, "speedup")["value"] == pytest.approx(
+            by(rows, v, "one_thread_ms")["value"] / step_ms, rel=1e-9)
+        assert not [r for r in rows if r["variant"] == v and r["metric"] == "peak_mem_bytes"]
 
 
 def test_the_fresh_process_gets_only_the_variants_thread_knob_and_no_gpu(monkeypatch):

@@ -16,6 +16,8 @@ from labkit.harness.experiment import run_experiment
 from labkit.blocks.model import build_model
 from labkit.techniques import zero
 
+pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
+
 RAN = ("zero0", "zero1", "zero2", "zero3")  # zero3_offload needs a GPU
 RANKS = (0, 1)
 CPU = {**TINY_DIST, "device": "cpu"}  # two gloo ranks, whatever GPUs the machine has

@@ -9,6 +9,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from labkit.config import RunConfig, knob
 
@@ -70,3 +73,25 @@ def agree(ok: bool, message: str) -> tuple[bool, str]:
 
 def default_nproc(device: str, cpu_ranks: int = 2) -> int:
     return torch.cuda.device_count() if device.startswith("cuda") else cpu_ranks
+
+
+def scaled_allreduce_hook(scale: float):
+    """DDP's all-reduce (torch's Python twin of it) of this rank's bucket multiplied by `scale`."""
+    def hook(state, bucket):
+        bucket.buffer().mul_(scale)
+        return default_hooks.allreduce_hook(state, bucket)
+    return hook
+
+
+def corrupt_reduction(model: torch.nn.Module, scale: float) -> None:
+    """This rank's part of the gradient reduction multiplied by `scale`: DDP's buckets before the
+    all-reduce, or FSDP2's reduce-scatter output (this rank's shard of the averaged gradients)
+    after it; a model with neither is left alone (zero, hybrid and recipe inject it so)."""
+    if isinstance(model, DistributedDataParallel):
+        model.register_comm_hook(None, scaled_allreduce_hook(scale))
+        return
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        if not hasattr(unit, "set_all_reduce_hook"):
+            raise RuntimeError("fault=corrupt_reduction needs FSDPModule.set_all_reduce_hook, "
+                               f"which torch {torch.__version__} does not have")
+        unit.set_all_reduce_hook(lambda shard: shard.mul_(scale))

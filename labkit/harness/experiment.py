@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from labkit import hardware
 from labkit.blocks import distributed
-from labkit.harness import launch, ranks
+from labkit.harness import budget, launch, ranks
 from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
 from labkit.measure import energy
 from labkit.measure.clock import fixed_repeats_timer
@@ -62,15 +62,31 @@ def plan_points(name: str, preset: str | None, overrides: dict[str, Any] | None,
     return points
 
 
+def sized_points(name: str, preset: str | None, overrides: dict[str, Any],
+                 sweep: dict[str, list[Any]] | None, chosen: list[str],
+                 budget_s: float | None) -> list[tuple[dict[str, Any], RunConfig]]:
+    """`plan_points`, at the size `budget.fit_run` chooses for `budget_s` seconds (when given)."""
+    # under torchrun every rank plans for itself: a size chosen from each rank's own clock could
+    # differ between ranks, so those runs take the defaults
+    sized = budget_s and not ranks.under_torchrun()
+    fit = budget.fit_run(name, preset, overrides, chosen, budget_s, sweep) if sized else None
+    if fit is None or not fit.note:
+        return plan_points(name, preset, overrides, sweep)
+    points = plan_points(name, preset, {**fit.settings, **overrides}, sweep)
+    return [(point, dataclasses.replace(cfg, sizing=fit.note)) for point, cfg in points]
+
+
 def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str, Any] | None = None,
                    sweep: dict[str, list[Any]] | None = None, variants: list[str] | None = None,
-                   runs_dir: str | None = None, progress: bool = True,
+                   runs_dir: str | None = None, progress: bool = True, budget_s: float | None = None,
                    on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> RunResult:
     """Run one experiment over its sweep and variants; store and return every row. A
-    multi-process experiment starts its ranks (or, under torchrun, is one of them)."""
+    multi-process experiment starts its ranks (or, under torchrun, is one of them). `budget_s`:
+    size the defaults down to this many predicted seconds on this CPU (`labkit.harness.budget`;
+    settings given in `overrides` or `sweep` are kept), the reason in every row's `sizing`."""
     exp = record(name)
     chosen = choose_variants(exp, variants)
-    points = plan_points(name, preset, overrides, sweep)
+    points = sized_points(name, preset, dict(overrides or {}), sweep, chosen, budget_s)
     try:
         writable_runs_dir(runs_dir)  # refused now, not after the first point has been measured
     except RunsDirError as e:
@@ -240,7 +256,8 @@ def _measure(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,
     measured.update(_flop_rows(wl, cfg, timing.median_s))
     measured.update(comparison.metrics)
     measured.update(wl.report())
-    notes = {**wl.notes, "step_ms": f"{comparison.message} {wl.notes.get('step_ms', '')}".strip()}
+    notes = {**wl.notes, "step_ms": " ".join(filter(None, (comparison.message, wl.notes.get("step_ms"),
+                                                             cfg.sizing and f"({cfg.sizing})")))}
     predicted = {**exp.expected(cfg), **wl.predicted()}
     return outputs, _rows(measured, saved, predicted, notes, row) + energy_rows
 

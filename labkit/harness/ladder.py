@@ -25,7 +25,7 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.config import ConfigError
+from labkit.config import ConfigError, usable_threads
 from labkit.harness import launch
 from labkit.harness.experiment import measure_stored, plan_points
 from labkit.results import RunsDirError, writable_runs_dir
@@ -51,6 +51,12 @@ class Rung:
     label: str
     knobs: dict[str, Any] = field(default_factory=dict)
     variant: str = "composed"
+
+
+def cpu_ranks() -> int:
+    """Ranks of a CPU ladder: as many as the cores this process may use hold without sharing a
+    core (gloo ranks on one thread each), at least 2 (one data-parallel pair), at most 4."""
+    return max(2, min(4, usable_threads()))
 
 
 def rung_label(knob: str, value: Any) -> str:

@@ -2,7 +2,8 @@
 
 - Under torchrun (RANK, WORLD_SIZE and MASTER_ADDR are set) this process is one rank: the same
   command runs on one machine, on several (`--nnodes ... --rdzv-endpoint ...`) or under Slurm.
-- Otherwise `spawn` starts `nproc` ranks on this machine with `torch.multiprocessing` (spawn):
+- Otherwise `spawn` starts `nproc` ranks on this machine with `torch.multiprocessing`, forked
+  from a server that imported torch and labkit once (forkserver):
   one rank per visible GPU with NCCL, or CPU ranks with gloo, one thread each. Nothing they open
   listens beyond the machine: they rendezvous through a file store in a private temporary folder
   (a TCPStore would listen on every interface), and gloo's and NCCL's sockets bind to the loopback
@@ -151,6 +152,9 @@ def local_env(nproc: int, store: str) -> dict[str, str]:
     return env
 
 
+RANK_PRELOAD = ["labkit.harness.experiment"]  # what the fork server imports: torch and labkit
+
+
 def spawn(fn: Callable[..., None], args: tuple, nproc: int, *, poll: Callable[[], None] | None = None
           ) -> list["RankExit"]:
     """Start `nproc` ranks of `fn(rank, *args)` with torch.multiprocessing; wait for all of them.
@@ -166,10 +170,17 @@ def spawn(fn: Callable[..., None], args: tuple, nproc: int, *, poll: Callable[[]
 
 def _spawn(fn: Callable[..., None], args: tuple, nproc: int, env: dict[str, str],
            poll: Callable[[], None] | None) -> list["RankExit"]:
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_entry, args=(fn, env, args), nprocs=nproc, join=False,
-                             start_method="spawn")
+    # Each rank is forked from a server that imported torch and labkit once (and never ran an
+    # op or touched CUDA), instead of a fresh interpreter importing them again: a launch costs
+    # about one import, not one per rank. The server's environment is the one it started with,
+    # so each rank gets this process's environment now.
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    ctx = mp.start_processes(_entry, args=(fn, {**os.environ, **env}, args), nprocs=nproc,
+                             join=False, start_method="forkserver")
     procs = ctx.processes
     failed_at, stopped = None, set()
     try:
@@ -190,6 +201,7 @@ def _spawn(fn: Callable[..., None], args: tuple, nproc: int, env: dict[str, str]
 
 
 def _entry(local_rank: int, fn: Callable[..., None], env: dict[str, str], args: tuple) -> None:
+    os.environ.clear()
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     fn(local_rank, *args)
 

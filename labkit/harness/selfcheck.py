@@ -301,10 +301,11 @@ def plan(budget_s: float, kind: str, tflops: dict[str, float] | None = None) -> 
 
 
 def cpu_rates() -> dict[str, float]:
-    """This CPU's calibrated matmul TFLOP/s per dtype, at one thread (what the runs use)."""
-    from labkit import hardware
+    """This CPU's matmul TFLOP/s per dtype at one thread (what the runs use), from its measured
+    pace (`labkit.measure.pace`; LABKIT_RATE_SCALE applied)."""
+    from labkit.measure.pace import measure_pace
 
-    return dict(hardware.ceilings("cpu", num_threads=1).calibrated_tflops)
+    return {dtype: gflops / 1e3 for dtype, gflops in measure_pace().gflops.items()}
 
 
 def cpu_features() -> dict[str, Any]:

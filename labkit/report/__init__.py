@@ -29,10 +29,13 @@ the page plotly.js registers as an AMD module and never defines `Plotly`), and d
 mermaid (CDN scripts; no notebook has math or diagrams) and the widget manager (report mode
 stores no widget state).
 
-Notebooks run in `jobs` worker processes, not threads: papermill's `cwd` changes the process's
-working directory. At most one multi-process notebook (one with an `nproc` parameter) runs at a
-time, since its ranks already take the cores; notebooks numbered from `LAST_FROM` on read the
-store, so they start once every other notebook has finished.
+Notebooks run in worker processes, not threads (papermill's `cwd` changes the process's working
+directory), on `jobs` core slots (default: the cores this process may use): a notebook takes a
+slot per rank it starts, at most all of them, so two multi-rank notebooks never share two cores;
+notebooks numbered from `LAST_FROM` on read the store, so they start once every other notebook
+has finished. On a CPU each notebook is sized before it runs to its share of the report's
+seconds target, from this CPU's measured pace (`labkit.report.plan`); the index shows each
+notebook's predicted seconds beside its measured ones.
 """
 from __future__ import annotations
 
@@ -47,14 +50,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from labkit import hardware
-from labkit.config import ConfigError
+from labkit.config import ConfigError, usable_threads
+from labkit.harness import ladder
+from labkit.report.plan import LAST_FROM, REPORT_TARGET_S, number, plan_notebooks
 from labkit.results import now
 
 if TYPE_CHECKING:
     from labkit.techniques import Experiment
 
 NOTEBOOKS_DIR = hardware.REPO_DIR / "notebooks"
-LAST_FROM = 90  # 99_compare and later read the runs the others store
 # Report mode on a CPU: lighter sweeps than the notebooks' interactive defaults, each still showing
 # its technique against its reference, so that every notebook at the tiny preset runs within 10
 # minutes on 2 cores (two at a time). A notebook's own `parameters` (run_report's) replace these.
@@ -86,6 +90,10 @@ class NotebookRun:
     seconds: float = 0.0
     error: str = ""  # the error's last line
     note: str = ""  # settings left out, as its experiment does not take them
+    predicted_s: float = float("nan")  # the plan's seconds for it on this CPU (nan: not planned)
+    sizing: str = ""  # why the plan sized it down
+    level: int = 0  # 0: its report parameters; n: its n-th smaller size (labkit.report.plan)
+    ranks: int = 1
 
 
 @dataclass
@@ -93,6 +101,7 @@ class Report:
     out: Path
     notebooks: list[NotebookRun] = field(default_factory=list)
     seconds: float = 0.0
+    cores: int = 1  # the core slots the notebooks ran on
 
     @property
     def failed(self) -> list[NotebookRun]:
@@ -175,15 +184,18 @@ def notebook_parameters(known: dict[str, Any], common: dict[str, Any], own: dict
 def run_report(out: str | Path, *, preset: str | None = None, device: str | None = None,
                overrides: dict[str, Any] | None = None, runs_dir: str | Path | None = None,
                only: list[str] | None = None, parameters: dict[str, dict[str, Any]] | None = None,
-               notebooks_dir: str | Path | None = None, jobs: int = 2,
+               notebooks_dir: str | Path | None = None, jobs: int | None = None,
+               budget_s: float | None = REPORT_TARGET_S, dry_run: bool = False,
                progress: bool = True) -> Report:
     """Execute the notebooks (all by default; `only`: stems or experiment names) and write the
-    report folder. `parameters`: a notebook's own papermill parameters, by stem. A notebook that
-    fails is reported; the others still run (see `Report.failed`)."""
+    report folder. `parameters`: a notebook's own papermill parameters, by stem. `jobs`: core
+    slots (default: the cores this process may use), a notebook taking one per rank. On a CPU
+    at the tiny preset each notebook is sized to its share of `budget_s` before it runs (None:
+    never); `dry_run` plans and returns without running. A notebook that fails is reported; the
+    others still run (see `Report.failed`)."""
     import papermill
 
     out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     runs_dir = Path(runs_dir or out / "runs").resolve()
     found = find_notebooks(notebooks_dir)
     stems = choose_notebooks(found, only)
@@ -197,9 +209,17 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
         params[run.stem], left_out = notebook_parameters(
             known[run.stem], common, own.get(run.stem, {}), experiment_settings(run.stem))
         run.note = f"not given (its experiment does not take them): {', '.join(left_out)}" if left_out else ""
-    heavy = {s for s in stems if "nproc" in known[s]}
+    cores = report.cores = jobs or (usable_threads() if _on_cpu(device) else 2)  # GPU: 2 share it
+    for run in report.notebooks:
+        run.ranks = notebook_ranks(run.stem, params[run.stem], known[run.stem], cores)
+    if budget_s and _on_cpu(device) and preset in (None, "tiny"):
+        size_notebooks(report, params, known, set(common["overrides"]), cores, budget_s)
+    if dry_run:
+        return report
+    out.mkdir(parents=True, exist_ok=True)
     started, t0 = now(), time.perf_counter()
-    jobs_done = execute_all({s: found[s] for s in stems}, params, heavy, out, jobs, progress)
+    jobs_done = execute_all({s: found[s] for s in stems}, params,
+                            {r.stem: r.ranks for r in report.notebooks}, out, cores, progress)
     for run in report.notebooks:
         run.status, run.error, run.seconds = jobs_done[run.stem]
     report.seconds = time.perf_counter() - t0
@@ -209,28 +229,72 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
     return report
 
 
+def describe_report(report: Report, budget_s: float = REPORT_TARGET_S) -> str:
+    """The plan as a table (`labkit report --dry-run`): each notebook's ranks, predicted seconds
+    here and sizing, then the predicted wall time."""
+    from labkit.measure.pace import measure_pace
+    from labkit.report.plan import NotebookPlan, describe
+
+    plans = [NotebookPlan(n.stem, n.ranks, predicted_s=n.predicted_s, level=n.level, note=n.sizing)
+             for n in report.notebooks]
+    return describe(plans, report.cores, measure_pace(), budget_s)
+
+
+def notebook_ranks(stem: str, params: dict[str, Any], known: dict[str, Any], cores: int) -> int:
+    """The processes a notebook keeps busy: its `nproc` when given, else its experiment's CPU
+    rank count; a notebook without that parameter runs in its kernel alone."""
+    from labkit.techniques import notebook_names, record
+
+    if "nproc" not in known:
+        return 1
+    if params.get("nproc"):
+        return int(params["nproc"])
+    name = notebook_names().get(stem)
+    return record(name).cpu_ranks if name else ladder.cpu_ranks()  # 08_memory_planner's ladder
+
+
+def size_notebooks(report: Report, params: dict[str, dict[str, Any]], known: dict[str, dict],
+                   user_set: set[str], cores: int, budget_s: float) -> None:
+    """Plan every notebook on this CPU's pace (`labkit.report.plan`) and give each one that is
+    sized down its smaller parameters, never over a setting its parameters already hold (given
+    by hand, by the report's CPU parameters or by the caller) or sweep."""
+    from labkit.measure.pace import measure_pace
+    from labkit.techniques import notebook_names
+
+    names = notebook_names()
+    given = {s: user_set | set(params[s].get("sweep") or {}) | set(params[s].get("overrides") or {})
+             for s in params}
+    plans = plan_notebooks(params, {s: names.get(s) for s in params}, known,
+                           {r.stem: r.ranks for r in report.notebooks}, given, measure_pace(), cores,
+                           budget_s)
+    for run, plan in zip(report.notebooks, plans):
+        run.predicted_s, run.sizing, run.level = plan.predicted_s, plan.note, plan.level
+        params[run.stem].update(plan.settings)
+
+
 def _on_cpu(device: str | None) -> bool:
     from labkit.config import resolve_device
 
     return resolve_device(device or "auto") == "cpu"
 
 
-def execute_all(paths: dict[str, Path], params: dict[str, dict], heavy: set[str], out: Path,
-                jobs: int, progress: bool) -> dict[str, tuple[str, str, float]]:
-    """Run the notebooks in `jobs` processes; returns (status, error, seconds) by stem. The
-    multi-process notebooks go first: they run one at a time, so starting them early keeps one
-    worker on them while the others take the rest, instead of leaving them to the end in a row."""
-    pending, running, done = sorted(paths, key=lambda s: s not in heavy), {}, {}
+def execute_all(paths: dict[str, Path], params: dict[str, dict], ranks: dict[str, int], out: Path,
+                cores: int, progress: bool) -> dict[str, tuple[str, str, float]]:
+    """Run the notebooks on `cores` core slots, each notebook holding one per rank it starts (at
+    most all of them); returns (status, error, seconds) by stem. The multi-process notebooks go
+    first, so that they do not queue up at the end while the cores idle."""
+    pending, running, done = sorted(paths, key=lambda s: ranks[s] < 2), {}, {}
+    need = {s: min(ranks[s], cores) for s in paths}
 
     def ready(stem: str) -> bool:
         active = list(running.values())
-        if _number(stem) >= LAST_FROM and any(_number(s) < LAST_FROM for s in pending + active):
+        if number(stem) >= LAST_FROM and any(number(s) < LAST_FROM for s in pending + active):
             return False
-        return not (stem in heavy and any(s in heavy for s in active))
+        return not active or sum(need[s] for s in active) + need[stem] <= cores
 
-    with ProcessPoolExecutor(max(1, jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max(1, cores), mp_context=multiprocessing.get_context("spawn")) as pool:
         while pending or running:
-            while len(running) < max(1, jobs) and (stem := next(filter(ready, pending), None)):
+            while (stem := next(filter(ready, pending), None)):
                 pending.remove(stem)  # one at a time: `ready` sees the ones just started
                 running[pool.submit(execute_notebook, str(paths[stem]), str(out / f"{stem}.ipynb"),
                                     params[stem], str(out))] = stem
@@ -246,11 +310,6 @@ def execute_all(paths: dict[str, Path], params: dict[str, dict], heavy: set[str]
                     print(f"[{len(done)}/{len(paths)}] {stem}: {status} in {seconds:.1f} s"
                           + (f" ({error})" if error else ""), file=sys.stderr)
     return done
-
-
-def _number(stem: str) -> int:
-    head = stem.split("_", 1)[0]
-    return int(head) if head.isdigit() else 0
 
 
 def _last_line(text: str) -> str:

@@ -4,6 +4,7 @@ notebooks stored, measured beside predicted; provenance; `index.html`, `results.
 from __future__ import annotations
 
 import html
+import json
 import platform
 from importlib import metadata
 from pathlib import Path
@@ -78,13 +79,30 @@ def write_outputs(report: Any, runs_dir: Path, since: str, settings: dict[str, A
         table = pd.concat(frames.values(), ignore_index=True)
         table.drop(columns=["params", "env"]).to_csv(report.out / "results.csv", index=False)
     (report.out / "summary.md").write_text(summary_markdown(report, frames))
+    (report.out / "timings.json").write_text(timings_json(report))
     (report.out / "index.html").write_text(index_html(report, frames, settings))
+
+
+def timings_json(report: Any) -> str:
+    """Each notebook's predicted and measured seconds, ranks and sizing, with the pace they were
+    predicted from (`python -m labkit.harness.budget --from-report` reads it)."""
+    from labkit.measure.pace import measure_pace
+
+    notebooks = {n.stem: {"status": n.status, "seconds": round(n.seconds, 2), "ranks": n.ranks,
+                          "predicted_s": None if n.predicted_s != n.predicted_s else round(n.predicted_s, 2),
+                          "level": n.level, "sizing": n.sizing} for n in report.notebooks}
+    return json.dumps({"pace": json.loads(measure_pace().to_json()), "cores": report.cores,
+                       "seconds": round(report.seconds, 1), "notebooks": notebooks}, indent=1) + "\n"
+
+
+def _seconds(value: float) -> str:
+    return "–" if value != value else f"{value:.1f} s"  # nan: not predicted
 
 
 def summary_markdown(report: Any, frames: dict[str, pd.DataFrame]) -> str:
     parts = ["# labkit report", "", "```", hardware.describe(), "```", ""]
-    parts += [f"- {n.stem}: {n.status} in {n.seconds:.1f} s" + (f": {n.error}" if n.error else "")
-              for n in report.notebooks]
+    parts += [f"- {n.stem}: {n.status} in {n.seconds:.1f} s (predicted {_seconds(n.predicted_s)})"
+              + (f": {n.error}" if n.error else "") for n in report.notebooks]
     for name, frame in frames.items():
         parts += ["", f"## {name}", "", "```", format_rows(frame.to_dict(orient="records")), "```"]
     return "\n".join(parts) + "\n"
@@ -121,8 +139,10 @@ def index_html(report: Any, frames: dict[str, pd.DataFrame], settings: dict[str,
                           f"{report.seconds:.0f} s in all"}
     rows = "".join(
         f"<tr><td><a href='{esc(n.stem)}.html'>{esc(n.stem)}</a></td><td>{esc(n.title)}</td>"
-        f"<td class='{esc(n.status)}'>{esc(n.status)}</td><td>{n.seconds:.1f} s</td>"
-        f"<td>{esc(n.error or n.note)}</td><td><a href='{esc(n.stem)}.ipynb'>.ipynb</a></td></tr>"
+        f"<td class='{esc(n.status)}'>{esc(n.status)}</td><td>{_seconds(n.predicted_s)}</td>"
+        f"<td>{n.seconds:.1f} s</td><td>{n.ranks}</td>"
+        f"<td>{esc('; '.join(filter(None, (n.error, n.note, n.sizing))))}</td>"
+        f"<td><a href='{esc(n.stem)}.ipynb'>.ipynb</a></td></tr>"
         for n in report.notebooks)
     from labkit.techniques import by_notebook as notebook_experiments  # the records' notebooks
 
@@ -136,8 +156,9 @@ def index_html(report: Any, frames: dict[str, pd.DataFrame], settings: dict[str,
         "<h1>labkit report</h1><h2>Provenance</h2><table>"
         + "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts.items())
         + f"</table><pre>{esc(hardware.describe())}</pre>"
-        "<h2>Notebooks</h2><table><tr><th>notebook</th><th>title</th><th>status</th><th>time</th>"
-        f"<th>error or note</th><th>executed</th></tr>{rows}</table>"
+        "<h2>Notebooks</h2><table><tr><th>notebook</th><th>title</th><th>status</th>"
+        "<th>predicted here</th><th>measured</th><th>ranks</th>"
+        f"<th>error, note or sizing</th><th>executed</th></tr>{rows}</table>"
         f"<h2>Headline numbers: measured beside predicted</h2>{figure}"
         f"{sections or '<p>no runs were stored</p>'}</body></html>")
 

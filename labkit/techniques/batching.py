@@ -51,6 +51,11 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("sequential", "static", "dynamic", "continuous", "priority")
 REFERENCE = "sequential"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"num_requests": 16}, {"num_requests": 8, "max_output_len": 16},
+             {"num_requests": 4, "max_output_len": 8, "num_layers": 2})
+
 # a CPU-sized workload; the KV budget holds 5 reserved rows (576 // its longest 104) of 8
 SIZES = {"tiny": {"batch_size": 8, "workload": "short", "kv_budget_tokens": 576}}
 WORKLOADS_DIR = hardware.DATA_DIR / "workloads"

@@ -38,6 +38,10 @@ from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("full", "lora", "qlora", "lora_ckpt")
 REFERENCE = "full"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"batch_size": 2, "seq_len": 32}, {"batch_size": 1, "seq_len": 32, "num_layers": 2})
+
 COMPUTE = {"fp32": "float32", "bf16": "bfloat16"}
 # Normwise relative difference of the adapters' gradients from the hand-computed ones: the same
 # products summed in another order (fp32), or bf16 gradients against an fp32 hand computation

@@ -35,6 +35,10 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("eager", "compiled", "triton")
 REFERENCE = "eager"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"rows": 1024},)
+
 SIZES = {"tiny": {"rows": 4096}}  # 4096 rows pass the CPU caches
 # max_rel_error against eager that still counts as a match: rounding of the storage dtype (the
 # variants round once where eager rounds after normalising and again after the weight).

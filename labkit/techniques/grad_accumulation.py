@@ -20,6 +20,10 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("one_batch", "accumulate")
 REFERENCE = "one_batch"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"batch_size": 2, "micro_batches": 2}, {"batch_size": 2, "micro_batches": 2, "seq_len": 32, "num_layers": 2})
+
 # Normwise relative gradient difference (||g - g_ref|| / ||g_ref|| per parameter) allowed against
 # one batch: k partial sums round differently from one sum, a few fp32 ulps (1.2e-7 each).
 TOLERANCE = 1e-6

@@ -20,7 +20,10 @@ builds it last). FSDP goes last because it shards whatever parameters it finds,
 TP's DTensors included (they become 2-D DTensors on the (dp, tp) mesh), while parallelize_module
 cannot split a parameter FSDP has already sharded; and FSDP must see the final parameters to
 group them for its all-gathers. The loss (the mean over the dp groups) and every gradient
-(gathered with `full_tensor()`) must equal the reference's at fp32 precision.
+(gathered with `full_tensor()`) must equal the reference's at fp32 precision. Under
+`fault=corrupt_reduction` fault_rank spoils the reductions of the techniques its layout applies
+(`with_fault`): tensor parallel's sum of the wo and w2 partial products, FSDP2's reduce-scatter
+shard; that check must fail.
 """
 from __future__ import annotations
 
@@ -35,17 +38,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.blocks.distributed import DistConfig
+from labkit.blocks.distributed import DistConfig, corrupt_reduction, corrupt_scale
 from labkit.blocks.training import Trainer, compare_grads, lm_loss, optimizer_state
 from labkit.blocks.transforms import apply_tensor_parallel, shard_fully
 from labkit.techniques.tensor_parallel import (TOLERANCE, backward, build_sharded_step,
-                                               check_tp_shape, full_grads, grads, train_step)
+                                               check_tp_shape, corrupt_row_outputs, full_grads,
+                                               grads, train_step)
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
 CPU_RANKS = 4  # ranks without GPUs (with them: one per GPU): a 2 x 2 mesh
 VARIANTS = ("single", "fsdp", "tp", "fsdp_tp")
 REFERENCE = "single"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+
 SIZES = {"tiny": {"num_kv_heads": 4}}  # 4-way tensor parallel splits the kv heads four ways
 
 
@@ -53,6 +61,7 @@ SIZES = {"tiny": {"num_kv_heads": 4}}  # 4-way tensor parallel splits the kv hea
 class Config(DistConfig):
     variant: str = knob(REFERENCE, choices=VARIANTS, help="the layout of the ranks")
     tp: int = knob(2, min=1, help="fsdp_tp's tensor-parallel degree; dp = nproc / tp")
+    reduction_fault = True  # see with_fault
 
 
 def world(cfg: Config) -> int:
@@ -114,6 +123,25 @@ def make_layout(cfg: Config) -> tuple[Callable[[Trainer], Trainer] | None, Devic
     return (lambda step: apply_fsdp(apply_tensor_parallel(step, mesh["tp"]), mesh["dp"])), mesh["dp"]
 
 
+def with_fault(cfg: Config, apply: Callable[[Trainer], Trainer] | None):
+    """fault=corrupt_reduction, on fault_rank: the layout's transform with the fault of each
+    technique it applies, as their own experiments inject it: tensor parallel's partial products
+    scaled before their sum (`corrupt_row_outputs`, registered before the sharding so that it
+    sees them unreduced), FSDP2's reduce-scatter shard after it (zero's `corrupt_reduction`).
+    The reference has no transform and keeps none."""
+    scale = corrupt_scale(cfg)
+    if scale is None or apply is None:
+        return apply
+
+    def faulty(step: Trainer) -> Trainer:
+        if layout(cfg)[1] > 1:
+            corrupt_row_outputs(step.model, scale)
+        apply(step)
+        corrupt_reduction(step.model, scale)  # no FSDP2 units (tp): nothing
+        return step
+    return faulty
+
+
 def batch_rows(cfg: Config, dp_mesh: DeviceMesh | None) -> slice:
     """This rank's rows of the global batch: its dp group's 1/dp (all of it without dp)."""
     if dp_mesh is None:
@@ -136,7 +164,7 @@ def mean_over(loss: torch.Tensor, dp_mesh: DeviceMesh | None) -> float:
 
 def build(cfg: Config) -> Workload:
     apply, dp_mesh = make_layout(cfg)
-    step = build_sharded_step(cfg, apply, rows=batch_rows(cfg, dp_mesh))
+    step = build_sharded_step(cfg, with_fault(cfg, apply), rows=batch_rows(cfg, dp_mesh))
     return Workload(step=functools.partial(train_step, step),
                     check=functools.partial(check, step, dp_mesh),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,  # the global batch: all ranks together

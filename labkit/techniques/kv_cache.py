@@ -36,6 +36,11 @@ from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("none", "dynamic", "static", "paged", "quantized")
 REFERENCE = "none"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"new_tokens": 64}, {"new_tokens": 32}, {"new_tokens": 16, "num_layers": 2},
+             {"new_tokens": 8, "prompt_len": 8, "num_layers": 2, "min_run_time_s": 0.2})
+
 # One sequence on the CPU. GPU presets decode in bf16, as GPU inference does; the uncached reference
 # recomputes the prefix, so lengths stay modest.
 _GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "bfloat16"}

@@ -36,6 +36,10 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 REFERENCE = "fp32"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"size": 256},)
+
 ALIGNMENTS = ("aligned", "mult8", "off_by_one")
 OFFSET = {"aligned": 0, "mult8": 8, "off_by_one": 1}  # taken off each dimension
 # The key of the dtype in `hardware.ceilings().peak_tflops` (and in data/gpus.json).

@@ -32,6 +32,10 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("contiguous", "strided", "transposed", "gather")
 REFERENCE = "contiguous"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"size_mib": 16},)
+
 OPS = ("copy", "sum")
 LINE_BYTES = {"cpu": 64, "cuda": 32}  # the unit memory is fetched in: a cache line, a GPU sector
 DEFAULT_MIB = {"cpu": 64, "cuda": 512}  # past the last-level cache (32 MiB here, 50 MiB on H100)

@@ -17,7 +17,9 @@ Variants:
 - `plain` (the reference): fp32, nothing applied, every rank computing the whole global batch
   (nproc x batch_size sequences) as one process would;
 - `composed`: the recipe. Checked against `plain`: the losses of `steps` steps and the whole
-  weights after them, within the tolerance of its precision.
+  weights after them, within the tolerance of its precision. Under `fault=corrupt_reduction`
+  fault_rank scales its DDP buckets before the all-reduce, or its FSDP2 reduce-scatter shard
+  after it (zero's `corrupt_reduction`), and that check must fail.
 
 Every rank measures its own peak, model states, activations and speed, each beside the planner's
 prediction for that exact recipe (`planned`). `budget_gib` is a virtual memory budget for
@@ -37,7 +39,8 @@ import torch.distributed as dist
 
 from labkit import hardware, planner
 from labkit.blocks import recipe as recipes
-from labkit.blocks.distributed import DistConfig, is_distributed, world_size
+from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
+                                       world_size)
 from labkit.blocks.recipe import Recipe, compose
 from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference
 from labkit.blocks.transforms import checkpointed_blocks
@@ -50,6 +53,10 @@ from labkit.workload import Comparison, Workload
 DISTRIBUTED = True
 VARIANTS = ("plain", "composed")
 REFERENCE = "plain"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_weights")
 CHECKPOINTING = ("none", "full", "selective", "every_n")
 OFFLOADS = ("none", "activations", "optimizer")
@@ -78,6 +85,7 @@ class Config(DistConfig):
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
+    reduction_fault = True  # see composed_step
 
 
 def recipe_of(cfg: Config) -> Recipe:
@@ -138,9 +146,14 @@ def plain_step(cfg: Config) -> Trainer:
 
 def composed_step(cfg: Config) -> Trainer:
     """compose() of the recipe at micro-batches of batch_size / micro_batches: the same global
-    batch as plain's, each rank's slice of it split into micro_batches."""
+    batch as plain's, each rank's slice of it split into micro_batches; with the fault's hook on
+    its data parallelism (fault=corrupt_reduction, on fault_rank)."""
     micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
-    return compose(micro, recipe_of(cfg), lr=LR)
+    step = compose(micro, recipe_of(cfg), lr=LR)
+    scale = corrupt_scale(cfg)
+    if scale is not None:  # before the first backward, which DDP's comm hook must precede
+        corrupt_reduction(step.net, scale)
+    return step
 
 
 def global_loss(loss: float, step: Trainer) -> float:

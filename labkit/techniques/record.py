@@ -2,7 +2,7 @@
 about one experiment, as one typed value built from its module.
 
 An experiment module defines `Config`, `VARIANTS`, `REFERENCE`, `build`, `compare` and `expected`;
-it may define `validate`, `skip_reason`, `DISTRIBUTED`, `CPU_RANKS` and `SIZES`. `from_module` is
+it may define `validate`, `skip_reason`, `DISTRIBUTED`, `CPU_RANKS`, `SIZES` and `CPU_RUNGS`. `from_module` is
 the only place that reads those names, so no caller probes a module for optional pieces.
 """
 from __future__ import annotations
@@ -24,7 +24,9 @@ class Experiment:
     `validate(cfg)` raises ConfigError for a config it refuses, `skip_reason(cfg)` says why a
     variant cannot run here (None: it can); `cpu_ranks` is the ranks it starts without GPUs (1
     for a single-process experiment); `sizes` maps a preset to the settings this experiment sets
-    there over the preset's own; `notebook` is its notebook's path from the repository root."""
+    there over the preset's own; `cpu_rungs` are cheaper sizes of its default CPU run, each
+    cheaper than the one before (`labkit.harness.budget` steps down them on a slow CPU);
+    `notebook` is its notebook's path from the repository root."""
 
     name: str
     module: ModuleType
@@ -39,6 +41,7 @@ class Experiment:
     distributed: bool = False
     cpu_ranks: int = 1
     sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    cpu_rungs: tuple[Mapping[str, Any], ...] = ()
     notebook: str | None = None
 
     @property
@@ -71,7 +74,7 @@ def from_module(name: str, module: ModuleType, notebook: str | None) -> Experime
         expected=ns["expected"], validate=ns.get("validate"), skip_reason=ns.get("skip_reason"),
         distributed=distributed,
         cpu_ranks=int(ns.get("CPU_RANKS", DEFAULT_CPU_RANKS if distributed else 1)),
-        sizes=ns.get("SIZES", {}), notebook=notebook)
+        sizes=ns.get("SIZES", {}), cpu_rungs=tuple(ns.get("CPU_RUNGS", ())), notebook=notebook)
     _check_record(rec)
     return rec
 

@@ -41,6 +41,11 @@ from labkit.workload import Workload
 
 VARIANTS = batching.VARIANTS
 REFERENCE = batching.REFERENCE
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"search_steps": 3, "num_requests": 12}, {"search_steps": 2, "num_requests": 8, "max_output_len": 16},
+             {"search_steps": 1, "num_requests": 6, "max_output_len": 8, "num_layers": 2})
+
 # batching's tiny sizes; the workload (its first 16 requests, outputs clipped to 32) is the Config's
 SIZES = {"tiny": {"batch_size": 8, "kv_budget_tokens": 576}}
 RATE_BRACKET = 8  # the search's first bracket: [saturation / 8, saturation]

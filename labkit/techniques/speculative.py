@@ -47,6 +47,11 @@ from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("none", "draft", "prompt_lookup")
 REFERENCE = "none"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"new_tokens": 32}, {"new_tokens": 16, "num_layers": 2},
+             {"new_tokens": 8, "prompt_len": 32, "num_layers": 2, "min_run_time_s": 0.2})
+
 # Batch 1 everywhere (speculation pays where decoding is latency-bound); the tiny preset's random
 # 4096-token model decodes fewer prompts to stay within its minute on 2 cores.
 SIZES = {p: {"batch_size": 1} for p in PRESETS} | {"tiny": {"batch_size": 1, "num_prompts": 1,

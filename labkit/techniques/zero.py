@@ -42,14 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.blocks.distributed import DistConfig, corrupt_scale, world_size
+from labkit.blocks.distributed import DistConfig, corrupt_reduction, corrupt_scale, world_size
 from labkit.blocks.training import Trainer, compare_grads, global_relative_difference, gradient_difference
 from labkit.blocks.transforms import apply_data_parallel
 from labkit.workload import Comparison, Workload
@@ -57,6 +54,10 @@ from labkit.workload import Comparison, Workload
 DISTRIBUTED = True
 VARIANTS = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 REFERENCE = "zero0"
+# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
+# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+
 STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 # how `apply_data_parallel` builds each: plain DDP, DDP + ZeroRedundancyOptimizer, or FSDP2
 DATA_PARALLEL = {"zero0": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
@@ -92,28 +93,12 @@ def skip_reason(cfg: Config) -> str | None:
     return None
 
 
-def scaled_allreduce_hook(scale: float):
-    """DDP's all-reduce (torch's Python twin of it) of this rank's bucket multiplied by `scale`."""
-    def hook(state, bucket):
-        bucket.buffer().mul_(scale)
-        return default_hooks.allreduce_hook(state, bucket)
-    return hook
-
-
 def maybe_corrupt_reduction(model: torch.nn.Module, cfg: Config) -> None:
-    """Under fault=corrupt_reduction, on fault_rank: DDP's buckets scaled before the all-reduce,
-    or FSDP2's reduce-scatter output (this rank's shard of the averaged gradients) after it."""
+    """Under fault=corrupt_reduction, on fault_rank, every variant but the reference:
+    `corrupt_reduction`."""
     scale = corrupt_scale(cfg)
-    if scale is None or cfg.variant == REFERENCE:
-        return
-    if isinstance(model, DistributedDataParallel):
-        model.register_comm_hook(None, scaled_allreduce_hook(scale))
-        return
-    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        if not hasattr(unit, "set_all_reduce_hook"):
-            raise RuntimeError("fault=corrupt_reduction needs FSDPModule.set_all_reduce_hook, "
-                               f"which torch {torch.__version__} does not have")
-        unit.set_all_reduce_hook(lambda shard: shard.mul_(scale))
+    if scale is not None and cfg.variant != REFERENCE:
+        corrupt_reduction(model, scale)
 
 
 def full_tensor(p: torch.Tensor, device: str) -> torch.Tensor:

@@ -30,6 +30,7 @@ from IPython.display import display
 
 from labkit import hardware
 from labkit.views import plots as viz
+from labkit.harness import budget
 from labkit.config import (PRESETS, ConfigError, default_preset, expand_sweep, parse_sweep, resolve,
                            resolve_device)
 from labkit.harness.ranks import RunFailed
@@ -133,7 +134,7 @@ class Panel(BackgroundRun):
                                     + (" (not for multi-process runs)" if self.distributed else ""))
         self.run_button.on_click(lambda _: self.start())
         self.stop_button.on_click(lambda _: self.stop())
-        self.status = W.HTML()
+        self.status = W.HTML(html.escape(self.sizing))
         self.output = W.Output()
         self.figure = go.FigureWidget(layout={"height": 440, "title": f"{name}: press Run"})
         self.monitor_figure = go.FigureWidget(layout={"height": 230, "title": "device monitor"})
@@ -150,9 +151,14 @@ class Panel(BackgroundRun):
             self.figure, self.monitor_figure, self.output])  # stacked: both at full width
 
     def load(self, overrides: dict[str, Any]) -> None:
-        """Fill the controls with the resolved config of the chosen preset (plus `overrides`)."""
-        cfg = resolve(record(self.name).Config, self.preset.value,
-                      {**overrides, "device": self.device.value}, experiment=self.name)
+        """Fill the controls with the resolved config of the chosen preset (plus `overrides`),
+        on a CPU sized for this CPU so that the first point comes within seconds
+        (`budget.PANEL_TARGET_S` for the whole default run; `sizing` says what changed)."""
+        exp, settings = record(self.name), {**overrides, "device": self.device.value}
+        fit = budget.fit_run(self.name, self.preset.value, settings, list(exp.variants),
+                             budget.PANEL_TARGET_S)
+        self.sizing = fit.note
+        cfg = resolve(exp.Config, self.preset.value, {**fit.settings, **settings}, experiment=self.name)
         for key, widget in self.controls.items():
             value = getattr(cfg, key)
             if isinstance(widget, W.Text):  # an optional number: blank means none

@@ -1,0 +1,206 @@
+"""Sizes from a seconds target: the pace's arithmetic, the choice of a size for a run and for each
+notebook of a report, and the report's schedule on core slots. Paces are given, not measured, so
+every figure here is exact on any machine."""
+import dataclasses
+import json
+import math
+
+import pytest
+
+from labkit.config import resolve
+from labkit.harness import budget
+from labkit.harness.experiment import checked
+from labkit.measure import pace as pace_module
+from labkit.measure.pace import REFERENCE, Pace
+from labkit.report import NOTEBOOKS_DIR, plan
+from labkit.techniques import REGISTRY, record
+
+from conftest import FAST
+
+
+def slower(factor: float, bf16: float | None = None) -> Pace:
+    """A CPU `factor` times slower than the reference, its bf16 matmuls at `bf16` GFLOP/s."""
+    gflops = {d: g / factor for d, g in REFERENCE.gflops.items()}
+    if bf16 is not None:
+        gflops["bfloat16"] = bf16
+    return Pace(REFERENCE.step_s * factor, gflops)
+
+
+def test_the_rate_scale_slows_the_measured_pace_by_exactly_its_factor(monkeypatch):
+    monkeypatch.setattr(pace_module, "_mean_seconds", lambda fn, spans=1: 0.002)
+    monkeypatch.delenv(pace_module.PACE_ENV, raising=False)
+    for scale, expected_step in ((1.0, 0.002), (0.2, 0.01)):
+        monkeypatch.setenv(pace_module.SCALE_ENV, str(scale))
+        pace_module.measure_pace.cache_clear()
+        measured = pace_module.measure_pace()
+        assert measured.step_s == pytest.approx(expected_step) and measured.scale == scale
+        assert measured.gflops["float32"] == pytest.approx(2 * 512**3 / 0.002 / 1e9 * scale)
+        # what this CPU really took, the scale taken back out: how its seconds become reference ones
+        assert measured.measured_slowdown == pytest.approx(0.002 / REFERENCE.step_s)
+    pace_module.measure_pace.cache_clear()
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "fast", "nan"])
+def test_a_bad_rate_scale_is_one_line_naming_what_is_valid(monkeypatch, text):
+    monkeypatch.setenv(pace_module.SCALE_ENV, text)
+    with pytest.raises(ValueError, match="a number above 0"):
+        pace_module.rate_scale()
+
+
+def test_a_pace_handed_down_as_json_is_the_same_pace(monkeypatch):
+    given = slower(3.0, bf16=2.0)
+    monkeypatch.setenv(pace_module.PACE_ENV, given.to_json())
+    pace_module.measure_pace.cache_clear()
+    assert pace_module.measure_pace() == given and given.slowdown == pytest.approx(3.0)
+    pace_module.measure_pace.cache_clear()
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_rung_is_a_valid_smaller_setting_measured_in_the_costs(name):
+    exp = record(name)
+    measured = budget.costs()["experiments"][name]
+    assert len(measured) == len(budget.ladder(exp)) >= 2  # the defaults and every rung, measured
+    for rung in exp.cpu_rungs:
+        checked(exp, resolve(exp.Config, "tiny", {**rung, "device": "cpu"}, experiment=name))
+
+
+def test_a_run_keeps_its_defaults_where_they_fit_and_steps_down_where_they_do_not():
+    exp = record("kv_cache")
+    seconds = budget.costs()["experiments"]["kv_cache"]
+    variants = list(exp.variants)
+    fast = budget.fit_run("kv_cache", None, {"device": "cpu"}, variants, seconds[0] + 1, pace=REFERENCE)
+    assert fast.settings == {} and fast.note == "" and fast.predicted_s == pytest.approx(seconds[0])
+    # five times slower: the first rung whose 5x fits the target
+    target = 5 * seconds[2] + 0.1
+    slow = budget.fit_run("kv_cache", None, {"device": "cpu"}, variants, target, pace=slower(5.0))
+    expected = next(i for i, s in enumerate(seconds) if 5 * s <= target)
+    assert slow.settings == budget.ladder(exp)[expected] and slow.predicted_s == pytest.approx(5 * seconds[expected])
+    assert "sized down to" in slow.note and f"about {5 * seconds[0]:.0f} s" in slow.note
+    # a setting given by hand is never overridden; nor sized off the CPU or at another preset
+    for preset, overrides in ((None, {"device": "cpu", "new_tokens": 128}), ("reference", {"device": "cpu"})):
+        kept = budget.fit_run("kv_cache", preset, overrides, variants, 1.0, pace=slower(50.0))
+        assert kept.settings == {} and math.isnan(kept.predicted_s)
+    hopeless = budget.fit_run("kv_cache", None, {"device": "cpu"}, variants, 0.01, pace=slower(50.0))
+    assert hopeless.settings == budget.ladder(exp)[-1] and "still over it" in hopeless.note
+
+
+def test_emulated_bf16_adds_its_matmuls_at_the_measured_rate():
+    exp = record("mixed_precision")
+    cfg = resolve(exp.Config, "tiny", {"device": "cpu"}, experiment="mixed_precision")
+    native = budget.low_precision_s(exp, cfg, ["fp32", "bf16"], REFERENCE)
+    assert native == 0.0  # the reference CPU's own rate: its seconds already hold it
+    emulated = slower(1.0, bf16=1.0)  # 1 GFLOP/s: an AVX2 CPU's bf16
+    step = exp.expected(dataclasses.replace(cfg, variant="bf16"))["flops"]
+    expected = budget.CALLS * step * (1 / 1e9 - 1 / REFERENCE.rate("bfloat16"))
+    assert budget.low_precision_s(exp, cfg, ["fp32", "bf16"], emulated) == pytest.approx(expected)
+    both = budget.low_precision_s(exp, cfg, ["fp32", "bf16", "bf16_weights"], emulated)
+    assert both == pytest.approx(2 * expected)  # bf16_weights' matmuls are bf16 too; fp32 adds nothing
+
+
+def test_a_sized_run_says_so_in_its_rows_and_keeps_checking_against_its_reference(monkeypatch, tmp_path):
+    from labkit.harness.experiment import run_experiment
+
+    monkeypatch.setenv(pace_module.PACE_ENV, slower(1000.0).to_json())  # a hopelessly slow CPU
+    pace_module.measure_pace.cache_clear()
+    try:
+        rows = run_experiment("memory_access", overrides={**FAST, "device": "cpu"}, variants=["strided"],
+                              budget_s=budget.RUN_TARGET_S, runs_dir=str(tmp_path), progress=False).rows
+    finally:
+        pace_module.measure_pace.cache_clear()
+    smallest = record("memory_access").cpu_rungs[-1]
+    assert all(r["params"]["size_mib"] == smallest["size_mib"] for r in rows)
+    assert all("sized down to size_mib=16" in r["params"]["sizing"] for r in rows)
+    steps = [r for r in rows if r["metric"] == "step_ms"]
+    assert len(steps) == 2 and all(r["status"] == "ok" and "sized down" in r["message"] for r in steps)
+
+
+def fake_costs(monkeypatch, notebooks, experiments=None):
+    costs = {"startup_s": 2.0, "kernel_s": 3.0, "experiments": experiments or {}, "notebooks": notebooks}
+    monkeypatch.setattr(budget, "costs", lambda: costs)
+
+
+def test_a_notebook_steps_down_its_experiments_rungs_scaled_as_the_run_scales(monkeypatch):
+    # attention: defaults 22 s, rungs 12 s and 7 s as runs (2 s of start); its notebook 23 s at
+    # its report size (3 s of kernel start)
+    fake_costs(monkeypatch, {"17_attention": {"0": 23.0}, "20_matmul": {"0": 10.0}},
+               {"attention": [22.0, 12.0, 7.0], "matmul": [10.0, 6.0]})
+    params = {"17_attention": {"overrides": {}}, "20_matmul": {"overrides": {"size": 512}}}
+    known = {s: {"overrides": {}} for s in params}
+    plans = plan.plan_notebooks(params, {"17_attention": "attention", "20_matmul": "matmul"}, known,
+                                {s: 1 for s in params}, {"17_attention": set(), "20_matmul": {"size"}},
+                                slower(4.0), cores=2, budget_s=30.0)
+    attention, matmul = plans
+    # shares: 30 s x 2 cores over (92 + 40) core-seconds of both at level 0, times each one's own
+    scale = 60.0 / (4 * 23.0 + 4 * 10.0)
+    level_s = [23.0, 3 + 20 * (12 - 2) / 20, 3 + 20 * (7 - 2) / 20]  # kernel kept, the rest as the run
+    at = next(i for i, s in enumerate(level_s) if 4 * s <= scale * 4 * 23.0)
+    assert attention.level == at and attention.predicted_s == pytest.approx(4 * level_s[at])
+    assert attention.settings == {"overrides": dict(record("attention").cpu_rungs[at - 1])}
+    assert "sized down" in attention.note
+    # a swept or hand-given setting is kept: matmul's only rung changes `size`, which was given,
+    # so it has no smaller size and runs its report size, predicted as such
+    assert matmul.settings == {} and matmul.level == 0 and matmul.predicted_s == pytest.approx(40.0)
+
+
+def test_a_notebook_never_measured_is_unplanned_not_guessed(monkeypatch):
+    fake_costs(monkeypatch, {})
+    (p,) = plan.plan_notebooks({"25_quiz": {}}, {"25_quiz": None}, {"25_quiz": {}}, {"25_quiz": 1},
+                               {"25_quiz": set()}, REFERENCE, cores=2)
+    assert math.isnan(p.predicted_s) and p.level == 0 and p.settings == {}
+
+
+def test_multi_rank_notebooks_never_share_the_cores_and_the_last_ones_wait():
+    nb = plan.NotebookPlan
+    two_rank = [nb("10_a", 2, predicted_s=10.0), nb("11_b", 2, predicted_s=10.0)]
+    singles = [nb("01_c", 1, predicted_s=4.0), nb("02_d", 1, predicted_s=6.0)]
+    assert plan.schedule_s(two_rank, cores=2) == 20.0  # one after the other, not side by side
+    assert plan.schedule_s(singles, cores=2) == 6.0  # side by side
+    assert plan.schedule_s(two_rank + singles, cores=2) == 26.0  # the pair first, then both singles
+    last = nb("99_compare", 1, predicted_s=1.0)
+    assert plan.schedule_s(singles + [last], cores=2) == 7.0  # after every other notebook
+    assert plan.schedule_s([nb("14_h", 4, predicted_s=5.0), nb("13_p", 2, predicted_s=5.0)], cores=2) == 10.0
+
+
+def test_report_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
+    from labkit.cli import main
+
+    out = tmp_path / "never-written"
+    assert main(["report", "--dry-run", "--out", str(out), "--only", "matmul,25_quiz", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "20_matmul" in text and "25_quiz" in text and "predicted wall time" in text
+    assert not out.exists()
+    assert main(["report", "--dry-run", "--budget-s", "-1"]) == 2
+
+
+def test_run_budget_must_not_be_negative(capsys):
+    from labkit.cli import main
+
+    assert main(["run", "matmul", "--budget-s", "-5"]) == 2
+    assert "--budget-s" in capsys.readouterr().err
+
+
+def test_the_costs_hold_every_notebook_at_its_report_size():
+    from labkit.report import find_notebooks
+
+    measured = budget.costs()["notebooks"]
+    assert sorted(measured) == sorted(find_notebooks())
+    assert all("0" in levels and all(s > 0 for s in levels.values()) for levels in measured.values())
+    assert json.loads(budget.COSTS_PATH.read_text())["reference"] == REFERENCE.source
+
+
+def test_the_worked_examples_smaller_size_keeps_its_story():
+    """08_memory_planner's smaller ladder: every rung at the whole batch is predicted over the
+    budget the notebook computes, the accumulated one under it (as at its report size)."""
+    import papermill
+
+    from labkit.harness import ladder
+
+    known = papermill.inspect_notebook(str(NOTEBOOKS_DIR / "08_memory_planner.ipynb"))
+    story = {"precision": "bf16", "checkpointing": "full",
+             "micro_batches": int(known["measured_micro_batches"]["default"])}
+    for level in plan.levels("08_memory_planner", None, known):
+        sizes = {**plan._default(known, "measured"), **level.get("measured", {}), "nproc": 2}
+        rungs = ladder.ladder_rungs(story, preset="tiny", overrides=sizes)
+        peaks = ladder.predicted_peaks(rungs, preset="tiny", overrides=sizes)
+        budget_gib = ladder.budget_between(peaks[rungs[-1].label], min(peaks[r.label] for r in rungs[1:-1]))
+        assert peaks[rungs[-1].label] < budget_gib * 2**30 < min(peaks[r.label] for r in rungs[1:-1])
