@@ -3,9 +3,11 @@ import torch
 
 
 def pytest_collection_modifyitems(items):
-    """A test that starts ranks or executes notebooks is slow whatever else it does."""
+    """A test that starts ranks or executes notebooks is slow whatever else it does; so is one
+    that reads `shared_runs` (every exercise's run, measured once: over a minute)."""
     for item in items:
-        if item.get_closest_marker("multiprocess") or item.get_closest_marker("notebook"):
+        if (item.get_closest_marker("multiprocess") or item.get_closest_marker("notebook")
+                or "shared_runs" in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 

@@ -76,6 +76,7 @@ def test_triton_kernel_matches_eager_under_the_interpreter_in_fp32_and_fp16():
     assert len(result["errors"]) == 3  # each bad input refused with a ValueError
 
 
+@pytest.mark.slow  # a cold torch.compile build
 def test_eager_and_compiled_run_on_the_cpu_and_triton_is_skipped_with_its_reason(rows):
     assert {r["status"] for r in rows if r["variant"] in ("eager", "compiled")} == {"ok"}
     assert by(rows, "compiled", "max_rel_error")["value"] <= fused_kernel.TOLERANCE["float32"]
@@ -86,6 +87,7 @@ def test_eager_and_compiled_run_on_the_cpu_and_triton_is_skipped_with_its_reason
     assert "CUDA GPU" in triton[0]["message"] or "not installed" in triton[0]["message"]
 
 
+@pytest.mark.slow  # the same cold build (the rows fixture)
 def test_gbps_counts_the_fused_floor_the_tensors_hold(rows):
     moved = (4 * 64 * 96 + 96) * 4  # read x, residual, weight; write y, h (fp32)
     cfg = resolve(fused_kernel.Config, "tiny", {**SIZES, "device": "cpu"}, experiment="fused_kernel")
