@@ -65,7 +65,9 @@ def matmul_dtype(exp: Experiment, cfg) -> str | None:
     """The 16-bit dtype `cfg.variant`'s matmuls run in (its name's, or a recipe's `precision`
     for a variant other than the reference), or None for fp32."""
     named = DTYPE_OF_VARIANT.get(cfg.variant)
-    return named or (None if cfg.variant == exp.reference else DTYPE_OF_VARIANT.get(getattr(cfg, "precision", "")))
+    if named or cfg.variant == exp.reference:
+        return named
+    return DTYPE_OF_VARIANT.get(getattr(cfg, "precision", ""))
 
 
 def low_precision_s(exp: Experiment, cfg, variants: list[str], pace: Pace) -> float:

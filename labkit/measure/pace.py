@@ -6,16 +6,16 @@ busy neighbour), and by another 15-70x on bf16 and fp16 matmuls where they have 
 instructions. So the pace is two measurements:
 
 - `step_s`: one small training step in plain torch (embedding, two MLP blocks with LayerNorm,
-  attention, cross-entropy, an SGD update; about as much dispatch overhead as FLOPs, like labkit's CPU
-  runs), its mean over at least `MIN_SPAN_S`, so a CPU quota or a neighbour that takes the core
-  part of the time is seen, not a lucky burst (the best of three such spans);
+  attention, cross-entropy, an SGD update; about as much dispatch overhead as FLOPs, like
+  labkit's CPU runs), its mean over at least `MIN_SPAN_S`, so a CPU quota or a neighbour that
+  takes the core part of the time is seen, not a lucky burst (the best of three such spans);
 - `gflops`: a matmul's GFLOP/s per dtype at one thread, over the same kind of span.
 
 `slowdown` is this CPU's `step_s` over the reference CPU's (`REFERENCE`, where labkit's costs were
 measured): the factor every measured cost is multiplied by. `LABKIT_RATE_SCALE` multiplies the
 rates (0.2: a CPU five times slower), for checking the sizing without such a CPU; `LABKIT_PACE`
-holds a pace measured once, as JSON (the report hands its pace to every notebook so that the
-plan and the runs agree, and ranks inherit it).
+holds a pace measured once, as JSON, which `measure_pace` then takes instead of measuring (a
+parent can hand its measurement to the processes it starts; the tests give a pace so).
 """
 from __future__ import annotations
 
@@ -90,8 +90,7 @@ def rate_scale() -> float:
 
 @functools.lru_cache(maxsize=None)
 def measure_pace() -> Pace:
-    """This CPU's pace, once per process: from LABKIT_PACE when set (measured once by a parent),
-    else `measure_now()`."""
+    """This CPU's pace, once per process: from LABKIT_PACE when set, else `measure_now()`."""
     given = os.environ.get(PACE_ENV)
     return Pace(**json.loads(given)) if given else measure_now()
 

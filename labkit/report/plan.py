@@ -109,7 +109,8 @@ def low_precision_s(stem: str, experiment: str | None, params: dict[str, Any],
         where, rungs = LADDERS[stem]
         sizes = params.get(where) or _default(known, where)
         exp = record("recipe")
-        cfg = resolve(exp.Config, "tiny", {**sizes, "precision": "bf16", "device": "cpu"}, experiment="recipe")
+        cfg = resolve(exp.Config, "tiny", {**sizes, "precision": "bf16", "device": "cpu"},
+                      experiment="recipe")
         return rungs * budget.low_precision_s(exp, cfg, ["composed"], pace)
     if not experiment:
         return 0.0
