@@ -92,12 +92,18 @@ def test_weighted_shares_give_the_even_split_gradients(rows):
             by(rows, "even", "loss", rank)["value"], rel=lb.TOLERANCE)
 
 
-def test_per_rank_compute_and_wait_are_reported(rows):
+def test_per_rank_compute_and_wait_are_predicted_from_each_ranks_share_and_speed(rows):
     for variant in lb.VARIANTS:
+        compute = {}
         for rank in (0, 1):
-            assert by(rows, variant, "compute_ms", rank)["value"] > 0
-            assert by(rows, variant, "wait_ms", rank)["value"] >= 0
-            assert by(rows, variant, "step_ms", rank)["value"] > 0
+            n = by(rows, variant, "num_sequences", rank)["value"]
+            speed = by(rows, variant, "sequences_per_s", rank)["value"]
+            compute[rank] = by(rows, variant, "compute_ms", rank)["predicted"]
+            assert compute[rank] == pytest.approx(1e3 * n / speed)  # its share at its speed
+        for rank in (0, 1):  # the step waits for the slower rank; the rest of it is waiting
+            step = by(rows, variant, "step_ms", rank)["predicted"]
+            assert step == pytest.approx(max(compute.values()))
+            assert by(rows, variant, "wait_ms", rank)["predicted"] == pytest.approx(step - compute[rank])
 
 
 def test_split_is_whole_sequences_in_proportion_and_at_least_one_each():
