@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 
 from labkit import hardware
 from labkit.config import ConfigError, usable_threads
-from labkit.harness import ladder
 from labkit.report.plan import LAST_FROM, REPORT_TARGET_S, number, plan_notebooks
 from labkit.results import now
 
@@ -249,6 +248,8 @@ def notebook_ranks(stem: str, params: dict[str, Any], known: dict[str, Any], cor
         return 1
     if params.get("nproc"):
         return int(params["nproc"])
+    from labkit.harness import ladder
+
     name = notebook_names().get(stem)
     return record(name).cpu_ranks if name else ladder.cpu_ranks()  # 08_memory_planner's ladder
 

@@ -32,8 +32,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("naive", "sdpa", "math", "efficient", "flash", "cudnn", "flex_sliding")
 REFERENCE = "naive"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"seq_len": 256}, {"seq_len": 128, "batch_size": 2})
 
 # seq_len is attention's own (no positions); on a GPU bf16: the fused kernels (flash, cuDNN) take

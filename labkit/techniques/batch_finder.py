@@ -37,8 +37,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "fp32_ckpt", "bf16", "bf16_ckpt")
 REFERENCE = "fp32"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"memory_budget_gib": 0.1}, {"memory_budget_gib": 0.06, "seq_len": 32})
 
 # on the CPU it searches a virtual budget (there is nothing else to run out of)

@@ -51,8 +51,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("sequential", "static", "dynamic", "continuous", "priority")
 REFERENCE = "sequential"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"num_requests": 16}, {"num_requests": 8, "max_output_len": 16},
              {"num_requests": 4, "max_output_len": 8, "num_layers": 2})
 

@@ -33,8 +33,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("none", "full", "every_n", "selective", "budget")
 REFERENCE = "none"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"batch_size": 2}, {"batch_size": 1, "seq_len": 32, "num_layers": 2})
 
 # Gradients after one step must equal `none`'s on the CPU: recomputation replays the same kernels

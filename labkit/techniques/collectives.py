@@ -26,8 +26,7 @@ from labkit.workload import Comparison, Workload
 DISTRIBUTED = True
 VARIANTS = ("all_reduce", "all_gather", "reduce_scatter")
 REFERENCE = "all_reduce"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"timed_steps": 3}, {"timed_steps": 2, "message_bytes": 65536})
 
 NCCL_SETTINGS = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")

@@ -47,8 +47,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("eager", "default", "max-autotune-no-cudagraphs", "reduce-overhead")
 REFERENCE = "eager"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"probe_calls": 10}, {"probe_calls": 5, "num_layers": 1})
 
 GPU_ONLY = ("max-autotune-no-cudagraphs", "reduce-overhead")

@@ -46,8 +46,7 @@ DISTRIBUTED = True
 VARIANTS = ("single", "ddp", "accumulate", "accumulate_no_sync", "fp16_compress", "bf16_compress",
             "powersgd")
 REFERENCE = "single"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
 
 HOOKS = {"ddp": default_hooks.allreduce_hook, "accumulate": default_hooks.allreduce_hook,

@@ -57,8 +57,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("baseline", "pinned", "non_blocking", "workers", "workers_pinned")
 REFERENCE = "baseline"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"steps": 2, "batch_size": 2, "seq_len": 32},
              {"steps": 2, "batch_size": 2, "seq_len": 32, "num_layers": 2, "sample_cost_us": 5000.0,
               "epoch_steps": 50})

@@ -38,8 +38,7 @@ from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("full", "lora", "qlora", "lora_ckpt")
 REFERENCE = "full"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"batch_size": 2, "seq_len": 32}, {"batch_size": 1, "seq_len": 32, "num_layers": 2})
 
 COMPUTE = {"fp32": "float32", "bf16": "bfloat16"}

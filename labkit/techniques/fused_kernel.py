@@ -35,8 +35,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("eager", "compiled", "triton")
 REFERENCE = "eager"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"rows": 1024},)
 
 SIZES = {"tiny": {"rows": 4096}}  # 4096 rows pass the CPU caches

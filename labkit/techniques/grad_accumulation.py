@@ -20,8 +20,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("one_batch", "accumulate")
 REFERENCE = "one_batch"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"batch_size": 2, "micro_batches": 2}, {"batch_size": 2, "micro_batches": 2, "seq_len": 32, "num_layers": 2})
 
 # Normwise relative gradient difference (||g - g_ref|| / ||g_ref|| per parameter) allowed against

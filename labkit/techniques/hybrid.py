@@ -50,8 +50,7 @@ DISTRIBUTED = True
 CPU_RANKS = 4  # ranks without GPUs (with them: one per GPU): a 2 x 2 mesh
 VARIANTS = ("single", "fsdp", "tp", "fsdp_tp")
 REFERENCE = "single"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
 
 SIZES = {"tiny": {"num_kv_heads": 4}}  # 4-way tensor parallel splits the kv heads four ways

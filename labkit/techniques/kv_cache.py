@@ -36,8 +36,7 @@ from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("none", "dynamic", "static", "paged", "quantized")
 REFERENCE = "none"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"new_tokens": 64}, {"new_tokens": 32}, {"new_tokens": 16, "num_layers": 2},
              {"new_tokens": 8, "prompt_len": 8, "num_layers": 2, "min_run_time_s": 0.2})
 

@@ -36,8 +36,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 REFERENCE = "fp32"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"size": 256},)
 
 ALIGNMENTS = ("aligned", "mult8", "off_by_one")

@@ -32,8 +32,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("contiguous", "strided", "transposed", "gather")
 REFERENCE = "contiguous"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"size_mib": 16},)
 
 OPS = ("copy", "sum")

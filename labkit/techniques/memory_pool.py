@@ -33,8 +33,7 @@ from labkit.workload import Workload
 
 VARIANTS = ("default", "expandable", "buffer_pool")
 REFERENCE = "default"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"new_tokens": 16}, {"num_requests": 2, "new_tokens": 8, "num_layers": 2})
 
 

@@ -32,8 +32,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "bf16_weights")
 REFERENCE = "fp32"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"batch_size": 1, "seq_len": 32}, {"batch_size": 1, "seq_len": 16, "num_layers": 2, "steps": 1})
 
 # fp16 and bf16 steps are emulated (15-70x slower than fp32) on a CPU without AVX-512 FP16/BF16:

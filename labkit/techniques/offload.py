@@ -29,8 +29,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("none", "activations", "optimizer", "both")
 REFERENCE = "none"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"batch_size": 2}, {"batch_size": 1, "seq_len": 32, "num_layers": 2})
 
 # Relative difference of losses and gradient norm that still counts as equal. Not 0: on a GPU the

@@ -43,8 +43,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("plain", "profiler", "monitor")
 REFERENCE = "plain"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"batch_size": 2, "seq_len": 32}, {"batch_size": 1, "seq_len": 32, "num_layers": 2, "overhead_repeats": 1})
 
 

@@ -53,8 +53,7 @@ from labkit.workload import Comparison, Workload
 DISTRIBUTED = True
 VARIANTS = ("plain", "composed")
 REFERENCE = "plain"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_weights")

@@ -41,8 +41,7 @@ from labkit.workload import Workload
 
 VARIANTS = batching.VARIANTS
 REFERENCE = batching.REFERENCE
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"search_steps": 3, "num_requests": 12}, {"search_steps": 2, "num_requests": 8, "max_output_len": 16},
              {"search_steps": 1, "num_requests": 6, "max_output_len": 8, "num_layers": 2})
 

@@ -47,8 +47,7 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("one_thread", "set_num_threads", "omp_env", "mkl_env", "interop")
 REFERENCE = "one_thread"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"size": 512}, {"size": 256, "mib": 16.0})
 
 WORKS = ("matmul", "elementwise", "forward")

@@ -40,8 +40,7 @@ from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("none", "int8", "int4", "fp8")
 REFERENCE = "none"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"new_tokens": 16}, {"new_tokens": 8, "num_layers": 2})
 
 LOADINGS = tuple(quant.LOADINGS)

@@ -54,8 +54,7 @@ from labkit.workload import Comparison, Workload
 DISTRIBUTED = True
 VARIANTS = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 REFERENCE = "zero0"
-# Cheaper sizes of the default CPU run, each cheaper than the one before: a slow CPU steps down
-# them to its seconds target (labkit.harness.budget; their costs in data/costs.json).
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
 
 STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
