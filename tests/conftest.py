@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -81,3 +83,28 @@ def shared_runs(tmp_path_factory):
     for run in exercises.RUNS.values():
         exercises.measure(run, "cpu", str(folder), reuse=False)
     return str(folder)
+
+
+def execute_notebooks(jobs, cwd, kernels=2):
+    """Execute `jobs` ((path, output, parameters) each) on `kernels` warm kernels, one thread
+    each (labkit.report.kernel: a kernel's imports are paid once, not once a notebook); returns
+    each notebook's printed text, in order."""
+    import concurrent.futures
+
+    import nbformat
+
+    from labkit.report.kernel import WarmKernel
+
+    def run(share):
+        with WarmKernel(cwd, Path(cwd) / f"kernel-{share}.log") as kernel:
+            for path, out, parameters in jobs[share::kernels]:
+                kernel.execute(path, out, parameters)
+
+    with concurrent.futures.ThreadPoolExecutor(kernels) as pool:
+        list(pool.map(run, range(kernels)))
+    texts = []
+    for _, out, _ in jobs:
+        nb = nbformat.read(out, as_version=4)
+        texts.append("".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                             for o in c.outputs))
+    return texts

@@ -2,12 +2,12 @@
 (through labkit.study.exercises directly), and every exercise notebook executed by papermill in solution
 mode. Each run behind the exercises is measured once per session into one shared folder (two
 multi-process launches: zero and pipeline_parallel); the checks and the notebooks reuse them."""
-import concurrent.futures
 import math
 from pathlib import Path
 
 import pytest
 
+from conftest import execute_notebooks
 from labkit.study import exercises
 from labkit.config import ConfigError
 
@@ -164,29 +164,15 @@ def test_tolerance_edges():
     assert not math.isnan(ex.tolerance(ref))
 
 
-def run_notebook(path, out_dir, runs_dir):
-    import papermill as pm
-
-    out = out_dir / path.name
-    pm.execute_notebook(str(path), str(out), parameters={"solution": True, "interactive": False,
-                                                         "device": "cpu", "runs_dir": runs_dir},
-                        kernel_name="python3", progress_bar=False, store_widget_state=False)
-    return out
-
-
 @pytest.mark.notebook
 def test_every_exercise_notebook_in_solution_mode(shared_runs, tmp_path):
     pytest.importorskip("papermill")
-    import nbformat
-
     paths = exercise_notebooks()
     assert {p.stem.split("_", 1)[1] for p in paths} == set(exercises.EXERCISES)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        outs = list(pool.map(lambda p: run_notebook(p, tmp_path, shared_runs), paths))
-    for out in outs:
-        nb = nbformat.read(out, as_version=4)
-        text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-        assert "Graded: correct" in text and "reused" in text, (out.name, text[-2000:])
+    params = {"solution": True, "interactive": False, "device": "cpu", "runs_dir": shared_runs}
+    texts = execute_notebooks([(p, tmp_path / p.name, params) for p in paths], tmp_path)
+    for path, text in zip(paths, texts):
+        assert "Graded: correct" in text and "reused" in text, (path.name, text[-2000:])
 
 
 @pytest.mark.notebook

@@ -5,12 +5,12 @@ played through end to end in a notebook executed by papermill.
 
 Each Run behind the labs is measured once per session (`lab_runs`, into the exercises' shared
 folder, so the pipeline Run is the exercises' one), and each reference fix is measured once."""
-import concurrent.futures
 import math
 from pathlib import Path
 
 import pytest
 
+from conftest import execute_notebooks
 from labkit import planner
 from labkit.study import exercises
 from labkit.config import ConfigError
@@ -345,8 +345,8 @@ def test_a_lab_played_through_in_a_notebook(lab_runs, tmp_path):
 def test_every_lab_notebook_in_solution_mode(lab_runs, tmp_path):
     pytest.importorskip("papermill")
     params = {"solution": True, "interactive": False, "device": DEVICE, "runs_dir": lab_runs}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        texts = list(pool.map(lambda k: execute(lab_path(k), tmp_path / f"{k}.ipynb", params), labs.LABS))
+    texts = execute_notebooks([(lab_path(k), tmp_path / f"{k}.ipynb", params) for k in labs.LABS],
+                              tmp_path)
     for key, text in zip(labs.LABS, texts):
         assert "Solution mode: the reference diagnosis" in text and ": correct." in text, (key, text[-1500:])
         verdicts = ("graded fixed", "graded not fixed") if key in TIMED else ("graded fixed",)

@@ -12,14 +12,17 @@ The report folder holds:
   stored in this report;
 - `results.csv` and `summary.md`: those runs' rows as a table and as text;
 - `runs/`: the results store (unless `runs_dir` names another);
-- `logs/<stem>.log`: what each notebook's kernel (and its ranks) wrote to stderr.
+- `logs/kernel-<pid>.log`: what each kernel (and the ranks it started) wrote to stderr, each
+  notebook's part headed by its name.
 
 Report mode gives each notebook `interactive=False` (no widget panel: the default sweep and
 static figures) and `preset`, `device`, `runs_dir`, `overrides` where set, each only to notebooks
 that have that parameter (papermill's `inspect_notebook`); on a CPU, a few notebooks also get the
 lighter sweeps of `CPU_REPORT_PARAMETERS`. Kernels are `python3`, widget state
 is not stored, and the kernels' working directory is the report folder (a trace a notebook
-writes lands beside its page).
+writes lands beside its page). Each worker keeps its kernel from one notebook to the next
+(`labkit.report.kernel`: the names are reset, the imports kept), so torch, labkit and plotly are
+imported once a core slot, not once a notebook.
 
 Offline pages: in a kernel, plotly's renderer stores a figure as `application/vnd.plotly.v1+json`
 only, which nbconvert cannot draw; `with_plotly_html` adds a `text/html` twin drawn by
@@ -41,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -318,20 +320,26 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+_KERNEL = None  # this worker process's kernel (labkit.report.kernel): one per core slot
+
+
 def execute_notebook(path: str, output: str, parameters: dict[str, Any],
                      cwd: str) -> tuple[str, str, float]:
-    """Execute one notebook (in a worker process), then render what it holds, finished or not;
-    returns (status, the error's last line, seconds)."""
+    """Execute one notebook (in a worker process, in its warm kernel), then render what it holds,
+    finished or not; returns (status, the error's last line, seconds)."""
+    import atexit
+
     import papermill
 
+    from labkit.report.kernel import WarmKernel, pid_log
+
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = WarmKernel(cwd, pid_log(Path(output).parent / "logs"))
+        atexit.register(_KERNEL.shutdown)
     status, error, t0 = "ok", "", time.perf_counter()
-    log = Path(output).parent / "logs" / f"{Path(output).stem}.log"
-    log.parent.mkdir(exist_ok=True)
-    with open(log, "w") as f:  # the kernel's and its ranks' stderr: warnings, not the terminal's
-        os.dup2(f.fileno(), 2)
     try:
-        papermill.execute_notebook(path, output, parameters=parameters, kernel_name="python3",
-                                   progress_bar=False, store_widget_state=False, cwd=cwd)
+        _KERNEL.execute(path, output, parameters)
     except papermill.PapermillExecutionError as e:
         status, error = "failed", f"{e.ename}: {_last_line(e.evalue)}"
     except Exception as e:  # a dead or timed-out kernel: reported on the index, the others go on

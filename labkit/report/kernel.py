@@ -1,0 +1,115 @@
+"""One Jupyter kernel that executes notebook after notebook, so that Python, torch, labkit and plotly
+are imported once and not once a notebook (a fresh kernel costs about 2.6 s on the reference CPU
+before the first cell, five times that on a CPU five times slower; a report runs 33 notebooks,
+the exercises 58).
+
+Between two notebooks the kernel forgets the first one's names (`%reset -f` keeping `__spec__`,
+which multiprocessing reads; then a garbage collection) and goes back to `cwd`; imported modules
+stay, as they would in a person's session. A kernel that died or timed out is replaced by a
+fresh one for the next notebook. The kernel's stderr (and that of the ranks it starts) goes to
+`log`, each notebook's part headed by its name.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _manager() -> Any:
+    """A kernel manager whose every new client first closes the one before it: nbclient asks for
+    a client per notebook and leaves its sockets open when it does not own the kernel."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class OneClientAtATime(AsyncKernelManager):
+        last = None
+
+        def client(self, **kwargs: Any) -> Any:
+            if self.last is not None:
+                self.last.stop_channels()
+            self.last = super().client(**kwargs)
+            return self.last
+
+    return OneClientAtATime(kernel_name="python3")
+
+
+RESET = """
+def _labkit_reset(spec=__spec__):  # what %reset -f does, keeping __spec__ for multiprocessing
+    import gc, os
+    get_ipython().reset(new_session=False)
+    get_ipython().user_ns["__spec__"] = spec
+    gc.collect()
+    os.chdir({cwd!r})
+_labkit_reset()
+"""
+
+
+class WarmKernel:
+    """A python3 kernel started on first use, in `cwd`, writing its stderr to `log`."""
+
+    def __init__(self, cwd: str | Path, log: str | Path):
+        self.cwd, self.log = str(cwd), Path(log)
+        self.km: Any = None
+
+    def execute(self, path: str | Path, output: str | Path, parameters: dict[str, Any],
+                **papermill_kwargs: Any) -> None:
+        """Execute the notebook at `path` with `parameters` into `output` (papermill: its errors
+        are papermill's), in this kernel after forgetting the last notebook's names."""
+        import papermill
+
+        self._ready(Path(path).stem)
+        try:
+            papermill.execute_notebook(str(path), str(output), parameters=parameters,
+                                       kernel_name="python3", km=self.km, progress_bar=False,
+                                       store_widget_state=False, **papermill_kwargs)
+        except papermill.PapermillExecutionError:
+            raise  # a cell raised: the kernel itself is fine
+        except BaseException:
+            self.shutdown()  # dead, hung or interrupted: the next notebook gets a fresh kernel
+            raise
+
+    def _ready(self, stem: str) -> None:
+        from jupyter_core.utils import run_sync
+
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a") as f:
+            f.write(f"--- {stem}\n")
+        if self.km is not None and run_sync(self.km.is_alive)():
+            self._run(RESET.format(cwd=self.cwd))
+            return
+        self.km = _manager()
+        with open(self.log, "a") as f:
+            run_sync(self.km.start_kernel)(cwd=self.cwd, stderr=f)
+
+    def _run(self, code: str) -> None:
+        """Run `code` in the kernel and wait for it (an error in it is an error here)."""
+        from jupyter_core.utils import run_sync
+
+        client = self.km.client()
+        client.start_channels()
+        reply = run_sync(client.execute_interactive)(code, store_history=False, timeout=60,
+                                                     output_hook=lambda msg: None)
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"the kernel could not be reset: {reply['content'].get('evalue')}")
+
+    def shutdown(self) -> None:
+        from jupyter_core.utils import run_sync
+
+        if self.km is not None:
+            try:
+                if self.km.last is not None:
+                    self.km.last.stop_channels()
+                run_sync(self.km.shutdown_kernel)(now=True)
+            finally:
+                self.km = None
+
+    def __enter__(self) -> WarmKernel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def pid_log(folder: str | Path) -> Path:
+    """This process's kernel log in `folder`: `kernel-<pid>.log`."""
+    return Path(folder) / f"kernel-{os.getpid()}.log"

@@ -1,0 +1,52 @@
+"""One kernel for notebook after notebook (labkit.report.kernel): a notebook sees none of the last
+one's names, multiprocessing still starts processes after the reset, the kernel's stderr is
+logged under each notebook's name, and a notebook that kills its kernel fails alone."""
+import pytest
+
+pytest.importorskip("papermill")
+nbformat = pytest.importorskip("nbformat")
+
+from labkit.report.kernel import WarmKernel  # noqa: E402
+
+
+def notebook(folder, name, *sources):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 0", metadata={"tags": ["parameters"]})]
+    nb.cells += [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = folder / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def printed(path):
+    nb = nbformat.read(path, as_version=4)
+    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+
+
+@pytest.mark.notebook
+def test_names_forgotten_modules_kept_processes_start_and_a_dead_kernel_is_replaced(tmp_path):
+    import papermill
+
+    first = notebook(tmp_path, "first", "import os, sys\nleft = 41\nsys.stderr.write('to the log\\n')\n"
+                     "os.write(2, b'fd two\\n')\nprint('pid', os.getpid())")
+    second = notebook(tmp_path, "second", "import os, multiprocessing as mp\n"
+                      "print('left' in globals(), x)\n"
+                      "p = mp.get_context('spawn').Process(target=print)\np.start(); p.join()\n"
+                      "print('exit', p.exitcode, 'pid', os.getpid())")
+    dies = notebook(tmp_path, "dies", "import os\nos._exit(3)")
+    log = tmp_path / "logs" / "kernel.log"
+    with WarmKernel(tmp_path, log) as kernel:
+        kernel.execute(first, tmp_path / "out1.ipynb", {"x": 1})
+        kernel.execute(second, tmp_path / "out2.ipynb", {"x": 2})
+        with pytest.raises(Exception) as died:
+            kernel.execute(dies, tmp_path / "out3.ipynb", {})
+        assert not isinstance(died.value, papermill.PapermillExecutionError)
+        kernel.execute(second, tmp_path / "out4.ipynb", {"x": 4})
+    pid = printed(tmp_path / "out1.ipynb").split("pid ")[1].split()[0]
+    assert printed(tmp_path / "out2.ipynb").split() == ["False", "2", "exit", "0", "pid", pid]
+    again = printed(tmp_path / "out4.ipynb").split()
+    assert again[:4] == ["False", "4", "exit", "0"] and again[5] != pid  # a fresh kernel
+    text = log.read_text()
+    assert text.index("--- first") < text.index("fd two") < text.index("--- second")
+    assert text.count("--- second") == 2 and "--- dies" in text
