@@ -179,6 +179,25 @@ def test_run_budget_must_not_be_negative(capsys):
     assert "--budget-s" in capsys.readouterr().err
 
 
+def test_notebook_costs_come_from_the_reports_given_in_reference_seconds(tmp_path):
+    """Two reports (one unsized, one at the smallest sizes) make the notebooks' table: each level
+    a report ran, over the slowdown of the CPU it ran on; failed notebooks and anything older
+    are left out."""
+    def report(name, pace, notebooks):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "timings.json").write_text(json.dumps({"pace": dataclasses.asdict(pace),
+                                                         "notebooks": notebooks}))
+        return str(folder)
+
+    full = report("full", slower(2.0), {"01_a": {"status": "ok", "level": 0, "seconds": 30.0},
+                                        "02_b": {"status": "failed", "level": 0, "seconds": 5.0}})
+    small = report("small", slower(4.0), {"01_a": {"status": "ok", "level": 2, "seconds": 20.0},
+                                          "02_b": {"status": "ok", "level": 1, "seconds": 6.0}})
+    assert budget.report_costs([full, small]) == {
+        "notebooks": {"01_a": {"0": 15.0, "2": 5.0}, "02_b": {"1": 1.5}}, "kernel_s": 1.5}
+
+
 def test_the_costs_hold_every_notebook_at_its_report_size():
     from labkit.report import find_notebooks
 

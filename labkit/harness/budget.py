@@ -176,35 +176,39 @@ def startup_s() -> float:
     return round(wall / measure_pace().measured_slowdown, 2)
 
 
-def report_costs(folder: str, old: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """From a report's `timings.json`: each notebook that ran, in reference seconds at the level
-    it ran at, over the levels `old` holds; the shortest as a kernel's start (`kernel_s`)."""
+def report_costs(folders: list[str]) -> dict[str, Any]:
+    """From reports' `timings.json`: each notebook that ran, in reference seconds at the level it
+    ran at (the notebooks' table is these reports', nothing older: a notebook's cost changes with
+    how its kernel runs, so one report at its report size and one at its smallest size make it
+    anew); the shortest as a notebook's fixed cost (`kernel_s`)."""
     from pathlib import Path
 
-    timings = json.loads((Path(folder) / "timings.json").read_text())
-    slowdown = Pace(**timings["pace"]).measured_slowdown
-    notebooks = {stem: dict(levels) for stem, levels in old.items()}
-    for stem, t in timings["notebooks"].items():
-        if t["status"] == "ok":
-            notebooks.setdefault(stem, {})[str(t["level"])] = round(t["seconds"] / slowdown, 2)
+    notebooks: dict[str, dict[str, float]] = {}
+    for folder in folders:
+        timings = json.loads((Path(folder) / "timings.json").read_text())
+        slowdown = Pace(**timings["pace"]).measured_slowdown
+        for stem, t in timings["notebooks"].items():
+            if t["status"] == "ok":
+                notebooks.setdefault(stem, {})[str(t["level"])] = round(t["seconds"] / slowdown, 2)
     kernel = min(v for levels in notebooks.values() for v in levels.values())
     return {"notebooks": notebooks, "kernel_s": kernel}
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m labkit.harness.budget [NAME ...] [--from-report DIR]`: measure the experiments'
-    costs (all, or those named) at every size, or read the notebooks' from a report run at
-    full size, and write them into data/costs.json, keeping the rest."""
+    """`python -m labkit.harness.budget [NAME ...] [--from-report DIR ...]`: measure the
+    experiments' costs (all, or those named) at every size, or read the notebooks' from reports
+    (one unsized, `--budget-s 0`, and one at the smallest sizes, `--budget-s 1`), and write them
+    into data/costs.json, keeping the rest."""
     import argparse
     import tempfile
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("names", nargs="*")
-    parser.add_argument("--from-report", metavar="DIR")
+    parser.add_argument("--from-report", metavar="DIR", nargs="+")
     args = parser.parse_args(argv)
     old = json.loads(COSTS_PATH.read_text()) if COSTS_PATH.exists() else {}
     if args.from_report:
-        old.update(report_costs(args.from_report, old.get("notebooks", {})))
+        old.update(report_costs(args.from_report))
     else:
         with tempfile.TemporaryDirectory() as runs_dir:
             old["experiments"] = {**old.get("experiments", {}), **measure_costs(args.names, runs_dir)}
