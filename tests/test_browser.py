@@ -37,7 +37,7 @@ from conftest import FAST  # noqa: E402
 
 # Slow on purpose (a server, a kernel and a browser; about 30 s each here): the waits below fail
 # first, with what the page showed, well inside this limit.
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts" / "browser"
