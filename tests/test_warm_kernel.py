@@ -13,7 +13,8 @@ def notebook(folder, name, *sources):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("x = 0", metadata={"tags": ["parameters"]})]
     nb.cells += [nbformat.v4.new_code_cell(s) for s in sources]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
     path = folder / f"{name}.ipynb"
     nbformat.write(nb, path)
     return path
@@ -28,8 +29,9 @@ def printed(path):
 def test_names_forgotten_modules_kept_processes_start_and_a_dead_kernel_is_replaced(tmp_path):
     import papermill
 
-    first = notebook(tmp_path, "first", "import os, sys\nleft = 41\nsys.stderr.write('to the log\\n')\n"
-                     "os.write(2, b'fd two\\n')\nprint('pid', os.getpid())")
+    first = notebook(tmp_path, "first", "import os, sys, torch\nleft = 41\n"
+                     "sys.stderr.write('to the log\\n')\nos.write(2, b'fd two\\n')\n"
+                     "print('pid', os.getpid())")
     second = notebook(tmp_path, "second", "import os, multiprocessing as mp\n"
                       "print('left' in globals(), x)\n"
                       "p = mp.get_context('spawn').Process(target=print)\np.start(); p.join()\n"
