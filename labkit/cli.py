@@ -262,6 +262,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Rows on stdout (rank 0 only under torchrun); a multi-process run that a rank cut short
     prints what was measured, then one line naming the rank and the cause, and exits 1."""
     from labkit.harness import launch
+    from labkit.harness.budget import RUN_TARGET_S
     from labkit.harness.ranks import RunFailed
     from labkit.harness.experiment import run_experiment
     from labkit.techniques import record
@@ -276,7 +277,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = run_experiment(args.name, preset=args.preset, overrides=overrides,
                                 sweep=parse_sweep(args.sweep), variants=split_variants(args.variant),
                                 runs_dir=args.runs_dir, progress=not args.json and sys.stderr.isatty(),
-                                budget_s=_budget_s(args.budget_s))
+                                budget_s=_budget_s(args.budget_s, RUN_TARGET_S))
     except RunFailed as e:
         _print_result(e.result, args.json)
         print(f"labkit: error: {e}", file=sys.stderr)
@@ -295,12 +296,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def _budget_s(given: float | None) -> float:
-    from labkit.harness.budget import RUN_TARGET_S
-
+def _budget_s(given: float | None, default: float) -> float:
+    """--budget-s of `labkit run` and `labkit report`: `default` when not given; 0: never size."""
     if given is not None and given < 0:
         raise ConfigError(f"--budget-s {given:g}: seconds >= 0 (0: never size down)")
-    return RUN_TARGET_S if given is None else given
+    return default if given is None else given
 
 
 def reference_failure(reference: str, rows: list[dict]) -> str:
@@ -396,11 +396,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         resolve_device(args.device)  # an absent device: one line, before anything runs
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs={args.jobs}: give 1 or more")
-    if args.budget_s is not None and args.budget_s < 0:
-        raise ConfigError(f"--budget-s {args.budget_s:g}: seconds >= 0 (0: never size down)")
+    budget_s = _budget_s(args.budget_s, REPORT_TARGET_S)
     overrides = parse_assignments(args.overrides) if args.overrides else {}
     check_settings(list(overrides))  # a setting no experiment takes: exit 2 before anything runs
-    budget_s = REPORT_TARGET_S if args.budget_s is None else args.budget_s
     options = dict(preset=args.preset, device=args.device, overrides=overrides, runs_dir=args.runs_dir,
                    only=only, jobs=args.jobs, budget_s=budget_s)
     if args.dry_run:

@@ -309,16 +309,6 @@ def test_widget_grades_the_diagnosis_and_the_fix(lab_runs, capsys):
     assert "wrong" in out and "graded fixed" in out
 
 
-def execute(path, out, parameters):
-    import nbformat
-    import papermill as pm
-
-    pm.execute_notebook(str(path), str(out), parameters=parameters, kernel_name="python3",
-                        progress_bar=False, store_widget_state=False)
-    nb = nbformat.read(out, as_version=4)
-    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-
-
 def lab_path(key):
     return next(ROOT.glob(f"[0-9][0-9]_{key}.ipynb"))
 
@@ -330,9 +320,9 @@ def test_a_lab_played_through_in_a_notebook(lab_runs, tmp_path):
     pytest.importorskip("papermill")
     key, lab = "lab_fp16_overflow", labs.LABS["lab_fp16_overflow"]
     wrong = labs.DIAGNOSES[3]
-    text = execute(lab_path(key), tmp_path / "played.ipynb", {
+    (text,) = execute_notebooks([(lab_path(key), tmp_path / "played.ipynb", {
         "diagnosis": [wrong, lab.diagnosis], "fix": labs.reference_fix(key), "interactive": False,
-        "device": DEVICE, "runs_dir": lab_runs})
+        "device": DEVICE, "runs_dir": lab_runs})], tmp_path, kernels=1)
     assert lab.symptoms in text and "Evidence (" in text and "inf/nan" in text
     assert f"Diagnosis {wrong!r}: wrong" in text and lab.feedback[wrong] in text
     assert f"Diagnosis {lab.diagnosis!r}: correct" in text

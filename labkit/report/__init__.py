@@ -32,13 +32,12 @@ the page plotly.js registers as an AMD module and never defines `Plotly`), and d
 mermaid (CDN scripts; no notebook has math or diagrams) and the widget manager (report mode
 stores no widget state).
 
-Notebooks run in worker processes, not threads (papermill's `cwd` changes the process's working
-directory), on `jobs` core slots (default: the cores this process may use): a notebook takes a
-slot per rank it starts, at most all of them, so two multi-rank notebooks never share two cores;
-notebooks numbered from `LAST_FROM` on read the store, so they start once every other notebook
-has finished. On a CPU each notebook is sized before it runs to its share of the report's
-seconds target, from this CPU's measured pace (`labkit.report.plan`); the index shows each
-notebook's predicted seconds beside its measured ones.
+Notebooks run in worker processes, each holding its warm kernel, on `jobs` core slots (default: the
+cores this process may use): a notebook takes a slot per rank it starts, at most all of them, so
+two multi-rank notebooks never share two cores; notebooks numbered from `LAST_FROM` on read the
+store, so they start once every other notebook has finished. On a CPU each notebook is sized before
+it runs to its share of the report's seconds target, from this CPU's measured pace
+(`labkit.report.plan`); the index shows each notebook's predicted seconds beside its measured ones.
 """
 from __future__ import annotations
 

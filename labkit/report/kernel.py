@@ -78,12 +78,11 @@ class WarmKernel:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "a") as f:
             f.write(f"--- {stem}\n")
-        if self.km is not None and run_sync(self.km.is_alive)():
-            self._run(RESET.format(cwd=self.cwd))
-            return
-        self.km = _manager()
-        with open(self.log, "a") as f:
-            run_sync(self.km.start_kernel)(cwd=self.cwd, stderr=f)
+            if self.km is None or not run_sync(self.km.is_alive)():
+                self.km = _manager()
+                run_sync(self.km.start_kernel)(cwd=self.cwd, stderr=f)
+                return
+        self._run(RESET.format(cwd=self.cwd))
 
     def _run(self, code: str) -> None:
         """Run `code` in the kernel and wait for it (an error in it is an error here)."""
