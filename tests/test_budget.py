@@ -120,26 +120,38 @@ def fake_costs(monkeypatch, notebooks, experiments=None):
 
 
 def test_a_notebook_steps_down_its_experiments_rungs_scaled_as_the_run_scales(monkeypatch):
-    # attention: defaults 22 s, rungs 12 s and 7 s as runs (2 s of start); its notebook 23 s at
+    # checkpointing: defaults 22 s, rungs 12 s and 7 s as runs (2 s of start); its notebook 23 s at
     # its report size (3 s of kernel start)
-    fake_costs(monkeypatch, {"17_attention": {"0": 23.0}, "20_matmul": {"0": 10.0}},
-               {"attention": [22.0, 12.0, 7.0], "matmul": [10.0, 6.0]})
-    params = {"17_attention": {"overrides": {}}, "20_matmul": {"overrides": {"size": 512}}}
+    fake_costs(monkeypatch, {"03_checkpointing": {"0": 23.0}, "20_matmul": {"0": 10.0}},
+               {"checkpointing": [22.0, 12.0, 7.0], "matmul": [10.0, 6.0]})
+    params = {"03_checkpointing": {"overrides": {}}, "20_matmul": {"overrides": {"size": 512}}}
     known = {s: {"overrides": {}} for s in params}
-    plans = plan.plan_notebooks(params, {"17_attention": "attention", "20_matmul": "matmul"}, known,
-                                {s: 1 for s in params}, {"17_attention": set(), "20_matmul": {"size"}},
+    plans = plan.plan_notebooks(params, {"03_checkpointing": "checkpointing", "20_matmul": "matmul"}, known,
+                                {s: 1 for s in params}, {"03_checkpointing": set(), "20_matmul": {"size"}},
                                 slower(4.0), cores=2, budget_s=30.0)
-    attention, matmul = plans
+    checkpointing, matmul = plans
     # shares: 30 s x 2 cores over (92 + 40) core-seconds of both at level 0, times each one's own
     scale = 60.0 / (4 * 23.0 + 4 * 10.0)
     level_s = [23.0, 3 + 20 * (12 - 2) / 20, 3 + 20 * (7 - 2) / 20]  # kernel kept, the rest as the run
     at = next(i for i, s in enumerate(level_s) if 4 * s <= scale * 4 * 23.0)
-    assert attention.level == at and attention.predicted_s == pytest.approx(4 * level_s[at])
-    assert attention.settings == {"overrides": dict(record("attention").cpu_rungs[at - 1])}
-    assert "sized down" in attention.note
+    assert checkpointing.level == at and checkpointing.predicted_s == pytest.approx(4 * level_s[at])
+    assert checkpointing.settings == {"overrides": dict(record("checkpointing").cpu_rungs[at - 1])}
+    assert "sized down" in checkpointing.note
     # a swept or hand-given setting is kept: matmul's only rung changes `size`, which was given,
     # so it has no smaller size and runs its report size, predicted as such
     assert matmul.settings == {} and matmul.level == 0 and matmul.predicted_s == pytest.approx(40.0)
+
+
+def test_a_parameter_the_caller_gave_is_never_sized_over(monkeypatch):
+    # 30_finetune's smallest level makes the frontier's budget smaller; the caller gave its own
+    fake_costs(monkeypatch, {"30_finetune": {"0": 100.0}}, {"finetune": [10.0, 8.0, 6.0]})
+    stem, own = "30_finetune", {"overrides": {}, "frontier_cpu_budget_gib": 0.001}
+    for given, smallest in ((set(), {"frontier_seq_step": 64, "frontier_cpu_budget_gib": 0.045}),
+                            ({"frontier_cpu_budget_gib"}, {"frontier_seq_step": 64})):
+        (p,) = plan.plan_notebooks({stem: own}, {stem: "finetune"}, {stem: {}}, {stem: 1},
+                                   {stem: given}, slower(50.0), cores=2)
+        assert {k: v for k, v in p.settings.items() if k != "overrides"} == smallest
+        assert p.settings["overrides"] == dict(record("finetune").cpu_rungs[-1])
 
 
 def test_a_notebook_never_measured_is_unplanned_not_guessed(monkeypatch):
@@ -180,9 +192,9 @@ def test_run_budget_must_not_be_negative(capsys):
 
 
 def test_notebook_costs_come_from_the_reports_given_in_reference_seconds(tmp_path):
-    """Two reports (one unsized, one at the smallest sizes) make the notebooks' table: each level
-    a report ran, over the slowdown of the CPU it ran on; failed notebooks and anything older
-    are left out."""
+    """Reports (one unsized, one at the smallest sizes, more) make the notebooks' table: each level
+    a report ran, over the slowdown of the CPU it ran on (the median of several); failed
+    notebooks and anything older are left out."""
     def report(name, pace, notebooks):
         folder = tmp_path / name
         folder.mkdir()
@@ -196,6 +208,15 @@ def test_notebook_costs_come_from_the_reports_given_in_reference_seconds(tmp_pat
                                           "02_b": {"status": "ok", "level": 1, "seconds": 6.0}})
     assert budget.report_costs([full, small]) == {
         "notebooks": {"01_a": {"0": 15.0, "2": 5.0}, "02_b": {"1": 1.5}}, "kernel_s": 1.5}
+    # where several reports ran a notebook at one level: their median, not the last one's
+    again = [report(f"again{i}", slower(1.0), {"01_a": {"status": "ok", "level": 2, "seconds": s}})
+             for i, s in enumerate((9.0, 6.0))]
+    assert budget.report_costs([full, small, *again])["notebooks"]["01_a"] == {"0": 15.0, "2": 6.0}
+    # a report that measured its pace again at the end: the mean of both slowdowns (2x and 4x)
+    timings = json.loads((tmp_path / "small" / "timings.json").read_text())
+    timings["pace_after"] = dataclasses.asdict(slower(2.0))
+    (tmp_path / "small" / "timings.json").write_text(json.dumps(timings))
+    assert budget.report_costs([small])["notebooks"]["01_a"] == {"2": pytest.approx(20.0 / 3.0, abs=0.01)}
 
 
 def test_the_costs_hold_every_notebook_at_its_report_size():

@@ -178,18 +178,24 @@ def startup_s() -> float:
 
 def report_costs(folders: list[str]) -> dict[str, Any]:
     """From reports' `timings.json`: each notebook that ran, in reference seconds at the level it
-    ran at (the notebooks' table is these reports', nothing older: a notebook's cost changes with
-    how its kernel runs, so one report at its report size and one at its smallest size make it
-    anew); the shortest as a notebook's fixed cost (`kernel_s`)."""
+    ran at (over the mean slowdown of the paces measured at the report's start and end: a shared
+    host's speed drifts over minutes), the median where several reports ran it there. The
+    notebooks' table is these reports', nothing older: a notebook's cost changes with how its
+    kernel runs, so one report at its report size and one at its smallest size make it anew.
+    The shortest is a notebook's fixed cost (`kernel_s`)."""
+    import statistics
     from pathlib import Path
 
-    notebooks: dict[str, dict[str, float]] = {}
+    seen: dict[str, dict[str, list[float]]] = {}
     for folder in folders:
         timings = json.loads((Path(folder) / "timings.json").read_text())
-        slowdown = Pace(**timings["pace"]).measured_slowdown
+        paces = [Pace(**timings[k]) for k in ("pace", "pace_after") if k in timings]
+        slowdown = statistics.mean(p.measured_slowdown for p in paces)
         for stem, t in timings["notebooks"].items():
             if t["status"] == "ok":
-                notebooks.setdefault(stem, {})[str(t["level"])] = round(t["seconds"] / slowdown, 2)
+                seen.setdefault(stem, {}).setdefault(str(t["level"]), []).append(t["seconds"] / slowdown)
+    notebooks = {stem: {level: round(statistics.median(s), 2) for level, s in levels.items()}
+                 for stem, levels in seen.items()}
     kernel = min(v for levels in notebooks.values() for v in levels.values())
     return {"notebooks": notebooks, "kernel_s": kernel}
 

@@ -213,7 +213,7 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
     for run in report.notebooks:
         run.ranks = notebook_ranks(run.stem, params[run.stem], known[run.stem], cores)
     if budget_s and _on_cpu(device) and preset in (None, "tiny"):
-        size_notebooks(report, params, known, set(common["overrides"]), cores, budget_s)
+        size_notebooks(report, params, known, set(common["overrides"]), cores, budget_s, parameters or {})
     if dry_run:
         return report
     out.mkdir(parents=True, exist_ok=True)
@@ -256,16 +256,18 @@ def notebook_ranks(stem: str, params: dict[str, Any], known: dict[str, Any], cor
 
 
 def size_notebooks(report: Report, params: dict[str, dict[str, Any]], known: dict[str, dict],
-                   user_set: set[str], cores: int, budget_s: float) -> None:
+                   user_set: set[str], cores: int, budget_s: float,
+                   by_caller: dict[str, dict[str, Any]]) -> None:
     """Plan every notebook on this CPU's pace (`labkit.report.plan`) and give each one that is
     sized down its smaller parameters, never over a setting its parameters already hold (given
-    by hand, by the report's CPU parameters or by the caller) or sweep."""
+    by hand, by the report's CPU parameters or by the caller) or sweep, nor over a parameter the
+    caller gave (`by_caller`, by stem)."""
     from labkit.measure.pace import measure_pace
     from labkit.techniques import notebook_names
 
     names = notebook_names()
     given = {s: user_set | set(params[s].get("sweep") or {}) | set(params[s].get("overrides") or {})
-             for s in params}
+             | set(by_caller.get(s, {})) - {"overrides"} for s in params}
     plans = plan_notebooks(params, {s: names.get(s) for s in params}, known,
                            {r.stem: r.ranks for r in report.notebooks}, given, measure_pace(), cores,
                            budget_s)

@@ -85,13 +85,15 @@ def write_outputs(report: Any, runs_dir: Path, since: str, settings: dict[str, A
 
 def timings_json(report: Any) -> str:
     """Each notebook's predicted and measured seconds, ranks and sizing, with the pace they were
-    predicted from (`python -m labkit.harness.budget --from-report` reads it)."""
-    from labkit.measure.pace import measure_pace
+    predicted from and the pace measured again now, at the end (`python -m labkit.harness.budget
+    --from-report` reads both)."""
+    from labkit.measure.pace import measure_now, measure_pace
 
     notebooks = {n.stem: {"status": n.status, "seconds": round(n.seconds, 2), "ranks": n.ranks,
                           "predicted_s": None if n.predicted_s != n.predicted_s else round(n.predicted_s, 2),
                           "level": n.level, "sizing": n.sizing} for n in report.notebooks}
-    return json.dumps({"pace": json.loads(measure_pace().to_json()), "cores": report.cores,
+    return json.dumps({"pace": json.loads(measure_pace().to_json()),
+                       "pace_after": json.loads(measure_now().to_json()), "cores": report.cores,
                        "seconds": round(report.seconds, 1), "notebooks": notebooks}, indent=1) + "\n"
 
 

@@ -40,8 +40,16 @@ NOTEBOOK_RUNGS: dict[str, tuple[dict[str, Any], ...]] = {
     # through two: a quarter of the work, and the story holds (every rung at the whole batch
     # predicted over the budget, the accumulated one under it, each by 6%)
     "08_memory_planner": ({"measured": {"seq_len": 64, "num_layers": 1}},),
-    # the frontier's search in steps of 64 tokens, not 16: a quarter of its probes
-    "30_finetune": ({}, {"frontier_seq_step": 64}),
+    # the frontier's search in steps of 64 tokens, not 16: a quarter of its probes; then in a
+    # smaller budget (every variant still fits a longer sequence than the one before it)
+    "30_finetune": ({}, {"frontier_seq_step": 64},
+                    {"frontier_seq_step": 64, "frontier_cpu_budget_gib": 0.045}),
+    # one cold compile, not two: the decode step's, where fusing many small ops pays
+    "18_compile": ({}, {}, {"sweep": {"target": ["decode"]}}),
+    # naive attention at 512 tokens, not 1024: a quarter of its costliest point
+    "17_attention": ({}, {}, {"sweep": {"seq_len": [128, 512]}}),
+    # the Pareto figure at two batch limits, not four
+    "29_sla": ({}, {}, {}, {"pareto_batch_sizes": [2, 8]}),
 }
 # Notebooks whose recipe ladder runs rungs in bf16 autocast: the parameter holding the ladder's
 # sizes, and how many of its rungs run in bf16 (every rung from `+ bf16` on)
@@ -129,8 +137,8 @@ def plan_notebooks(params: dict[str, dict[str, Any]], experiments: dict[str, str
                    known: dict[str, dict[str, Any]], ranks: dict[str, int], given: dict[str, set[str]],
                    pace: Pace, cores: int, budget_s: float = REPORT_TARGET_S) -> list[NotebookPlan]:
     """Each notebook's level and predicted seconds, in the order of `params` (by stem: its report
-    parameters). `given`: settings its parameters fix by hand (a user's --set, a swept key),
-    which no level overrides."""
+    parameters). `given`: settings its parameters fix by hand (a user's --set, a swept key) and
+    parameters its caller gave, which no level overrides."""
     sized: dict[str, list[tuple[dict[str, Any], float]]] = {}
     for stem, own in params.items():
         steps = levels(stem, experiments[stem], known[stem])
@@ -163,13 +171,13 @@ def plan_notebooks(params: dict[str, dict[str, Any]], experiments: dict[str, str
 
 def _apply(own: dict[str, Any], step: dict[str, Any], given: set[str]) -> dict[str, Any]:
     """The report parameters `own` with a level's `step` applied: its overrides over the
-    notebook's, except the settings in `given`."""
+    notebook's, except the settings and parameters in `given`."""
     applied = dict(own)
     for name, value in step.items():
         if name == "overrides":
             kept = {k: v for k, v in value.items() if k not in given}
             applied["overrides"] = {**(own.get("overrides") or {}), **kept}
-        else:
+        elif name not in given:
             applied[name] = value
     return applied
 
