@@ -38,6 +38,40 @@ def test_the_names_users_import_keep_working():
     assert DynamicCache.__module__ == StaticCache.__module__ == "labkit.blocks.kv_caches"
 
 
+# helpers two experiments share, moved from an experiment to labkit.blocks: experiment -> (block,
+# names still importable from the experiment, each the block's own object)
+SHARED = {"kv_cache": ("decoding", ("load_model", "generate_cached", "generate_uncached")),
+          "batching": ("replay", ("workload", "workload_spec", "texts", "make_engine", "policy",
+                                  "num_slots", "longest", "summary", "prefill_rows", "quantile",
+                                  "prefix_savings", "shared_prefix_fraction", "prompts_of",
+                                  "predicted_steps", "WORKLOADS_DIR")),
+          "tensor_parallel": ("sharded", ("build_sharded_step", "backward", "train_step", "grads",
+                                          "full_grads", "check_tp_shape", "corrupt_row_outputs")),
+          "zero": ("sharded", ("full_tensor",)),
+          "mixed_precision": ("transforms", ("compute_dtype",)),
+          "collectives": ("distributed", ("link_gbps",)),
+          "batch_finder": ("search", ("find_largest", "Search"))}
+
+
+@pytest.mark.parametrize("experiment", sorted(SHARED))
+def test_a_shared_helper_keeps_its_old_import_path(experiment):
+    block, names = SHARED[experiment]
+    old = importlib.import_module(f"labkit.techniques.{experiment}")
+    new = importlib.import_module(f"labkit.blocks.{block}")
+    assert all(getattr(old, name) is getattr(new, name) for name in names)
+
+
+def test_the_experiments_shared_constants_and_contract_pieces_are_the_blocks_own():
+    from labkit.blocks import replay, sharded, transforms
+    from labkit.techniques import batching, hybrid, mixed_precision, sla, tensor_parallel
+    assert mixed_precision.TOLERANCE is transforms.PRECISION_TOLERANCE  # one dict: patched once
+    assert tensor_parallel.TOLERANCE == hybrid.TOLERANCE == sharded.TP_TOLERANCE
+    assert batching.Config is replay.ServingConfig and issubclass(sla.Config, batching.Config)
+    assert (batching.validate, batching.compare, batching.expected) == (
+        replay.validate_replay, replay.compare_replays, replay.expected_replay)
+    assert sla.VARIANTS == batching.VARIANTS == replay.SCHEDULERS
+
+
 def test_no_step_side_technique_subclasses_the_training_step():
     """The techniques change a training step through transforms (labkit.blocks.transforms), or
     compose it, never by overriding its hooks."""

@@ -1,7 +1,7 @@
 """The rank helpers the multi-process techniques use: `DistConfig` (the settings every one
-shares), this rank and the world size, agreeing on a check's verdict, the default rank count, and
-the gradient-reduction fault. Starting the ranks and telling why a run ended is the harness's
-(`labkit.harness.ranks`)."""
+shares), this rank and the world size, agreeing on a check's verdict, the default rank count, the
+bandwidth of the link between ranks (`link_gbps`), and the gradient-reduction fault. Starting the
+ranks and telling why a run ended is the harness's (`labkit.harness.ranks`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit import hardware
 from labkit.config import RunConfig, knob
 
 FAULTS = ("none", "crash", "hang", "corrupt_reduction")
@@ -73,6 +74,17 @@ def agree(ok: bool, message: str) -> tuple[bool, str]:
 
 def default_nproc(device: str, cpu_ranks: int = 2) -> int:
     return torch.cuda.device_count() if device.startswith("cuda") else cpu_ranks
+
+
+def link_gbps(cfg: DistConfig) -> tuple[float | None, str]:
+    """The ceiling a collective's busbw is set against, and its source: the GPU's interconnect, or
+    on CPU ranks the measured memory-copy bandwidth (gloo over loopback TCP copies every byte
+    several times)."""
+    if cfg.device.startswith("cuda"):
+        spec = hardware.gpu_spec(torch.cuda.get_device_name(cfg.device)) or {}
+        gbps = spec.get("interconnect_gbps")
+        return gbps, f"{spec.get('interconnect', 'interconnect')} per GPU, one direction (datasheet)"
+    return hardware.ceilings("cpu").bandwidth_gbps, "this CPU's measured copy bandwidth"
 
 
 def scaled_allreduce_hook(scale: float):

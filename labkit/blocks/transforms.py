@@ -5,7 +5,8 @@ micro-batches, the optimizer it will build) and returns the step. `compose` (in
 experiments apply the same functions, so every technique has one implementation.
 
 - `apply_precision`: autocast (bf16, fp16 with a GradScaler), TF32 matmuls, or bf16 weights with
-  fp32 master copies in the optimizer. Before the optimizer is built.
+  fp32 master copies in the optimizer. Before the optimizer is built. `compute_dtype` names the
+  dtype a precision computes in, `PRECISION_TOLERANCE` the loss difference from fp32 it may show.
 - `apply_tensor_parallel`: Megatron's split of every block over a 1-D device mesh (DTensors).
 - `apply_checkpointing`: chosen blocks recompute their forward in the backward.
 - `apply_compile`: `torch.compile` of each block, in place (parameter names unchanged).
@@ -39,6 +40,8 @@ aten = torch.ops.aten
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16_weights")
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Relative loss difference against fp32 after the same steps that still counts as a match.
+PRECISION_TOLERANCE = {"fp32": 0.0, "tf32": 0.01, "fp16": 0.02, "bf16": 0.05, "bf16_weights": 0.05}
 
 
 @contextlib.contextmanager
@@ -59,6 +62,11 @@ def master_adamw(params, lr: float) -> CopyAdamW:
 
 def weights_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16_weights" else torch.float32
+
+
+def compute_dtype(precision: str) -> str:
+    return {"fp16": "float16", "bf16": "bfloat16", "bf16_weights": "bfloat16",
+            "tf32": "tf32"}.get(precision, "float32")
 
 
 def apply_precision(step: Trainer, precision: str, *, loss_scaling: bool = True) -> Trainer:

@@ -12,7 +12,7 @@ The search runs in `check()`, inside the harness's memory meter: on the CPU the 
 tracker raises `torch.OutOfMemoryError` exactly where a GPU would, and on a GPU real memory does.
 - `grow`: double from 1 while it fits, then bisect between the last fit and the first OOM.
 - `dynamic`: start where the free memory at run time says (the planner's peak against it), then
-  step up by 1, 2, 4, ... or bisect down.
+  step up by 1, 2, 4, ... or bisect down (both `find_largest`, `labkit.blocks.search`).
 Each probe is a fresh model, optimizer and batch running two training steps (the second with
 AdamW's state resident); after an OOM every reference is dropped, so memory is back where it was.
 The step the harness then measures and times is a training step at the size found.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,6 +31,7 @@ from labkit import hardware
 from labkit.config import RunConfig, knob, resolve_device
 from labkit.measure.memory import fits_in_memory
 from labkit.blocks.recipe import Recipe, compose, planned_memory
+from labkit.blocks.search import Search, find_largest
 from labkit.blocks.training import Trainer
 from labkit.blocks.transforms import apply_accumulation
 from labkit.workload import Comparison, Workload
@@ -103,47 +104,6 @@ def step_sizes(cfg: Config) -> list[int]:
 
 
 # ---------------------------------------------------------------- the search
-
-
-@dataclass
-class Search:
-    """The largest size that fit (0: none did), every probe in order as (size, fitted), the cap."""
-
-    found: int
-    probes: list[tuple[int, bool]] = field(default_factory=list)
-    cap: int = 0
-
-    @property
-    def capped(self) -> bool:
-        return self.found == self.cap
-
-
-def find_largest(fits: Callable[[int], bool], *, start: int, cap: int, step: int) -> Search:
-    """Largest n in [1, cap] with fits(n). From `start`, while it fits, go up by `step`, doubling
-    the step each time (start=1, step=1: 1, 2, 4, 8, ...); at the first miss, bisect between the
-    last fit and it. At the end fits(found) and not fits(found + 1) have both been probed (unless
-    found == cap), which holds even where fitting is not monotone in n."""
-    search = Search(0, cap=cap)
-
-    def tried(n: int) -> bool:
-        ok = fits(n)
-        search.probes.append((n, ok))
-        return ok
-
-    lo, hi = 0, cap + 1  # invariant: lo fits (0 trivially), hi does not (cap + 1: out of range)
-    n = min(max(start, 1), cap)
-    while tried(n):
-        lo = n
-        if n == cap:
-            break
-        n, step = min(n + step, cap), step * 2
-    else:  # a miss (not the break at the cap)
-        hi = n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if tried(mid) else (lo, mid)
-    search.found = lo
-    return search
 
 
 def probe(cfg: Config, n: int, on_probe: Callable[[int, Trainer], None] | None = None) -> bool:

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from labkit import hardware
 from labkit.config import ConfigError, knob, torch_dtype
-from labkit.blocks.distributed import DistConfig, world_size
+from labkit.blocks.distributed import DistConfig, link_gbps, world_size
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -146,16 +145,6 @@ def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
     err = outputs["max_abs_error"]
     ok = err <= TOLERANCE
     return Comparison({"max_abs_error": err}, ok, "" if ok else f"result off by {err:g}")
-
-
-def link_gbps(cfg: Config) -> tuple[float | None, str]:
-    """The ceiling busbw is set against: the GPU's interconnect, or on CPU ranks the measured
-    memory-copy bandwidth (gloo over loopback TCP copies every byte several times)."""
-    if cfg.device.startswith("cuda"):
-        spec = hardware.gpu_spec(torch.cuda.get_device_name(cfg.device)) or {}
-        gbps = spec.get("interconnect_gbps")
-        return gbps, f"{spec.get('interconnect', 'interconnect')} per GPU, one direction (datasheet)"
-    return hardware.ceilings("cpu").bandwidth_gbps, "this CPU's measured copy bandwidth"
 
 
 def expected(cfg: Config) -> dict[str, float]:

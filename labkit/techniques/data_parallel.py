@@ -35,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, knob
-from labkit.blocks.distributed import DistConfig, corrupt_scale, world_size
+from labkit.blocks.distributed import DistConfig, corrupt_scale, link_gbps, world_size
 from labkit.measure.clock import clock, lined_up
 from labkit.blocks.model import build_model
 from labkit.blocks.training import Trainer, compare_grads
@@ -335,8 +335,6 @@ def expected(cfg: Config) -> dict[str, float]:
 def predicted_times(cfg: Config, pieces: int, ring_bytes: float) -> dict[str, float]:
     """The step at the device's peak FLOP/s plus the ring all-reduce at the link's bandwidth,
     not overlapped (so comm_fraction is an upper bound; DDP hides part of it in the backward)."""
-    from labkit.techniques.collectives import link_gbps
-
     flops = pieces * planner.train_step_flops(cfg.model, batch=piece_size(cfg), seq_len=cfg.seq_len,
                                               attention=cfg.attention)
     peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(cfg.dtype)

@@ -29,11 +29,11 @@ import torch
 
 from labkit import hardware, planner
 from labkit.blocks import lora
+from labkit.blocks.search import find_largest
 from labkit.blocks.training import Trainer, adamw, lm_loss
 from labkit.blocks.transforms import apply_checkpointing
 from labkit.config import ConfigError, MODELS, RunConfig, knob, torch_dtype
 from labkit.measure.memory import MemoryMeter, fits_in_memory, storage_bytes
-from labkit.techniques.batch_finder import find_largest
 from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("full", "lora", "qlora", "lora_ckpt")

@@ -39,11 +39,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from labkit import planner
 from labkit.config import ConfigError, knob
 from labkit.blocks.distributed import DistConfig, corrupt_reduction, corrupt_scale
+from labkit.blocks.sharded import (TP_TOLERANCE as TOLERANCE, backward, build_sharded_step,
+                                   check_tp_shape, corrupt_row_outputs, full_grads, grads, train_step)
 from labkit.blocks.training import Trainer, compare_grads, lm_loss, optimizer_state
 from labkit.blocks.transforms import apply_tensor_parallel, shard_fully
-from labkit.techniques.tensor_parallel import (TOLERANCE, backward, build_sharded_step,
-                                               check_tp_shape, corrupt_row_outputs, full_grads,
-                                               grads, train_step)
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True

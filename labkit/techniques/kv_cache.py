@@ -15,7 +15,8 @@ A lossless cache changes the cost, never the answer: the generated tokens must b
 A lossy one (`quantized`, or `kv_dtype` narrower than the model's) must keep every layer's
 attention output within ATTN_TOLERANCE of an exact cache's; its token agreement (and, on the
 `reference` preset, its perplexity delta on held-out text) is reported.
-The cache classes live in `labkit.blocks.kv_caches`.
+The cache classes live in `labkit.blocks.kv_caches`, greedy decoding with and without one in
+`labkit.blocks.decoding`.
 """
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ import torch.nn.functional as F
 from labkit import hardware, planner
 from labkit.config import (DTYPE_ALIASES, DTYPE_BYTES, MODELS, ConfigError, RunConfig, knob,
                            torch_dtype)
-from labkit.blocks.model import Decoder, build_model
+from labkit.blocks.decoding import compare_tokens, generate_cached, generate_uncached, load_model
+from labkit.blocks.model import Decoder
 from labkit.blocks.kv_caches import (BlockPool, DynamicCache, PagedCache, QuantizedCache,
                                          StaticCache, block_table_frame)
-from labkit.workload import Comparison, SkipVariant, Workload
+from labkit.workload import Comparison, Workload
 
 VARIANTS = ("none", "dynamic", "static", "paged", "quantized")
 REFERENCE = "none"
@@ -146,31 +148,7 @@ def make_cache(cfg: Config):
     return PagedCache(pool, cfg.batch_size)
 
 
-# --- decoding --------------------------------------------------------------------------------------
-
-def next_token(logits: torch.Tensor) -> torch.Tensor:
-    return logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1), greedy
-
-
-@torch.inference_mode()
-def generate_uncached(model: Decoder, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """(B, P) -> (B, new_tokens); each step recomputes the prefix (logits only at its end)."""
-    seq = prompt
-    for _ in range(new_tokens):
-        seq = torch.cat([seq, next_token(model(seq, last_only=True))], dim=1)
-    return seq[:, prompt.shape[1]:]
-
-
-@torch.inference_mode()
-def generate_cached(model: Decoder, prompt: torch.Tensor, new_tokens: int, cache) -> torch.Tensor:
-    """(B, P) -> (B, new_tokens): prefill once, then one token per step against the cache."""
-    token = next_token(model(prompt, cache=cache, last_only=True))
-    out = [token]
-    for i in range(new_tokens - 1):
-        token = next_token(model(token, start_pos=prompt.shape[1] + i, cache=cache, last_only=True))
-        out.append(token)
-    return torch.cat(out, dim=1)
-
+# --- what a cache's storage does to attention and perplexity ---------------------------------------
 
 @torch.inference_mode()
 def attention_outputs(model: Decoder, tokens: torch.Tensor, cache,
@@ -225,20 +203,6 @@ def perplexity(model: Decoder, text: torch.Tensor, cache=None) -> float:
 
 
 # --- the experiment --------------------------------------------------------------------------------
-
-def load_model(cfg: RunConfig) -> Decoder:
-    """On the `reference` preset the trained model (a skip when its weights are missing or
-    altered); otherwise the preset's shape with seeded random weights. In eval mode."""
-    if cfg.preset == "reference":
-        from labkit.blocks import reference  # its weights are trained by `labkit train-reference`
-
-        try:
-            return reference.load_reference(device=cfg.device, dtype=torch_dtype(cfg.dtype)).eval()
-        except ConfigError as e:
-            raise SkipVariant(str(e)) from e
-    return build_model(cfg.model, device=cfg.device, dtype=torch_dtype(cfg.dtype), seed=cfg.seed,
-                       attention=cfg.attention).eval()
-
 
 def load_model_and_text(cfg: Config) -> tuple[Decoder, torch.Tensor]:
     """The model (`load_model`) and text (B, prompt_len + new_tokens): held-out text on the
@@ -304,22 +268,9 @@ def bytes_read(cfg: Config) -> int:
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
-    """Lossless: greedy tokens identical to the uncached reference's. Lossy: every layer's
-    attention output within ATTN_TOLERANCE; token agreement (and perplexity delta) reported."""
-    same = reference["tokens"] == outputs["tokens"]
-    agreement = same.sum().item() / same.numel()  # counted exactly (a CUDA mean can round 1 down)
-    metrics = {"token_agreement": agreement}
-    if "attn_output_rel_error" in outputs:
-        metrics["attn_output_rel_error"] = outputs["attn_output_rel_error"]
-    if "perplexity" in outputs and "perplexity" in reference:
-        metrics["perplexity_delta"] = outputs["perplexity"] - reference["perplexity"]
-    if outputs.get("lossy"):
-        error = outputs["attn_output_rel_error"]
-        ok = error <= ATTN_TOLERANCE
-        return Comparison(metrics, ok, "" if ok else f"attention output off by {100 * error:.2f}% "
-                                                     f"(tolerance {100 * ATTN_TOLERANCE:.0f}%)")
-    ok = agreement == 1.0
-    return Comparison(metrics, ok, "" if ok else f"only {100 * agreement:.1f}% of generated tokens agree")
+    """`compare_tokens` at ATTN_TOLERANCE: lossless, greedy tokens identical to the uncached
+    reference's; lossy, every layer's attention output within ATTN_TOLERANCE."""
+    return compare_tokens(reference, outputs, ATTN_TOLERANCE)
 
 
 def expected(cfg: Config) -> dict[str, float]:

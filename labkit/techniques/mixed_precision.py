@@ -27,7 +27,8 @@ from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
 from labkit.blocks.recipe import PLANNER_PRECISION
 from labkit.blocks.training import Trainer
-from labkit.blocks.transforms import AUTOCAST, apply_precision, weights_dtype
+from labkit.blocks.transforms import (AUTOCAST, PRECISION_TOLERANCE, apply_precision, compute_dtype,
+                                     weights_dtype)
 from labkit.workload import Comparison, Workload
 
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "bf16_weights")
@@ -41,7 +42,7 @@ SIZES = {"tiny": {"batch_size": 2}}
 # What the check's steps show of the precision: kept in the comparison, so also in a failed one's rows
 STEP_FIGURES = ("nonfinite_losses", "zero_grad_pct", "loss_first", "grad_norm")
 # Relative loss difference against fp32 after `steps` steps that still counts as a match.
-TOLERANCE = {"fp32": 0.0, "tf32": 0.01, "fp16": 0.02, "bf16": 0.05, "bf16_weights": 0.05}
+TOLERANCE = PRECISION_TOLERANCE
 
 
 @dataclass(kw_only=True)
@@ -122,11 +123,6 @@ def build(cfg: Config) -> Workload:
         tensors={"param_bytes": model.parameters, "optimizer_bytes": trainer.optimizer_tensors},
         forward=trainer.forward, resident=trainer.model.parameters, report=lambda: report(trainer),
         notes=notes(cfg), compute_dtype=compute_dtype(cfg.variant))
-
-
-def compute_dtype(variant: str) -> str:
-    return {"fp16": "float16", "bf16": "bfloat16", "bf16_weights": "bfloat16",
-            "tf32": "tf32"}.get(variant, "float32")
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:

@@ -43,11 +43,10 @@ from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_sc
                                        world_size)
 from labkit.blocks.recipe import Recipe, compose
 from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference
-from labkit.blocks.transforms import checkpointed_blocks
+from labkit.blocks.sharded import full_tensor
+from labkit.blocks.transforms import PRECISION_TOLERANCE, checkpointed_blocks, compute_dtype
 from labkit.config import ConfigError, knob
 from labkit.measure.memory import LiveTensorTracker, storage_bytes
-from labkit.techniques.mixed_precision import TOLERANCE as PRECISION_TOLERANCE, compute_dtype
-from labkit.techniques.zero import full_tensor
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True

@@ -1,7 +1,8 @@
 """SLA search: the highest request rate each scheduler serves within a TTFT and a TPOT objective.
 
 The schedulers are batching's (`sequential`, the reference, `static`, `dynamic`, `continuous`,
-`priority`), on the same engine and workload (`labkit.techniques.batching`). For each:
+`priority`), on the same engine and workload, replayed as batching replays them
+(`labkit.blocks.replay`). For each:
 
 - the check: the workload replayed with every continuation forced, all queued at once; each
   token's log-probability must match the one-at-a-time reference's (batching's check);
@@ -34,13 +35,15 @@ import torch
 from labkit.config import knob
 from labkit.blocks import slo as slos
 from labkit.blocks.requests import Request, WorkloadSpec
+from labkit.blocks.decoding import load_model
+from labkit.blocks.replay import (REFERENCE_SCHEDULER, SCHEDULERS, ServingConfig, compare_replays,
+                                  expected_replay, make_engine, num_slots, policy, quantile,
+                                  summary, texts, validate_replay, workload, workload_spec)
 from labkit.blocks.serving import Engine, Policy, Sequence
-from labkit.techniques import batching
-from labkit.techniques.kv_cache import load_model
 from labkit.workload import Workload
 
-VARIANTS = batching.VARIANTS
-REFERENCE = batching.REFERENCE
+VARIANTS = SCHEDULERS
+REFERENCE = REFERENCE_SCHEDULER
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"search_steps": 3, "num_requests": 12}, {"search_steps": 2, "num_requests": 8, "max_output_len": 16},
              {"search_steps": 1, "num_requests": 6, "max_output_len": 8, "num_layers": 2})
@@ -56,7 +59,7 @@ PROBE_FIELDS = ("preset", "device", "dtype", "attention", "seed", "num_threads",
 
 
 @dataclass(kw_only=True)
-class Config(batching.Config):
+class Config(ServingConfig):
     variant: str = knob(REFERENCE, choices=VARIANTS, help="scheduler")
     workload: str = knob("short", help="a workload in data/workloads (its name) or a JSON file")
     num_requests: int = knob(16, min=0, help="serve the first N requests (0: all)")
@@ -76,7 +79,7 @@ class Config(batching.Config):
                                                     "(a placeholder: enter yours)")
 
 
-validate = batching.validate  # slo_attainment's range is its knob's
+validate = validate_replay  # slo_attainment's range is its knob's
 
 
 # --- the workload's spec and the objectives ---------------------------------------------------------
@@ -93,13 +96,13 @@ def baselines(cfg: Config, model, requests: list[Request], tokens) -> tuple[floa
     key = json.dumps({k: params[k] for k in PROBE_FIELDS}, sort_keys=True, default=str)
     if key not in _BASELINES:
         alone = dataclasses.replace(cfg, variant="sequential")
-        eng = batching.make_engine(alone, model, requests, tokens, forced=False, closed=True)
-        eng.serve(batching.policy(alone, (), 1))
-        ttft = batching.quantile([t for t, _ in slos.request_latencies(eng.seqs, eng.started.get)], 50)
+        eng = make_engine(alone, model, requests, tokens, forced=False, closed=True)
+        eng.serve(policy(alone, (), 1))
+        ttft = quantile([t for t, _ in slos.request_latencies(eng.seqs, eng.started.get)], 50)
         full = dataclasses.replace(cfg, variant="continuous")
-        eng = batching.make_engine(full, model, requests, tokens, forced=False, closed=True)
-        eng.serve(batching.policy(full, (), batching.num_slots(full, requests)))
-        _BASELINES[key] = (ttft, batching.summary(eng, full, ())["decode_step_ms"] / 1e3)
+        eng = make_engine(full, model, requests, tokens, forced=False, closed=True)
+        eng.serve(policy(full, (), num_slots(full, requests)))
+        _BASELINES[key] = (ttft, summary(eng, full, ())["decode_step_ms"] / 1e3)
     return _BASELINES[key]
 
 
@@ -113,16 +116,16 @@ def objectives(cfg: Config, base: tuple[float, float]) -> slos.Slo:
 # --- building, replaying, searching ----------------------------------------------------------------
 
 def build(cfg: Config) -> Workload:
-    classes, requests = batching.workload(cfg)
-    model, tokens = load_model(cfg), batching.texts(cfg, requests)
-    slots = batching.num_slots(cfg, requests)
+    classes, requests = workload(cfg)
+    model, tokens = load_model(cfg), texts(cfg, requests)
+    slots = num_slots(cfg, requests)
     replays: list[Engine] = []
     found: dict[str, float] = {}
 
     def serve(reqs: list[Request], *, forced: bool = False, closed: bool = True,
               watch: slos.Slo | None = None) -> Engine:
-        eng = batching.make_engine(cfg, model, reqs, tokens, forced=forced, closed=closed)
-        chosen = batching.policy(cfg, classes, slots)
+        eng = make_engine(cfg, model, reqs, tokens, forced=forced, closed=closed)
+        chosen = policy(cfg, classes, slots)
         allowed = len(reqs) - math.ceil(round(cfg.slo_attainment * len(reqs), 9))
         return eng.serve(chosen if watch is None else SloWatch(chosen, watch, allowed))
 
@@ -146,7 +149,7 @@ def build(cfg: Config) -> Workload:
         mean_out = sum(r.output_len for r in requests) / len(requests)
         found["max_requests_per_s"] = slos.saturation_rate(slots, mean_out, closed["decode_step_ms"] / 1e3)
         if cfg.search_steps:
-            measure = functools.partial(open_loop, cfg, batching.workload_spec(cfg), requests, serve, slo)
+            measure = functools.partial(open_loop, cfg, workload_spec(cfg), requests, serve, slo)
             out.update(search_rows(cfg, measure, closed["saturation_requests_per_s"]))
         return out
 
@@ -160,7 +163,7 @@ def build(cfg: Config) -> Workload:
 def closed_loop_rows(cfg: Config, classes: tuple[str, ...], replays: list[Engine]) -> dict[str, float]:
     """The median-throughput backlog replay: tokens/s per device (`useful_tokens_per_s`), per user
     (the median request's 1 / TPOT), the cost per million tokens, the saturation rate."""
-    ranked = sorted((batching.summary(e, cfg, classes) for e in replays),
+    ranked = sorted((summary(e, cfg, classes) for e in replays),
                     key=lambda m: m["useful_tokens_per_s"])
     m = ranked[len(ranked) // 2]
     device = m["useful_tokens_per_s"]
@@ -239,8 +242,8 @@ def search_rows(cfg: Config, measure, saturation_per_s: float) -> dict[str, floa
 def expected(cfg: Config) -> dict[str, float]:
     """batching's bounds for the backlog replay (its decode step and throughput), the cost at
     that throughput, the saturation rate it implies, and the search's exact shape."""
-    _, requests = batching.workload(cfg)
-    out = {k: v for k, v in batching.expected(cfg).items()
+    _, requests = workload(cfg)
+    out = {k: v for k, v in expected_replay(cfg).items()
            if k in ("kv_bytes", "max_concurrent", "token_agreement", "logprob_max_abs_diff",
                     "decode_step_ms", "useful_tokens_per_s")}
     if "useful_tokens_per_s" in out:
@@ -253,7 +256,7 @@ def expected(cfg: Config) -> dict[str, float]:
     return out
 
 
-compare = batching.compare
+compare = compare_replays
 
 
 def notes(cfg: Config) -> dict[str, str]:

@@ -41,8 +41,8 @@ import torch
 from labkit.config import MODELS, PRESETS, ConfigError, RunConfig, knob, torch_dtype
 from labkit.blocks import reference as ref
 from labkit.blocks import speculative as spec
+from labkit.blocks.decoding import generate_cached, load_model
 from labkit.blocks.model import Decoder, build_model
-from labkit.techniques.kv_cache import generate_cached, load_model
 from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("none", "draft", "prompt_lookup")

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 from labkit import hardware, planner
 from labkit.blocks import quant
+from labkit.blocks.decoding import generate_cached
 from labkit.blocks.kv_caches import StaticCache
 from labkit.blocks.model import build_model
 from labkit.config import DTYPE_BYTES, MODELS, ConfigError, ModelConfig, RunConfig, knob, torch_dtype
 from labkit.measure.memory import MemoryMeter, storage_bytes
-from labkit.techniques.kv_cache import generate_cached
 from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("none", "int8", "int4", "fp8")

@@ -42,11 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from labkit import planner
 from labkit.config import ConfigError, knob
 from labkit.blocks.distributed import DistConfig, corrupt_reduction, corrupt_scale, world_size
+from labkit.blocks.sharded import full_tensor
 from labkit.blocks.training import Trainer, compare_grads, global_relative_difference, gradient_difference
 from labkit.blocks.transforms import apply_data_parallel
 from labkit.workload import Comparison, Workload
@@ -98,16 +98,6 @@ def maybe_corrupt_reduction(model: torch.nn.Module, cfg: Config) -> None:
     scale = corrupt_scale(cfg)
     if scale is not None and cfg.variant != REFERENCE:
         corrupt_reduction(model, scale)
-
-
-def full_tensor(p: torch.Tensor, device: str) -> torch.Tensor:
-    """The whole tensor on every rank (a collective for DTensors). An offloaded shard is on the
-    host while the mesh's collectives (NCCL) are on the GPU: gather a device copy."""
-    if not isinstance(p, DTensor):
-        return p.detach()
-    local = DTensor.from_local(p.to_local().detach().to(device), p.device_mesh, p.placements,
-                               shape=p.shape, stride=p.stride(), run_check=False)
-    return local.full_tensor()
 
 
 def build_step(cfg: Config) -> Trainer:

@@ -1,0 +1,137 @@
+"""Activations: what the blocks of `labkit.blocks.model` keep for backward, per token, per layer
+(`layer_activation_bytes`) and per pipeline stage, beside the paper's own formulas
+(`korthikanti_activation_bytes`: Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", section 4)."""
+from __future__ import annotations
+
+from labkit.config import ConfigError, ModelConfig
+from labkit.planner.model import StageParams
+from labkit.planner.plan import _resolve, _Run
+
+
+def korthikanti_activation_bytes(*, s: int, b: int, h: int, a: int, L: int = 1, t: int = 1,
+                                 sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes of L layers of the paper's GPT block (fp16 activations, 1-byte dropout
+    masks, softmax scores stored), table 2 of Korthikanti et al. 2022: per layer
+    no recomputation sbh(34 + 5as/h) with t = 1, sbh(10 + 24/t + 5as/(ht)) with tensor
+    parallelism, sbh(34/t + 5as/(ht)) with sequence parallelism too; selective recomputation
+    (the attention core a·s² terms recomputed) sbh(10 + 24/t), or sbh(34/t) with sequence
+    parallelism; full recomputation 2sbh (each layer's fp16 input). s sequence, b micro-batch,
+    h hidden size, a heads, t tensor-parallel size."""
+    sbh = s * b * h
+    # softmax output 2as²b, its dropout mask as²b, the dropout's output 2as²b
+    attention_core = 5 * a * s * s * b / t
+    if recompute == "full":
+        return 2 * sbh * L
+    rest = 34 * sbh / t if sequence_parallel else sbh * (10 + 24 / t)
+    if recompute == "selective":
+        return rest * L
+    if recompute != "none":
+        raise ConfigError(f"unknown recompute {recompute!r}; valid: none, selective, full")
+    return (rest + attention_core) * L
+
+
+def layer_activation_bytes(m: ModelConfig, *, batch_size: int, seq_len: int, precision: str = "fp32",
+                           tp: int = 1, checkpointing: str = "none", device: str | None = None) -> int:
+    """Bytes one block of `labkit.blocks.model` keeps for backward at (batch_size, seq_len), read off
+    what autograd saves (SavedTensorMeter.by_producer) and checked against it in the tests.
+
+    How this differs from the paper's GPT block (34sbh + 5as²b, fp16, `korthikanti_activation_bytes`):
+    - no dropout, so no 1-byte masks (the paper's 2sbh per layer plus as²b);
+    - flash-style attention (SDPA) keeps its output and the fp32 logsumexp (b·heads·s), never the
+      a·s² score matrix: the 5as²b term becomes 4·a·s·b bytes;
+    - Llama: RMSNorm computes in fp32 on purpose, so each norm keeps an fp32 copy of its input and
+      its fp32 rsqrt (b·s), then the normalised value and the output in the activation dtype;
+      RoPE is computed in fp32 but keeps only its (activation-dtype) result, which SDPA saves;
+      grouped-query attention's k and v are kv_heads·head_dim wide, not h; SwiGLU keeps four
+      f-wide tensors (w1 x, silu(w1 x), w3 x, their product) instead of GELU's two 4h-wide ones;
+    - GPT-2: LayerNorm keeps its input and its mean and rstd (b·s each: fp32 on CUDA, the input's
+      dtype on the CPU); q, k, v, the attention output and GELU's input and output as in the paper;
+    - selective recomputation keeps what `SAVED_BY_SELECTIVE` marks (every matmul's output and
+      SDPA's), not the paper's "all but the attention core"; full keeps the block's input.
+    Tensor parallelism divides the head- and f-wide terms; the norms' are replicated, as in the
+    paper's sbh(10 + 24/t + ...)."""
+    run = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision, tp=tp,
+                   gpus=tp, checkpointing=checkpointing, device=device)
+    return batch_size * seq_len * _layer_bytes_per_token(run, run.checkpointing)
+
+
+def _norm_bytes(r: _Run, consumers: int = 1) -> int:
+    """Per token, one norm: what it keeps for backward plus its output (the next matmul's input).
+    Under autocast the output stays fp32 and is not kept: each of its `consumers` (the matmuls
+    it feeds) saves its own 16-bit cast of it (autocast caches only the weights' casts)."""
+    s, n = r.shape, r.prec.residual
+    out = consumers * r.prec.cast * s.d if r.prec.cast else r.prec.act * s.d
+    if r.m.arch == "llama":  # x32 (4d, the input itself in fp32), rsqrt (4), x·rsqrt (n·d), output
+        return 4 * s.d + 4 + n * s.d + out
+    return n * s.d + out + 2 * r.stat  # input (n·d), output, mean and rstd
+
+
+def _attention_bytes(r: _Run) -> int:
+    """Per token: SDPA's inputs q, k, v (after RoPE), its output (wo's input) and logsumexp (fp32)."""
+    s, a = r.shape, r.prec.act
+    return a * (s.q + 2 * s.kv) + a * s.q + 4 * s.heads
+
+
+def _mlp_bytes(r: _Run) -> int:
+    """Per token: SwiGLU keeps w1 x, silu(w1 x), w3 x and their product (w2's input); GELU keeps
+    its input and output."""
+    return (4 if r.m.arch == "llama" else 2) * r.prec.act * r.shape.f
+
+
+def _selective_bytes(r: _Run) -> int:
+    """Per token, a selectively recomputed block: its input, every matmul's output (wq, wk, wv,
+    wo, w1, [w3], w2; wo's and w2's are d wide on every rank) and SDPA's output and logsumexp."""
+    s, a = r.shape, r.prec.act
+    mlp = (2 if r.m.arch == "llama" else 1) * s.f + s.d
+    return r.prec.residual * s.d + a * (s.q + 2 * s.kv + s.d + mlp + s.q) + 4 * s.heads
+
+
+def _layer_bytes_per_token(r: _Run, mode: str) -> int:
+    if mode == "full":
+        return r.prec.residual * r.shape.d  # the block's input, held by torch.utils.checkpoint
+    if mode == "selective":
+        return _selective_bytes(r)
+    # the attention norm feeds wq, wk and wv; the MLP norm w1 and w3 (SwiGLU) or w1 (GELU)
+    mlp_inputs = 2 if r.m.arch == "llama" else 1
+    return _norm_bytes(r, 3) + _norm_bytes(r, mlp_inputs) + _attention_bytes(r) + _mlp_bytes(r)
+
+
+def _embedding_side_bytes(r: _Run) -> int:
+    """Per micro-batch on the first stage: RoPE's cos and sin tables (s x head_dim each, fp32,
+    built once per forward and held by every layer's backward), or GPT-2's int64 positions
+    (saved by the position embedding)."""
+    if r.m.arch == "llama":
+        return 2 * r.seq_len * r.m.head_dim * 4
+    return 8 * r.seq_len
+
+
+def _head_bytes(r: _Run) -> int:
+    """Per micro-batch on the last stage: the final norm (as a block's), cross-entropy's fp32
+    log-probabilities (b·s·V, kept by log_softmax for its backward; the logits themselves are
+    freed), the int64 targets nll_loss keeps, and its fp32 total_weight scalar."""
+    tokens = r.batch_size * r.seq_len
+    return tokens * (_norm_bytes(r) + 4 * r.shape.vocab + 8) + 4
+
+
+def _checkpointed_on_stage(r: _Run, layers: int) -> int:
+    """Recomputed layers on this stage: all, or a share of `checkpointed_layers` rounded down (the
+    busiest stage recomputes the fewest)."""
+    if r.checkpointing == "none":
+        return 0
+    if r.checkpointed_layers is None:
+        return layers
+    return r.checkpointed_layers * layers // r.m.num_layers
+
+
+def _stage_activations(r: _Run, sp: StageParams, first: bool, last: bool) -> tuple[int, int]:
+    """(activation bytes the stage holds, one layer's). With 1F1B pipelining stage i holds
+    pp - i micro-batches in flight (the paper's section 4.2.3): pp on the first, one on the last."""
+    tokens = r.batch_size * r.seq_len
+    k = _checkpointed_on_stage(r, sp.num_layers)
+    recomputed = tokens * _layer_bytes_per_token(r, r.checkpointing)
+    plain = tokens * _layer_bytes_per_token(r, "none")
+    layers = k * recomputed + (sp.num_layers - k) * plain
+    in_flight = r.pp if first else 1
+    total = in_flight * (layers + (_embedding_side_bytes(r) if first else 0))
+    return total + (_head_bytes(r) if last else 0), recomputed

@@ -1,0 +1,327 @@
+"""Fine-tuning: full, LoRA and QLoRA on one GPU (`finetune_memory`, `finetune_frontier`).
+
+- LoRA (Hu et al. 2021) as PEFT builds it: each targeted nn.Linear W (out x in) gets A (r x in)
+  and B (out x r), output W x + (alpha / r) B A x; the base is frozen (no gradients, no optimizer
+  state). The adapters are in the compute dtype, as the base (labkit.blocks.lora passes
+  autocast_adapter_dtype=False: PEFT's default would upcast 16-bit adapters to fp32), so are
+  their gradients and AdamW's two moments (torch keeps them in the parameter's dtype), beside
+  one fp32 step counter per adapter tensor.
+- QLoRA (Dettmers et al. 2023) as torchao's NF4Tensor stores it: the block linears' weights in
+  4 bits with int8 absmax scalers per `block_size` values, double-quantized (one factor per
+  scaler block); the embedding, the norms and the head stay in the compute dtype. The paper's
+  arithmetic: fp32 scales per 64 weights cost 32/64 = 0.5 bits per weight, 8-bit scales with
+  fp32 second-level scales per 256 cost 8/64 + 32/(64·256) = 0.127.
+- A frozen linear saves nothing for backward (the input's gradient needs only the weight), so
+  what LoRA keeps is what the adapters and the non-linear ops need: the norms, attention's
+  inputs and output, the MLP's activation inputs; `_lora_layer_bytes` walks a block in order
+  (checked exactly against saved-tensor hooks on PEFT's model in the tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from labkit import hardware
+from labkit.config import DTYPE_BYTES, ConfigError, ModelConfig, check_choice
+from labkit.planner.activations import _attention_bytes, _embedding_side_bytes
+from labkit.planner.model import block_linear_params, local_shape
+from labkit.planner.model import num_params as _count_params
+from labkit.planner.plan import MemoryPlan, _positive, _resolve, _Run
+from labkit.planner.training import training_memory
+
+
+FINETUNE_METHODS = ("full", "lora", "qlora")
+LORA_TARGET_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_TARGET_ALIASES = {"attn": ("q", "k", "v", "o"), "all": LORA_TARGET_NAMES}
+# labkit's module names (labkit.blocks.model): SwiGLU is w2(silu(w1 x) * w3 x); GPT-2's MLP is
+# w2(gelu(w1 x)), so its first linear is "up" and it has no gate.
+LORA_MODULES = {"llama": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w1", "up": "w3", "down": "w2"},
+                "gpt2": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w1", "down": "w2"}}
+FINETUNE_CHECKPOINTING = ("none", "full")
+NF4_BLOCK_SIZE = 64  # weights per int8 absmax scaler (the QLoRA paper's and torchao's default)
+NF4_SCALER_BLOCKS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # torchao's default first: 256
+
+
+def parse_lora_targets(spec: str | tuple | list) -> tuple[str, ...]:
+    """"q,v" or ("q", "v"), with "attn" = q,k,v,o and "all" = all seven, as a tuple in
+    LORA_TARGET_NAMES order without repeats; ConfigError naming the valid ones otherwise."""
+    names = [n.strip() for n in spec.split(",")] if isinstance(spec, str) else list(spec)
+    chosen: set[str] = set()
+    for name in names:
+        if name not in LORA_TARGET_NAMES and name not in LORA_TARGET_ALIASES:
+            raise ConfigError(f"unknown LoRA target {name!r}; valid: "
+                              f"{', '.join(LORA_TARGET_NAMES + tuple(LORA_TARGET_ALIASES))}")
+        chosen.update(LORA_TARGET_ALIASES.get(name, (name,)))
+    if not chosen:
+        raise ConfigError(f"no LoRA targets given; valid: {', '.join(LORA_TARGET_NAMES)}, attn, all")
+    return tuple(n for n in LORA_TARGET_NAMES if n in chosen)
+
+
+def lora_module_names(m: ModelConfig, lora_targets=("q", "v")) -> list[str]:
+    """labkit's attribute names of the targeted linears (PEFT's `target_modules`)."""
+    modules = LORA_MODULES[m.arch]
+    targets = parse_lora_targets(lora_targets)
+    missing = [t for t in targets if t not in modules]
+    if missing:
+        raise ConfigError(f"LoRA target {missing[0]!r} does not exist in a {m.arch} block; "
+                          f"valid: {', '.join(modules)}")
+    return [modules[t] for t in targets]
+
+
+def linear_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each block linear, by target name."""
+    s = local_shape(m, 1)
+    shapes = {"q": (s.q, s.d), "k": (s.kv, s.d), "v": (s.kv, s.d), "o": (s.d, s.q),
+              "gate": (s.f, s.d), "up": (s.f, s.d), "down": (s.d, s.f)}
+    return {t: shapes[t] for t in LORA_MODULES[m.arch]}
+
+
+def trainable_params(m: ModelConfig, method: str, *, lora_rank: int = 8,
+                     lora_targets=("q", "v")) -> int:
+    """Parameters the optimizer updates: all of them for full fine-tuning; for (Q)LoRA
+    layers x sum over targets of r·(in + out) (A is r x in, B is out x r)."""
+    check_choice("finetune method", method, FINETUNE_METHODS)
+    if method == "full":
+        return _count_params(m)
+    _positive(lora_rank=lora_rank)
+    lora_module_names(m, lora_targets)  # every target exists in this block
+    shapes = linear_shapes(m)
+    return m.num_layers * sum(lora_rank * (shapes[t][0] + shapes[t][1])
+                              for t in parse_lora_targets(lora_targets))
+
+
+def nf4_scaler_block(numel: int, block_size: int = NF4_BLOCK_SIZE) -> int:
+    """The scaler block size for one weight: the largest of 256, 128, ..., 1 that divides its
+    number of blocks (torchao asserts that it divides). ConfigError when `block_size` does not
+    divide `numel`."""
+    _positive(numel=numel, block_size=block_size)
+    if numel % block_size or numel % 2:
+        raise ConfigError(f"a weight of {numel} elements does not split into NF4 blocks of "
+                          f"{block_size} (valid: an even number of elements divisible by it)")
+    blocks = numel // block_size
+    return next(n for n in NF4_SCALER_BLOCKS if blocks % n == 0)
+
+
+def nf4_bytes(out_features: int, in_features: int, *, block_size: int = NF4_BLOCK_SIZE,
+              double_quant: bool = True, dtype: str = "fp32") -> int:
+    """One weight as NF4 stores it. double_quant (torchao's NF4Tensor, quantized from a `dtype`
+    weight): 4-bit codes two per byte, an int8 scaler per block, one `dtype` factor per scaler
+    block (`nf4_scaler_block`; with a single scaler block torchao keeps a view of a whole
+    scaler-block-long tensor, so that many), the scalers' mean and the 16-entry code book, both
+    in `dtype`. Without double quantization (the QLoRA paper's baseline, not a torchao option):
+    codes plus one fp32 absmax per block."""
+    numel = out_features * in_features
+    sb = nf4_scaler_block(numel, block_size)
+    blocks, w = numel // block_size, DTYPE_BYTES[_dtype_name(dtype)]
+    if not double_quant:
+        return numel // 2 + 4 * blocks
+    factors = blocks // sb if blocks // sb > 1 else blocks
+    return numel // 2 + blocks + w * factors + w + 16 * w
+
+
+def nf4_dequant_bytes(out_features: int, in_features: int, *, dtype: str = "fp32",
+                      block_size: int = NF4_BLOCK_SIZE) -> int:
+    """The peak of torchao's dequantization of one weight (get_original_weight, in forward and
+    again in backward): two int64 code tensors (numel/2 each: 8·numel), the two looked-up halves
+    and their scaled copies (w·numel/2 each), the stacked weight (w·numel) and the dequantized
+    scalers (w per block); measured with LiveTensorTracker in the tests."""
+    numel, w = out_features * in_features, DTYPE_BYTES[_dtype_name(dtype)]
+    return numel * (8 + 3 * w) + w * (numel // block_size)
+
+
+def _dtype_name(dtype: str) -> str:
+    from labkit.config import DTYPE_ALIASES
+
+    return DTYPE_ALIASES[check_choice("compute dtype", dtype, tuple(DTYPE_ALIASES))]
+
+
+def linear_weight_bytes(m: ModelConfig, method: str, *, compute_dtype: str = "fp32") -> int:
+    """The base's block linear weights as stored (biases and adapters not included): NF4 for
+    qlora, the compute dtype otherwise."""
+    w = DTYPE_BYTES[_dtype_name(compute_dtype)]
+    shapes = linear_shapes(m).values()
+    if method == "qlora":
+        return m.num_layers * sum(nf4_bytes(o, i, dtype=compute_dtype) for o, i in shapes)
+    return m.num_layers * w * sum(o * i for o, i in shapes)
+
+
+def finetune_compute_dtype(device: str | None = None) -> str:
+    """bf16 where the device has native bf16 (torch.cuda.is_bf16_supported on a GPU, the CPU's
+    avx512_bf16 / amx_bf16 flags), fp32 otherwise."""
+    device = device or hardware.default_device()
+    if device.startswith("cuda"):
+        import torch
+
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if hardware.cpu_info().native_bf16 else "fp32"
+
+
+def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_targets=("q", "v"),
+                    batch_size: int, seq_len: int, compute_dtype: str = "fp32",
+                    checkpointing: str = "none", device: str | None = None) -> MemoryPlan:
+    """One fine-tuning step's memory on one GPU. full: `training_memory` with every weight in
+    the compute dtype (fp32, or pure bf16: weights, gradients and AdamW moments in 16 bits).
+    lora / qlora: the frozen base (block linears in the compute dtype, or NF4 for qlora; the
+    rest in the compute dtype) plus adapters in the compute dtype; gradients and AdamW state
+    (two moments in the compute dtype: 8 B per trainable parameter in fp32, and a step counter
+    per adapter tensor) for the adapters alone; the activations a frozen model still keeps
+    (`_lora_layer_bytes`); qlora's dequantization buffer (`nf4_dequant_bytes`, the largest
+    linear) at the backward's peak. checkpointing: none or full (each block keeps its input)."""
+    check_choice("finetune method", method, FINETUNE_METHODS)
+    precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[_dtype_name(compute_dtype)]
+    if method == "full":
+        plan = training_memory(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                               checkpointing=checkpointing, device=device)
+        return dataclasses.replace(plan, trainable_params=plan.num_params,
+                                   linear_weight_bytes=linear_weight_bytes(m, "full", compute_dtype=precision))
+    check_choice("checkpointing (fine-tuning)", checkpointing, FINETUNE_CHECKPOINTING)
+    r = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                 checkpointing=checkpointing, device=device)
+    targets = parse_lora_targets(lora_targets)
+    trainable = trainable_params(m, method, lora_rank=lora_rank, lora_targets=targets)
+    return _lora_plan(r, method, targets, lora_rank, trainable)
+
+
+def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, trainable: int) -> MemoryPlan:
+    """The terms of a (Q)LoRA step and its two phases (see `finetune_memory`)."""
+    m, w, tokens = r.m, r.prec.weight, r.batch_size * r.seq_len
+    linears = linear_weight_bytes(m, method, compute_dtype=r.precision)
+    elems = m.num_layers * block_linear_params(m, biases=False)
+    param = (r.num_params - elems) * w + linears + w * trainable
+    # AdamW's m and v in the adapters' dtype, and its fp32 step counter per tensor (A and B)
+    grad, opt = w * trainable, 2 * w * trainable + 4 * 2 * len(targets) * m.num_layers
+    act, per_layer = _lora_activations(r, targets, rank)
+    dequant = max(nf4_dequant_bytes(o, i, dtype=r.precision) for o, i in linear_shapes(m).values()) \
+        if method == "qlora" else 0
+    backward = _lora_backward_temporaries(r, tokens, dequant)
+    # torch's AdamW on the CPU loops (two temporaries of the largest adapter), on CUDA copies v
+    largest = rank * max(o + i for o, i in linear_shapes(m).values())
+    step = w * (2 * largest if r.impl == "single" else trainable)
+    phases = {"backward": param + opt + act + grad + backward, "step": param + opt + grad + step}
+    peak = max(phases, key=phases.get)
+    held = {"backward": ("param", "grad", "optimizer", "activation", "overhead"),
+            "step": ("param", "grad", "optimizer", "overhead")}[peak]
+    plan = MemoryPlan(num_params=r.num_params + trainable, param_bytes=param, grad_bytes=grad,
+                      optimizer_bytes=opt, activation_bytes=act, activation_bytes_per_layer=per_layer,
+                      overhead_bytes=backward if peak == "backward" else step, held_at_peak=held,
+                      peak_phase=peak, phase_bytes=phases, trainable_params=trainable,
+                      linear_weight_bytes=linears)
+    return dataclasses.replace(plan, formulas=_lora_formulas(r, method, targets, rank, dequant))
+
+
+def _lora_activations(r: _Run, targets: tuple[str, ...], rank: int) -> tuple[int, int]:
+    """(what the step holds, one layer's): every block (the first's input has no gradient: the
+    embedding is frozen), or each block's input under full checkpointing; RoPE's tables; the
+    final norm and the loss's log-probabilities."""
+    tokens, m = r.batch_size * r.seq_len, r.m
+    if r.checkpointing == "full":
+        per_layer = tokens * r.prec.residual * r.shape.d
+        layers = m.num_layers * per_layer
+    else:
+        first, grad_out = _lora_layer_bytes(r, targets, rank, grad_in=False)
+        per_layer = tokens * _lora_layer_bytes(r, targets, rank, grad_in=True)[0]
+        layers = tokens * first + (m.num_layers - 1) * per_layer
+    head = tokens * (_kept_norm_bytes(r) + 4 * r.shape.vocab + 8) + 4  # norm, log-probs, targets
+    return layers + _embedding_side_bytes(r) + head, per_layer
+
+
+def _kept_norm_bytes(r: _Run) -> int:
+    """Per token, what a norm with a frozen weight keeps when its input needs a gradient:
+    RMSNorm its fp32 input (4d) and rsqrt (4); LayerNorm its input, mean and rstd."""
+    if r.m.arch == "llama":
+        return 4 * r.shape.d + 4
+    return r.prec.residual * r.shape.d + 2 * r.stat
+
+
+def _adapter_inputs(r: _Run, targets: tuple[str, ...], width: int) -> int:
+    """Per token, what the adapters on linears sharing one `width`-wide input keep of it: the
+    input itself, once (the adapters share its dtype)."""
+    return r.prec.act * width if targets else 0
+
+
+def _lora_layer_bytes(r: _Run, targets: tuple[str, ...], rank: int, *, grad_in: bool) -> tuple[int, bool]:
+    """(bytes per token one block keeps under (Q)LoRA, whether its output needs a gradient),
+    walking the block in order; `grad_in`: whether its input needs one. Frozen linears keep
+    nothing; an op keeps its inputs only when something upstream of it is trained."""
+    s, a, T = r.shape, r.prec.act, set(targets)
+    kept = (_kept_norm_bytes(r) if grad_in else 0) + _adapter_inputs(r, tuple(T & {"q", "k", "v"}), s.d)
+    g_qkv = grad_in or bool(T & {"q", "k", "v"})
+    kept += _attention_bytes(r) if g_qkv else 0  # SDPA's q, k, v, output, logsumexp
+    if "o" in T:  # wo's input is SDPA's output: already kept when attention was
+        kept += 0 if g_qkv else a * s.q
+    g_mid = g_qkv or "o" in T
+    first = "gate" if r.m.arch == "llama" else "up"
+    kept += (_kept_norm_bytes(r) if g_mid else 0) + _adapter_inputs(r, tuple(T & {"gate", "up"}), s.d)
+    if r.m.arch == "llama":  # silu keeps w1 x; the product keeps w3 x and silu(w1 x)
+        g1, g3 = g_mid or "gate" in T, g_mid or "up" in T
+        kept += a * s.f * (g1 + g1 + g3)
+    else:  # GELU keeps its input
+        g1 = g3 = g_mid or first in T
+        kept += a * s.f * g1
+    kept += _adapter_inputs(r, ("down",), s.f) if "down" in T else 0
+    kept += len(T) * rank * a  # B keeps A x
+    return kept, g_mid or g1 or g3 or "down" in T
+
+
+def _lora_backward_temporaries(r: _Run, tokens: int, dequant: int = 0) -> int:
+    """Beyond the activations at the backward's largest moment: the loss's fp32 gradients of
+    the log-probabilities and the logits (8·b·s·V), or a block's (the residual stream's
+    gradient and the MLP's two f-wide gradients, beside qlora's `dequant`: a weight
+    dequantized for its input's gradient), whichever is larger."""
+    s, p = r.shape, r.prec
+    loss = 8 * tokens * s.vocab
+    block = tokens * (p.residual * s.d + (2 if r.m.arch == "llama" else 1) * p.act * s.f)
+    return max(loss, block + dequant)
+
+
+def _lora_formulas(r: _Run, method: str, targets: tuple[str, ...], rank: int, dequant: int) -> dict[str, str]:
+    base = "NF4 block linears (nf4_bytes) + the rest" if method == "qlora" else "the base"
+    w = r.prec.weight
+    return {"param": f"{base} in {r.precision} + {r.precision} adapters r·(in + out) per target, "
+                     f"r = {rank}, targets {','.join(targets)}",
+            "grad": f"{w}·Ψ_trainable (the adapters only, in {r.precision}; the base is frozen)",
+            "optimizer": f"{2 * w}·Ψ_trainable + 4 per adapter tensor (AdamW m + v in {r.precision} "
+                         "and its fp32 step, adapters only)",
+            "activation": "frozen layers still keep norms, attention's q/k/v/output and the MLP's "
+                          "activation inputs; + each adapter's input and A x (r wide)",
+            "overhead": "backward: max(loss 8·b·s·V, a block's gradients"
+                        + (f" + one weight's NF4 dequantization ({dequant:,} B))" if dequant else ")")}
+
+
+def finetune_frontier(m: ModelConfig, *, gpu_mem_bytes: int, seq_len: int, lora_rank: int = 8,
+                      lora_targets=("q", "v"), compute_dtype: str = "bf16",
+                      device: str | None = "cuda") -> list[dict]:
+    """For each method, without and with full checkpointing: the longest sequence that fits
+    `gpu_mem_bytes` at micro-batch 1 (bisection up to the model's context; 0: none fits) and
+    the largest micro-batch at `seq_len` (doubling, then bisection; 0: none fits)."""
+    out = []
+    for method in FINETUNE_METHODS:
+        for ckpt in FINETUNE_CHECKPOINTING:
+            def total(b: int, s: int, method=method, ckpt=ckpt) -> int:
+                return finetune_memory(m, method=method, lora_rank=lora_rank, lora_targets=lora_targets,
+                                       batch_size=b, seq_len=s, compute_dtype=compute_dtype,
+                                       checkpointing=ckpt, device=device).total_bytes
+            longest = _largest_fitting(lambda s: total(1, s) <= gpu_mem_bytes, m.max_seq_len)
+            batch = _largest_fitting(lambda b: total(b, seq_len) <= gpu_mem_bytes, None)
+            out.append({"method": method, "checkpointing": ckpt, "max_seq_len": longest,
+                        "max_micro_batch": batch, "seq_len": seq_len,
+                        "total_bytes_at_max_seq": total(1, longest) if longest else None})
+    return out
+
+
+def _largest_fitting(fits, limit: int | None, cap: int = 2**16) -> int:
+    """The largest n in 1..limit (or 1..cap, doubling first) with fits(n), for a monotone
+    fits; 0 when even 1 does not fit."""
+    if not fits(1):
+        return 0
+    hi = limit or cap
+    if fits(hi):
+        return hi
+    lo = 1
+    if limit is None:  # grow: the first power of two that does not fit bounds the search
+        while lo * 2 < hi and fits(lo * 2):
+            lo *= 2
+        hi = min(lo * 2, hi)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,58 @@
+"""How each term of a training plan was computed, in words, for the table that `labkit plan`
+and the notebook show."""
+from __future__ import annotations
+
+from labkit.planner.activations import _checkpointed_on_stage
+from labkit.planner.model import StageParams
+from labkit.planner.plan import MemoryPlan, _Run
+from labkit.planner.precision import optimizer_bytes_per_param
+
+
+_LAYER_FORMULAS = {  # per token; a = activation bytes, d/q/kv/f/h = local widths
+    ("llama", "none"): "2·(4d + 4 + 2a·d) + a·(2q + 2kv) + 4h + 4a·f",
+    ("gpt2", "none"): "2·(2a·d + 2σ) + a·(2q + 2kv) + 4h + 2a·f",
+    ("llama", "selective"): "a·(3d + 2q + 2kv + 2f) + 4h",
+    ("gpt2", "selective"): "a·(3d + 2q + 2kv + f) + 4h",
+    ("llama", "full"): "a·d", ("gpt2", "full"): "a·d",
+}
+
+
+def _formulas(r: _Run, sp: StageParams, plan: MemoryPlan, first: bool) -> dict[str, str]:
+    """How each term was computed, for the human table."""
+    nd = f"/Nd (Nd = {r.dp})"
+    k = optimizer_bytes_per_param(r.precision, r.optimizer)
+    out = {"param": f"{r.prec.weight}·Ψ{nd if r.zero_stage >= 3 else ''}, Ψ = {sp.total:,} here",
+           "grad": f"{r.prec.grad}·Ψ{nd if r.zero_stage >= 2 else ''}",
+           "optimizer": f"K·Ψ{nd if r.zero_stage >= 1 else ''}, K = {k} ({_k_words(r)})",
+           "overhead": _overhead_words(r, plan)}
+    if r.m is None:
+        out["activation"] = "no model shape given (only --params): not predicted"
+        return out
+    s = r.shape
+    widths = f"a={r.prec.act} d={s.d} q={s.q} kv={s.kv} f={s.f} h={s.heads}"
+    k = _checkpointed_on_stage(r, sp.num_layers)
+    layers = f"{k} layers × b·s·[{_LAYER_FORMULAS[(r.m.arch, r.checkpointing)]}]" if k else ""
+    plain = sp.num_layers - k
+    layers += (" + " if k and plain else "") + (
+        f"{plain} layers × b·s·[{_LAYER_FORMULAS[(r.m.arch, 'none')]}]" if plain else "")
+    flight = f"{r.pp} micro-batches in flight × " if first and r.pp > 1 else ""
+    out["activation"] = (f"{flight}({layers}) ({widths}) + embedding/head/loss; Korthikanti et "
+                         "al.'s analysis redone for this block")
+    return out
+
+
+def _k_words(r: _Run) -> str:
+    moments = "momentum" if r.optimizer == "sgd" else "m + v"
+    master = "fp32 master + " if r.prec.master else ""
+    return f"{master}{moments} in {'fp32' if r.prec.moment == 4 else '16 bits'}"
+
+
+def _overhead_words(r: _Run, plan: MemoryPlan) -> str:
+    if plan.peak_phase == "backward":
+        return ("backward: the largest of the loss's fp32 gradients (8·b·s·V), the head's "
+                "gradients, a block's backward (its recomputed forward, w2's gradient and the "
+                "MLP's f-wide gradients) + ZeRO working buffers")
+    upcast = "fp32 copy of the gradients (4·Ψ_opt) + " if r.prec.master else ""
+    adam = {"single": "2 temporaries per parameter, the largest pair (for-loop Adam)",
+            "foreach": "one copy of v (multi-tensor Adam)", "fused": "none (fused Adam)"}[r.impl]
+    return f"optimizer step: {upcast}{'nothing (SGD)' if r.optimizer == 'sgd' else adam}"

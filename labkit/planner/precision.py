@@ -1,0 +1,56 @@
+"""Bytes per element of what a training step keeps, for each precision recipe, and K, the
+optimizer's bytes per parameter in ZeRO's notation (`optimizer_bytes_per_param`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.config import check_choice
+
+PRECISIONS = ("fp32", "fp16", "bf16", "mixed", "bf16_autocast", "fp16_autocast")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element of each thing a training step keeps, for one precision recipe."""
+
+    weight: int  # the weights the model computes with
+    grad: int  # their gradients
+    moment: int  # one optimizer moment (Adam's m or v, SGD's momentum)
+    master: int  # an fp32 master copy of the weights kept by the optimizer (0: none)
+    act: int  # activations (where the model does not upcast on purpose)
+    cast: int = 0  # autocast: bytes of its 16-bit compute dtype (0: no autocast)
+
+    @property
+    def residual(self) -> int:
+        """The residual stream's (and the norms') dtype: fp32 under autocast, which leaves adds
+        and norms to the weights' dtype; the activation dtype otherwise."""
+        return 4 if self.cast else self.act
+
+
+PRECISION_BYTES = {
+    "fp32": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=4),
+    # Pure 16-bit: weights, gradients and optimizer moments all in 16 bits, no master copy.
+    "fp16": PrecisionBytes(weight=2, grad=2, moment=2, master=0, act=2),
+    "bf16": PrecisionBytes(weight=2, grad=2, moment=2, master=0, act=2),
+    # ZeRO's mixed precision: 16-bit weights and gradients, fp32 master weights and moments:
+    # 2 + 2 + K with K = 12 for Adam (master 4 + m 4 + v 4), 16 bytes per parameter.
+    "mixed": PrecisionBytes(weight=2, grad=2, moment=4, master=4, act=2),
+    # Autocast (torch.autocast) over fp32 weights, fp32 gradients and fp32 AdamW: the matmuls'
+    # inputs and outputs (and SDPA's) in 16 bits, the residual stream and the norms in fp32, and
+    # a cached 16-bit copy of every matmul weight (`_weight_casts`). Not "bf16": that is pure
+    # 16-bit training.
+    "bf16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
+    "fp16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
+}
+DTYPE_OF = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "mixed": "bfloat16",
+            "bf16_autocast": "bfloat16", "fp16_autocast": "float16"}
+
+
+def optimizer_bytes_per_param(precision: str, optimizer: str) -> int:
+    """K in ZeRO's notation: the optimizer's bytes per parameter. Adam/AdamW keep two moments
+    (m, v); SGD with momentum keeps one buffer; a mixed-precision recipe adds the fp32 master copy.
+    (K = 12 for mixed-precision Adam, as in the ZeRO paper.)"""
+    p = PRECISION_BYTES[check_choice("precision", precision, PRECISIONS)]
+    moments = 1 if check_choice("optimizer", optimizer, OPTIMIZERS) == "sgd" else 2
+    return p.master + moments * p.moment
