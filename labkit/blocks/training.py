@@ -1,9 +1,11 @@
 """The plain training step every training experiment starts from: the decoder, one fixed seeded
 batch, next-token cross-entropy on fp32 logits, AdamW, `zero_grad(set_to_none=True)`.
 
-Techniques change it from outside: a precision context (`Trainer.precision`), a transformed model
-(checkpointing), a different backward/step (`Trainer.backward_and_update`), or several
-micro-batches per step.
+Techniques change it from outside, through the transforms of `labkit.blocks.transforms`, each of
+which sets a part of `Trainer`: context managers around every forward (`contexts`: autocast,
+saved-tensor hooks), a wrapped or transformed model (`net`, `model`: DDP, FSDP2, checkpointing),
+the micro-batches of one step (`sizes`), a scaled loss (`scaler`), hooks on the final gradients
+(`grad_hooks`) or the optimizer (`optimizer_factory`).
 """
 from __future__ import annotations
 

@@ -1,3 +1,5 @@
-"""Measurement: the one clock (`clock`), memory, FLOPs, roofline units, and the meters' blind
-spots (`modes`). Techniques import its primitives (`clock`, `modes`, `memory.is_out_of_memory`);
-the harness (`labkit.harness.experiment`) runs the meters around them."""
+"""Measurement: the one clock (`clock`) and the step timer (`timer`), memory, FLOPs, energy,
+roofline units, the device monitor, a step's memory over time (`timeline`), torch.profiler's
+tables (`profiler`), this CPU's pace (`pace`), and the meters' blind spots (`modes`). Techniques
+import its primitives (`clock`, `modes`, `memory.is_out_of_memory`); the harness
+(`labkit.harness.experiment`) runs the meters around them."""
