@@ -27,6 +27,7 @@ import re
 import socket
 import statistics
 import subprocess
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -784,3 +785,27 @@ def architecture() -> list[dict[str, Any]]:
                      "native 16-bit matmul": "tensor cores: " + (", ".join(g.tensor_core_dtypes) or "none"),
                      "notes": f"compute capability {g.compute_capability[0]}.{g.compute_capability[1]}, {l2}"})
     return rows
+
+
+# --- torch's private entry points, used through these two functions only ------------------------
+
+def has_triton() -> bool:
+    """Whether Triton is installed and usable by torch (torch.utils._triton: no public name)."""
+    from torch.utils._triton import has_triton as probe
+
+    return probe()
+
+
+def set_allocator_settings(settings: str) -> None:
+    """Change the caching allocator's settings at run time (the PYTORCH_CUDA_ALLOC_CONF syntax).
+    New segments follow them; existing ones keep theirs (the caller empties the cache first)."""
+    # torch.cuda.memory._set_allocator_settings exists from 2.6 on and calls whatever its torch
+    # parses CUDA settings with; newer torch deprecates it (a FutureWarning) for the
+    # device-generic torch._C._accelerator_setAllocatorSettings, used once the old name is gone.
+    legacy = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if legacy is None:
+        torch._C._accelerator_setAllocatorSettings(settings)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        legacy(settings)

@@ -1,8 +1,10 @@
 """The one clock (labkit.measure.clock) and the meters' blind spots (labkit.measure.modes): what each
 primitive calls and synchronises, that `unmetered()` hides a block from every dispatch-mode meter,
-and that no module outside labkit/measure/ touches torch's private dispatch-mode stack."""
+that no module outside labkit/measure/ touches torch's private dispatch-mode stack, and that
+torch's private names are used in labkit/measure/ and labkit/hardware.py alone."""
 from __future__ import annotations
 
+import ast
 import re
 import time
 from pathlib import Path
@@ -45,6 +47,73 @@ def test_the_scan_flags_a_technique_that_reaches_for_the_private_stack(tmp_path)
     (tmp_path / "techniques" / "sneaky.py").write_text(
         "from torch.utils._python_dispatch import _disable_current_modes\n")
     assert private_mode_users(tmp_path) == {"techniques/sneaky.py": ["_disable_current_modes"]}
+
+
+# --- the boundary: torch's private names (torch._x, torch.utils._x, ._cdata) in measure/ and
+# hardware.py alone, but for two that torch offers under no other name
+
+PRIVATE_TORCH_ALLOWED = {
+    # torch's only fp8 GEMM in core (torchao's float8 wraps it); the matmul experiment's fp8 variant
+    ("techniques/matmul.py", "torch._scaled_mm"),
+    # CUDA graphs replay at fixed addresses: the decode cache must be marked so (reduce-overhead)
+    ("techniques/compiling.py", "torch._dynamo.mark_static_address"),
+}
+
+
+def _private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split(".")[1:])
+
+
+def private_torch_users(root: Path) -> dict[str, list[str]]:
+    """Module path -> the private torch names its code uses: imports of torch modules or names
+    whose path has a `_part`, `torch._x` attribute chains, and a storage's `._cdata`. Names in
+    strings and comments are not code, and are not counted."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names if a.name.startswith("torch") and _private(a.name)}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                names |= {f"{node.module}.{a.name}" for a in node.names
+                          if _private(f"{node.module}.{a.name}")}
+            elif isinstance(node, ast.Attribute):
+                parts, base = [node.attr], node.value
+                while isinstance(base, ast.Attribute):
+                    parts.append(base.attr)
+                    base = base.value
+                name = ".".join(["torch", *reversed(parts)])
+                if isinstance(base, ast.Name) and base.id == "torch" and _private(name):
+                    names.add(name)
+                if node.attr == "_cdata":
+                    names.add("._cdata")
+        if names:  # a chain is also seen as each of its prefixes: keep the longest
+            found[path.relative_to(root).as_posix()] = sorted(
+                n for n in names if not any(m != n and m.startswith(n + ".") for m in names))
+    return found
+
+
+def test_no_module_outside_measure_and_hardware_uses_a_private_torch_name():
+    users = private_torch_users(LABKIT)
+    outside = {path: [n for n in names if (path, n) not in PRIVATE_TORCH_ALLOWED]
+               for path, names in users.items()
+               if not path.startswith("measure/") and path != "hardware.py"}
+    assert {p: n for p, n in outside.items() if n} == {}, \
+        "reach torch's private names through labkit.measure or labkit.hardware"
+    # the scan sees what it looks for: the owners, and each allowed use, are found by it
+    assert "torch._dynamo.utils.counters" in users["measure/compiler.py"]
+    assert "._cdata" in users["measure/memory.py"]
+    assert all(name in users.get(path, []) for path, name in PRIVATE_TORCH_ALLOWED)
+
+
+def test_the_torch_scan_flags_private_names_and_not_strings(tmp_path):
+    (tmp_path / "techniques").mkdir()
+    (tmp_path / "techniques" / "sneaky.py").write_text(
+        "import torch\nfrom torch.utils._pytree import tree_leaves\n"
+        "torch._dynamo.reset()\nkey = t.untyped_storage()._cdata\n"
+        "note = 'torch._scaled_mm'  # torch._C in a comment\ntorch.compiler.reset()\n")
+    assert private_torch_users(tmp_path) == {"techniques/sneaky.py": [
+        "._cdata", "torch._dynamo.reset", "torch.utils._pytree.tree_leaves"]}
 
 
 # --- unmetered / is_metered ----------------------------------------------------------------------

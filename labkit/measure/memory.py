@@ -39,6 +39,13 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def storage_key(t: torch.Tensor) -> int | None:
+    """The identity of `t`'s storage, the key `LiveTensorTracker.live` holds it under (None:
+    a tensor without one); two views of one storage share it."""
+    st = _storage(t)
+    return None if st is None else st._cdata
+
+
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     t = local_tensor(t)
     if t.device.type == "meta" or not hasattr(t, "untyped_storage"):

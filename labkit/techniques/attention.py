@@ -175,9 +175,8 @@ def flex_refusal(device: str) -> str | None:
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.startswith("cuda"):
-        from torch.utils._triton import has_triton
-
-        return None if has_triton() else "flex_attention compiles to Triton kernels; Triton is missing"
+        missing = "flex_attention compiles to Triton kernels; Triton is missing"
+        return None if hardware.has_triton() else missing
     q = torch.randn(1, 1, 16, 16, requires_grad=True)
     try:
         flex_attention(q, q, q)  # refused before computing anything when it cannot run

@@ -18,12 +18,12 @@ import statistics
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
 from labkit.measure.clock import repeat_seconds
+from labkit.measure.memory import SavedTensorMeter, tensors_in
 from labkit.blocks.model import Decoder
 from labkit.blocks.training import Trainer, compare_grads, step_with_gradients
 from labkit.blocks.transforms import apply_checkpointing, checkpointed_blocks
@@ -159,20 +159,9 @@ def block_arguments(model: Decoder, inputs: torch.Tensor, index: int) -> tuple:
 def held_bytes(forward, model: Decoder, shared: tuple) -> int:
     """Bytes of the distinct storages `forward` saves for backward, less the parameters and
     `shared` (the RoPE tables: one copy serves every block). A checkpointed block saves its input."""
-    skip = {t.untyped_storage()._cdata for t in [*model.parameters(), *tree_leaves(shared)]
-            if isinstance(t, torch.Tensor)}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if (st := t.untyped_storage())._cdata not in skip:
-            seen[st._cdata] = st.nbytes()
-        # Detached: a saved output that held its own grad_fn would make a reference cycle
-        # through C++ that the garbage collector cannot see, and the graph would never be freed.
-        return t.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorMeter([*model.parameters(), *tensors_in(shared)]) as saved:
         forward()
-    return sum(seen.values())
+    return saved.total_bytes + saved.weight_copy_bytes
 
 
 def forward_seconds(forward, device: torch.device) -> float:

@@ -19,7 +19,7 @@ attention reads the whole buffer under a mask, so each new token changes data, n
 nothing recompiles. (A cache read up to a Python-int length, `StaticCache`, changes a shape every
 token: Dynamo recompiles, then marks the length dynamic.)
 
-Every compiled variant starts cold (`torch._dynamo.reset()`, Inductor's on-disk caches off
+Every compiled variant starts cold (`torch.compiler.reset()`, Inductor's on-disk caches off
 unless `inductor_cache`): its first call is timed in `check()` (`first_call_ms`, `compile_s` =
 first call minus the second), then `decode_steps` more positions (decode) count recompiles;
 after the harness's timing, eager and compiled calls timed in turns give the break-even:
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch._dynamo.utils import counters, guard_failures
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob, torch_dtype
+from labkit.measure import compiler
 from labkit.measure.clock import seconds
 from labkit.measure.modes import unmetered
 from labkit.blocks.model import Block, build_model, rope_tables
@@ -85,9 +85,8 @@ def skip_reason(cfg: Config) -> str | None:
             return (f"mode {cfg.variant} is GPU-only here: it tunes Triton kernels or captures "
                     "CUDA graphs; this is a CPU (mode default runs)")
         return hardware.inductor_cpu_problem()
-    from torch.utils._triton import has_triton
-
-    return None if has_triton() else "Inductor's GPU backend needs triton, which is not installed"
+    missing = "Inductor's GPU backend needs triton, which is not installed"
+    return None if hardware.has_triton() else missing
 
 
 def cache_len(cfg: Config) -> int:
@@ -201,9 +200,7 @@ def build(cfg: Config) -> Workload:
         return Workload(step=lambda: target.run(target.fn),
                         check=lambda: {"runs": check_runs(target, target.fn)},
                         tokens_per_step=tokens_per_step(cfg), notes=notes(cfg), compute_dtype=cfg.dtype)
-    torch._dynamo.reset()  # a fresh compile: no graph, guard or counter left from another variant
-    counters.clear()
-    guard_failures.clear()
+    compiler.reset()  # a fresh compile: no graph, guard or counter left from another variant
     fn = compile_fn(target.fn, cfg)
     found: dict[str, float] = {}
 
@@ -220,9 +217,7 @@ def build(cfg: Config) -> Workload:
 
     def report() -> dict[str, float]:  # after the harness's timing: both paths are warm by now
         found.update(probe(target, fn, cfg))
-        return {**compile_rows(found), "num_graphs": counters["stats"]["unique_graphs"],
-                "num_graph_breaks": sum(counters["graph_break"].values()),
-                "num_recompiles": sum(len(v) for v in guard_failures.values())}
+        return {**compile_rows(found), **compiler.compile_counts()}
 
     return Workload(step=lambda: target.run(fn), check=check, tokens_per_step=tokens_per_step(cfg),
                     report=report, notes={**notes(cfg), **recompile_notes()}, compute_dtype=cfg.dtype)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from labkit import planner
+from labkit.hardware import set_allocator_settings
 from labkit.config import RunConfig, knob, torch_dtype
 from labkit.blocks.decoding import compare_tokens, generate_cached
 from labkit.blocks.kv_caches import DynamicCache
@@ -97,21 +97,6 @@ def decode_requests(model, prompts: torch.Tensor, requests: list[tuple[int, int]
 
 
 # ---------------------------------------------------------------- the allocator's settings
-
-
-def set_allocator_settings(settings: str) -> None:
-    """Change the caching allocator's settings at run time (the PYTORCH_CUDA_ALLOC_CONF syntax).
-    New segments follow them; existing ones keep theirs (the harness empties the cache first)."""
-    # torch.cuda.memory._set_allocator_settings exists from 2.6 on and calls whatever its torch
-    # parses CUDA settings with; newer torch deprecates it (a FutureWarning) for the
-    # device-generic torch._C._accelerator_setAllocatorSettings, used once the old name is gone.
-    legacy = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    if legacy is None:
-        torch._C._accelerator_setAllocatorSettings(settings)
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        legacy(settings)
 
 
 def env_expandable() -> bool:

@@ -46,7 +46,7 @@ from labkit.blocks.training import Trainer, global_relative_difference, gradient
 from labkit.blocks.sharded import full_tensor
 from labkit.blocks.transforms import PRECISION_TOLERANCE, checkpointed_blocks, compute_dtype
 from labkit.config import ConfigError, knob
-from labkit.measure.memory import LiveTensorTracker, storage_bytes
+from labkit.measure.memory import LiveTensorTracker, storage_bytes, storage_key
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -189,10 +189,9 @@ def observed_forward(step: Trainer, seen: Observed):
         copies = SavedWeightCopies()
         with LiveTensorTracker() as live, copies:
             loss = forward(inputs, targets)
-        params = {p.untyped_storage()._cdata for p in step.model.parameters()
+        params = {storage_key(p) for p in step.model.parameters()
                   if not hasattr(p, "placements")}  # not the shards: they were made before
-        held = {k: b for k, b in live.live.items()
-                if k not in params and k != loss.untyped_storage()._cdata}
+        held = {k: b for k, b in live.live.items() if k not in params and k != storage_key(loss)}
         seen.weight_copy_bytes = sum(held.pop(k, 0) for k in copies.keys)
         seen.activation_bytes = sum(held.values())
         return loss
@@ -218,7 +217,7 @@ class SavedWeightCopies(torch.autograd.graph.saved_tensors_hooks):
         while node is not None and node.name() in COPY_OPS:
             node = next((n for n, _ in node.next_functions if n is not None), None)
         if node is not None and node.name() == "torch::autograd::AccumulateGrad":
-            self.keys.add(t.untyped_storage()._cdata)
+            self.keys.add(storage_key(t))
         return t.detach()  # as SavedTensorMeter: no cycle through the tensor's own grad_fn
 
 
