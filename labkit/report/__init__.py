@@ -267,7 +267,7 @@ def size_notebooks(report: Report, params: dict[str, dict[str, Any]], known: dic
 
     names = notebook_names()
     given = {s: user_set | set(params[s].get("sweep") or {}) | set(params[s].get("overrides") or {})
-             | set(by_caller.get(s, {})) - {"overrides"} for s in params}
+             | (set(by_caller.get(s, {})) - {"overrides"}) for s in params}
     plans = plan_notebooks(params, {s: names.get(s) for s in params}, known,
                            {r.stem: r.ranks for r in report.notebooks}, given, measure_pace(), cores,
                            budget_s)
