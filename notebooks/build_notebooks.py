@@ -222,7 +222,7 @@ RECIPE_PARAMETERS = ('\nladder_steps = {"precision": "bf16", "checkpointing": "f
                      "knobs, one rung each, in compose's order")
 # The rungs set the recipe's knobs themselves: the ladder and the timelines share only the sizes.
 RECIPE_LADDER = '''from labkit.harness import ladder
-from labkit.views.recipe import ladder_figure
+from labkit.views.ladder import ladder_figure
 
 sizes = {k: v for k, v in overrides.items() if k not in ladder.ORDER}
 ladder_settings = {**sizes, "device": device, "nproc": nproc}
@@ -417,7 +417,7 @@ print(f"virtual budget per rank: {budget_gib * 1024:.1f} MiB")
 for label, peak in peaks.items():
     verdict = "reference, no budget" if label == "plain" else ("fits" if peak <= budget_gib * 2**30 else "does not fit")
     print(f"  {label}: predicted {peak / 2**20:.1f} MiB per rank, {verdict}")'''),
-    ("measured_run", '''from labkit.views.recipe import ladder_figure
+    ("measured_run", '''from labkit.views.ladder import ladder_figure
 
 worked = ladder.run_ladder(rungs, preset="tiny", overrides={**settings, "budget_gib": budget_gib},
                            runs_dir=runs_dir)

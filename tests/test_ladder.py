@@ -1,4 +1,4 @@
-"""The ladder (labkit.harness.ladder, labkit.views.recipe): its rungs follow the composition
+"""The ladder (labkit.harness.ladder, labkit.views.ladder): its rungs follow the composition
 root and add one technique each; ONE 2-rank launch measures a small ladder (tiny preset, 2
 layers, batch 4 x 32 tokens), whose every rank has its peak beside the planner's on every rung;
 a rung over its budget is an oom row beside its prediction; the figure draws what it says."""
@@ -16,7 +16,7 @@ from labkit.blocks.recipe import Recipe
 from labkit.config import ConfigError
 from labkit.harness import ladder
 from labkit.techniques import recipe
-from labkit.views.recipe import TRACES, ladder_figure
+from labkit.views.ladder import TRACES, ladder_figure
 
 pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
 
@@ -30,7 +30,7 @@ def test_rungs_follow_the_composition_roots_order():
              "compile": "apply_compile", "zero_stage": "apply_data_parallel",
              "micro_batches": "apply_accumulation", "offload": "apply_offload"}
     source = inspect.getsource(recipes.compose)
-    assert sorted(calls, key=lambda k: source.index(f"tf.{calls[k]}(")) == list(ladder.ORDER)
+    assert sorted(calls, key=lambda k: source.index(f"transforms.{calls[k]}(")) == list(ladder.ORDER)
     every = {"precision": "bf16", "offload": "activations", "micro_batches": 2, "zero_stage": 1,
              "compile": True, "checkpointing": "selective"}
     labels = [r.label for r in ladder.build_rungs(every, nproc=2)]

@@ -63,19 +63,20 @@ def test_the_predicted_step_is_the_slowest_share_over_its_speed(rows):
 
 
 def test_the_slow_rank_sleeps_its_slowdown_less_one_times_its_compute(monkeypatch):
-    """busy() on a fake clock: 0.5 s of forward and backward, then a sleep of (4 - 1) x 0.5 s
-    on the slow rank (slowdown 4), none on the others."""
-    cfg = resolve(lb.Config, "tiny", {**OVERRIDES, "nproc": 2}, experiment="load_balance")
-    step = lb.BalancedStep.__new__(lb.BalancedStep)  # no process group: busy() alone
-    step.cfg, step.trainer = cfg, lb.Trainer(cfg)
+    """The rank's meter on a fake clock: 0.5 s of forward and backward, then a sleep of (4 - 1) x
+    0.5 s on the slow rank (slowdown 4), none on the others; its compute counts the sleep."""
     slept = []
     monkeypatch.setattr(lb.time, "sleep", slept.append)
-    for delay, want in ((cfg.slowdown - 1, 1.5), (0.0, 0.0)):
-        ticks = iter([10.0, 10.5])
+    for delay, want in ((3.0, 1.5), (0.0, 0.0)):
+        ticks = iter([10.0, 10.5, 10.5 + want])
         monkeypatch.setattr(lb, "clock", lambda device: next(ticks))
-        step.delay = delay
-        step.busy(step.trainer.inputs, step.trainer.targets, 1.0)
+        meter = lb.RankClock("cpu", delay)
+        with meter.phase("forward"):
+            pass
+        with meter.phase("backward"):
+            pass
         assert slept.pop() == pytest.approx(want)
+        assert meter.compute_s == [pytest.approx(0.5 + want)]
 
 
 def test_the_proportional_split_never_predicts_a_longer_step_than_the_even_one():

@@ -93,10 +93,10 @@ def test_the_rows_describe_one_profiled_step_as_its_chrome_trace_shows(rows):
 def test_operator_counts_of_a_known_model_and_program():
     """Every nn.Linear is one aten::mm forward and two backward (input and weight gradients)."""
     cfg = resolve(profiling.Config, "tiny", {**SIZES, "device": "cpu"}, experiment="profiling")
-    trainer = profiling.PhasedStep(cfg)
+    trainer = profiling.phased_trainer(cfg)
     trainer.step()  # AdamW's state is made on the first step: profile a steady one
     prof, _ = profiler.profile_step(trainer.step, "cpu")
-    linears = sum(isinstance(m, torch.nn.Linear) for m in trainer.trainer.model.modules())
+    linears = sum(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
     calls = prof.operators.set_index("name")["calls"]
     assert calls["aten::mm"] == 3 * linears
     assert prof.summary()["num_op_calls"] == calls.sum() and prof.summary()["num_ops"] == len(calls)
@@ -131,7 +131,7 @@ def test_the_memory_timeline_holds_the_parameters_and_optimizer_state_exactly(tm
     last = prof.memory.iloc[-1]
     assert last["parameter"] == planner.param_bytes(cfg.model, "float32")
     # AdamW's two fp32 moments, plus its fp32 `step` counter per parameter tensor
-    num_tensors = len(list(profiling.PhasedStep(cfg).trainer.model.parameters()))
+    num_tensors = len(list(profiling.phased_trainer(cfg).model.parameters()))
     assert last["optimizer_state"] == planner.adamw_state_bytes(cfg.model) + 4 * num_tensors
     ops = prof.operators
     assert {"name", "calls", "self_cpu_ms", "total_cpu_ms", "self_device_ms", "self_mem_bytes"} <= set(ops)
@@ -205,10 +205,12 @@ def test_phase_ranges_push_nvtx_only_on_cuda_and_capture_one_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append(("start",)))
     monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append(("stop",)))
-    assert profiler.run_phases([("a", lambda: 1), ("b", lambda: 2)], "cpu") == {"a": 1, "b": 2}
+    with profiler.phase_range("a", "cpu"), profiler.phase_range("b", "cpu"):
+        pass
     assert calls == []
-    profiler.run_phases([("a", lambda: 1)], "cuda")
-    assert calls == [("push", "a"), ("pop",)]
+    with profiler.phase_range("a", "cuda"):
+        calls.append(("inside",))
+    assert calls == [("push", "a"), ("inside",), ("pop",)]
     calls.clear()
     step = profiler.CaptureRange("cuda", at_call=1).wrap(lambda: calls.append(("step",)))
     for _ in range(3):

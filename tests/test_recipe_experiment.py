@@ -102,7 +102,9 @@ REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
            ({"zero_stage": 3, "offload": "activations"}, "DTensor"),
            ({"zero_stage": 2, "nproc": 1}, "nproc >= 2"),
            ({"micro_batches": 3}, "must divide batch_size"),
-           ({"memory_budget_gib": 1.0}, "budget_gib")]
+           ({"memory_budget_gib": 1.0}, "budget_gib"),
+           ({"zero_stage": 0, "tensor_parallel": 2, "nproc": 4}, "DDP cannot wrap"),
+           ({"zero_stage": 0, "tensor_parallel": 3, "nproc": 4}, "tensor parallel degree 3")]
 
 
 @pytest.mark.parametrize("overrides, reason", REFUSED)
@@ -110,6 +112,19 @@ def test_a_recipe_that_cannot_run_is_refused_in_one_line_before_anything_runs(ov
     with pytest.raises(ConfigError) as e:
         plan_points("recipe", "tiny", {**SIZES, **RECIPE, **overrides}, None)
     assert reason in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tensor_parallel_is_a_knob_whose_replicas_share_the_global_batch():
+    """tensor_parallel=2 on 4 ranks: 2 replicas of 2-rank TP groups; ZeRO over the replicas; plain
+    computes the replicas' global batch (2 x batch_size), as composed's replicas do together."""
+    cfg = config(zero_stage=2, tensor_parallel=2, nproc=4)
+    assert recipe.recipe_of(cfg) == Recipe(precision="bf16", checkpointing="full", accumulation=2,
+                                           data_parallel="zero2", tensor_parallel=2)
+    assert recipe.replicas(cfg) == 2
+    pure = config(zero_stage=0, tensor_parallel=2, nproc=2)  # one replica: no data parallelism
+    assert recipe.recipe_of(pure).data_parallel == "none" and recipe.refused(pure) is None
+    plain = recipe.planned(config(variant="plain", zero_stage=2, tensor_parallel=2, nproc=4))
+    assert plain == recipe.planned(config(variant="plain", zero_stage=2, nproc=2))
 
 
 def test_offload_is_skipped_on_cpu_ranks_with_the_reason():

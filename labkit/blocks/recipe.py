@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from labkit import planner
-from labkit.blocks import transforms as tf
+from labkit.blocks import transforms
+from labkit.blocks.layout import Layout
 from labkit.blocks.training import Trainer
 from labkit.config import ConfigError, RunConfig, check_choice
 
@@ -60,9 +60,9 @@ def refusal(recipe: Recipe, device: str, world: int = 1, *, launched: bool | Non
 
 
 def _unknown(recipe: Recipe) -> str | None:
-    for name, value, valid in (("precision", recipe.precision, tf.PRECISIONS),
-                               ("checkpointing", recipe.checkpointing, tf.CHECKPOINT_MODES),
-                               ("data_parallel", recipe.data_parallel, tf.DATA_PARALLEL),
+    for name, value, valid in (("precision", recipe.precision, transforms.PRECISIONS),
+                               ("checkpointing", recipe.checkpointing, transforms.CHECKPOINT_MODES),
+                               ("data_parallel", recipe.data_parallel, transforms.DATA_PARALLEL),
                                ("offload", recipe.offload, OFFLOADS)):
         try:
             check_choice(name, value, valid)
@@ -147,54 +147,39 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     why = refusal(recipe, cfg.device, world)
     if why:
         raise ConfigError(why)
-    tp = recipe.tensor_parallel
-    dp = world // tp if recipe.data_parallel != "none" else 1
+    layout = Layout.of(recipe, world, cfg.device)
     # The global batch, built the same on every rank; data parallelism takes each rank's slice.
-    step = Trainer(cfg, weights=tf.weights_dtype(recipe.precision), lr=lr, optimizer=False,
-                   batch_size=cfg.batch_size * recipe.accumulation * dp)
-    mesh = _mesh(cfg.device, dp, tp)
+    step = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,
+                   batch_size=cfg.batch_size * recipe.accumulation * layout.dp)
     # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
     # compile, then FSDP):
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
     #    (the shards, the optimizer's states) takes its dtype from them.
-    tf.apply_precision(step, recipe.precision, loss_scaling=recipe.loss_scaling)
+    transforms.apply_precision(step, recipe.precision, loss_scaling=recipe.loss_scaling)
     # 2. tensor parallel on the plain modules: its plan names the linear layers, which a
     #    checkpoint or compile wrapper would hide.
-    if tp > 1:
-        tf.apply_tensor_parallel(step, mesh["tp"])
+    if layout.tp_enabled:
+        transforms.apply_tensor_parallel(step, layout.tp_mesh)
     # 3. checkpointing wraps whole (possibly sharded) blocks, before compile, so the compiled
     #    block is the one that recomputes.
-    tf.apply_checkpointing(step, recipe.checkpointing, every=recipe.checkpoint_every)
+    transforms.apply_checkpointing(step, recipe.checkpointing, every=recipe.checkpoint_every)
     # 4. compile each block, before data parallelism: FSDP2's gathers and DDP's bucket hooks
     #    run between the blocks, outside the compiled graphs.
     if recipe.compile:
-        tf.apply_compile(step)
+        transforms.apply_compile(step)
     # 5. data parallelism wraps (or shards) the finished model and keeps this rank's slice.
-    host_optimizer = recipe.offload in ("optimizer", "both")
-    fsdp = dp > 1 and recipe.data_parallel in ("zero2", "zero3")
-    if dp > 1:
-        tf.apply_data_parallel(step, recipe.data_parallel, mesh["dp"], offload=host_optimizer and fsdp)
+    if layout.dp_enabled:
+        transforms.apply_data_parallel(step, recipe.data_parallel, layout.dp_mesh,
+                               offload=layout.host_optimizer and layout.fsdp_enabled)
     # 6. accumulation splits this rank's slice into micro-batches, around whatever the forward
     #    has become (under DDP only the last micro-batch all-reduces).
-    tf.apply_accumulation(step, [cfg.batch_size] * recipe.accumulation)
+    transforms.apply_accumulation(step, [cfg.batch_size] * recipe.accumulation)
     # 7. offload: activation hooks around the forward; the host optimizer unless FSDP2 offloads.
-    tf.apply_offload(step, activations=recipe.offload in ("activations", "both"),
-                     optimizer=host_optimizer and not fsdp)
+    transforms.apply_offload(step, activations=recipe.offload in ("activations", "both"),
+                     optimizer=layout.host_optimizer and not layout.fsdp_enabled)
     # 8. the optimizer last, over the final parameters: their dtype, device and shard.
     step.build_optimizer()
     return step
-
-
-def _mesh(device: str, dp: int, tp: int):
-    """The ranks as (dp, tp): data-parallel replicas of tensor-parallel groups (None: one rank).
-    Tensor parallelism is the inner dimension, so a TP group is neighbouring ranks (one node's
-    fast links, on GPUs)."""
-    if dp * tp == 1:
-        return None
-    kind = "cuda" if device.startswith("cuda") else "cpu"
-    if dp > 1 and tp > 1:
-        return init_device_mesh(kind, (dp, tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(kind, (dp * tp,), mesh_dim_names=("dp" if dp > 1 else "tp",))
 
 
 def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict | None, str]:
@@ -206,14 +191,14 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     mode, layers = recipe.checkpointing, None
     if mode == "every_n":  # the planner's full recomputation on the blocks every_n wraps
         mode = "full"
-        layers = len(tf.checkpointed_blocks(cfg.model.num_layers, "every_n", every=recipe.checkpoint_every))
+        layers = len(transforms.checkpointed_blocks(cfg.model.num_layers, "every_n", every=recipe.checkpoint_every))
     if mode not in planner.CHECKPOINTING:
         return None, f"the planner has no case for checkpointing={recipe.checkpointing}"
     stage = ZERO_STAGE[recipe.data_parallel]
-    dp = world // recipe.tensor_parallel if recipe.data_parallel != "none" else 1
+    layout = Layout.of(recipe, world, cfg.device)
     return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                 precision=PLANNER_PRECISION[recipe.precision], optimizer="adamw",
-                zero_stage=stage, gpus=dp * recipe.tensor_parallel, tp=recipe.tensor_parallel,
+                zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
                 accumulation_steps=recipe.accumulation, device=cfg.device, fsdp2=stage >= 2), ""
 

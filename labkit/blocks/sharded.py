@@ -4,8 +4,9 @@ tensor_parallel and hybrid experiments build, run and check it:
 - `check_tp_shape`: what a tensor-parallel split needs of the model and the dtype;
 - `corrupt_row_outputs`: fault=corrupt_reduction's hooks on the row-parallel matmuls;
 - `build_sharded_step`: the plain step, transformed, cut to this rank's rows, then the optimizer
-  built over the sharded parameters; `train_step` and its `backward`, which lays every gradient
-  out as its parameter (`match_grad_placements`);
+  built over the sharded parameters; its gradients kept at rest (tensor parallelism lays each
+  out as its parameter before the update: `transforms.match_grad_placements`); `train_step`: one
+  step of it, and `backward`, which lays them out at once;
 - whole tensors from shards for the check: `full_grads` (every gradient), `full_tensor` (one
   tensor, also from an offloaded shard).
 """
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from labkit.config import ConfigError
 from labkit.blocks.distributed import DistConfig
 from labkit.blocks.training import Trainer
+from labkit.blocks.transforms import match_grad_placements
 
 # Row-parallel matmuls sum n partial products in another order than one matmul does: a few fp32
 # ulps (1.2e-7 each) on the logits, normwise on the gradients.
@@ -59,48 +61,34 @@ def build_sharded_step(cfg: DistConfig, apply: Callable[[Trainer], Trainer] | No
                        rows: slice = slice(None)) -> Trainer:
     """The plain training step, its model transformed by `apply` (a step transform: tensor
     parallel, FSDP, both) and its batch cut to this rank's `rows`, then the optimizer built, so
-    that it sees the sharded parameters."""
+    that it sees the sharded parameters. Each step drops the previous step's gradients first, so
+    its own stay at rest after it (where `grad_bytes` is measured: local shards); no gradient
+    norm (on DTensors it would add collectives to the step)."""
     step = Trainer(cfg, optimizer=False)
     if apply is not None:
         apply(step)
     step.inputs, step.targets = step.inputs[rows], step.targets[rows]  # (b, T) of this rank
     step.sizes = [len(step.inputs)]
+    step.grads_at_rest, step.measure_norm = True, False
     step.build_optimizer()
     return step
 
 
+def train_step(step: Trainer) -> float:
+    """One step of a step `build_sharded_step` made (its gradients kept at rest, laid out as
+    their parameters, no norm): `Trainer.step` with those options."""
+    return step.step()
+
+
 def backward(step: Trainer, loss: torch.Tensor) -> None:
-    """The step's backward, then every gradient laid out as its parameter."""
+    """The step's backward, then every gradient laid out as its parameter (at once, for a check
+    that counts the collectives of the backward)."""
     step.backward(loss)
     match_grad_placements(step.model)
 
 
-def train_step(step: Trainer) -> float:
-    """One step, the previous step's gradients dropped first: this step's stay at rest after it,
-    where `grad_bytes` is measured (local shards). No grad norm: on DTensors it would add
-    collectives to the step."""
-    step.optimizer.zero_grad(set_to_none=True)
-    loss = step.forward()
-    backward(step, loss)
-    step.optimizer.step()
-    step.losses.append(loss.item())
-    return step.losses[-1]
-
-
 def grads(step: Trainer) -> list[torch.Tensor]:
     return [p.grad for p in step.model.parameters() if p.grad is not None]
-
-
-def match_grad_placements(model: torch.nn.Module) -> None:
-    """Lay every gradient out as its parameter, once, after backward. Two come out otherwise:
-    - with sequence parallelism a norm weight's gradient covers only this rank's tokens (Partial):
-      one all-reduce here (as Megatron does), where AdamW would all-reduce it in each op reading it;
-    - the vocab-parallel embedding's gradient comes out whole (Replicate, V x d on every rank: its
-      inputs, the token ids and the output gradient, are replicated): keeping this rank's rows is
-      a local slice, and frees (n-1)/n of it."""
-    for p in model.parameters():
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, np.ndarray]:

@@ -5,7 +5,10 @@ Techniques change it from outside, through the transforms of `labkit.blocks.tran
 which sets a part of `Trainer`: context managers around every forward (`contexts`: autocast,
 saved-tensor hooks), a wrapped or transformed model (`net`, `model`: DDP, FSDP2, checkpointing),
 the micro-batches of one step (`sizes`), a scaled loss (`scaler`), hooks on the final gradients
-(`grad_hooks`) or the optimizer (`optimizer_factory`).
+(`grad_hooks`) or the optimizer (`optimizer_factory`). `Trainer.step` is the one training loop:
+an experiment that needs another order or source sets one of its options (gradients kept at
+rest, a data source, a meter around each phase, a reduction by hand, a pipeline schedule) rather
+than calling the optimizer itself.
 """
 from __future__ import annotations
 
@@ -112,13 +115,27 @@ class Trainer:
     - `grad_hooks`: called with the step on the final (unscaled) gradients, before the update;
     - `optimizer_factory(params, lr)`: how the optimizer is built, once, after the transforms
       (`build_optimizer`), since its states take their dtype, device and shard from the weights.
+
+    The options of the loop, each off by default:
+    - `grads_at_rest`: the previous step's gradients are dropped at the start of a step, not after
+      its update, so each step's stay until the next one (where gradient bytes are measured);
+    - `measure_norm` (on): the gradient norm before each update (on DTensors it adds collectives);
+    - `sync_each_micro_batch`: DDP all-reduces in every micro-batch's backward, not the last only;
+    - `reduce_grads(trainer)`: a data-parallel reduction by hand, after the last backward;
+    - `batches()`: a data source, called for each step's (inputs, targets) instead of the fixed
+      batch (the `data` phase);
+    - `phase(name)`: a context manager entered around each phase (`data`, `forward`, `backward`,
+      `optimizer`): a meter, a marker, a range for a profiler;
+    - `forward_backward()`: the forwards and backwards of one step by another schedule (a
+      pipeline's), returning its loss, in place of the micro-batch loop.
     """
 
     def __init__(self, cfg: RunConfig, *, weights: torch.dtype = torch.float32, lr: float = 1e-3,
-                 batch_size: int | None = None, optimizer: bool = True):
+                 batch_size: int | None = None, optimizer: bool = True,
+                 model: torch.nn.Module | None = None):
         self.cfg, self.lr = cfg, lr
-        self.model = build_model(cfg.model, device=cfg.device, dtype=weights, seed=cfg.seed,
-                                 attention=cfg.attention)
+        self.model = model if model is not None else build_model(
+            cfg.model, device=cfg.device, dtype=weights, seed=cfg.seed, attention=cfg.attention)
         self.net = self.model
         self.inputs, self.targets = make_batch(cfg, batch_size)
         self.sizes = [len(self.inputs)]
@@ -127,6 +144,11 @@ class Trainer:
         self.host_hooks = None  # activation offload's saved-tensor hooks, when applied
         self.grad_hooks: list[Callable[[Trainer], None]] = []  # run on the final gradients
         self.optimizer_factory: Callable[..., Any] = adamw
+        self.grads_at_rest, self.measure_norm, self.sync_each_micro_batch = False, True, False
+        self.reduce_grads: Callable[[Trainer], None] | None = None
+        self.batches: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.phase: Callable[[str], contextlib.AbstractContextManager] = no_phase
+        self.forward_backward: Callable[[], float] | None = None
         self.optimizer = self.build_optimizer() if optimizer else None
         self.grad_norm, self.losses = math.nan, []
 
@@ -158,13 +180,17 @@ class Trainer:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def record_grads(self) -> None:
-        self.grad_norm = total_norm(self.model.parameters())
+        if self.measure_norm:
+            self.grad_norm = total_norm(self.model.parameters())
         for hook in self.grad_hooks:
             hook(self)
 
+    def drop_grads(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
     def update(self) -> None:
         """The optimizer step on the accumulated gradients (unscaled first, and skipped by the
-        scaler when they hold inf or nan), then the gradients dropped."""
+        scaler when they hold inf or nan), then the gradients dropped (unless kept at rest)."""
         if self.scaler is None:
             self.record_grads()
             self.optimizer.step()
@@ -175,30 +201,48 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.skipped_steps += self.scaler.get_scale() < scale  # the scale halves on a skip
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.grads_at_rest:
+            self.drop_grads()
 
     def backward_and_update(self, loss: torch.Tensor) -> None:
         self.backward(loss)
         self.update()
 
-    def accumulate(self) -> float:
+    def accumulate(self, sync: bool = True) -> float:
         """Forward and backward of every micro-batch; the gradients add up in `.grad`, and each
-        micro-batch's activations are freed by its backward. Returns the batch's loss."""
+        micro-batch's activations are freed by its backward. Returns the batch's loss. Without
+        `sync` no gradient leaves this rank (DDP's no_sync throughout, no reduction by hand)."""
+        if self.forward_backward is not None:
+            return self.forward_backward()
         total, last = 0.0, len(self.sizes) - 1
+        ddp = isinstance(self.net, DistributedDataParallel)
         for i, (inputs, targets, weight) in enumerate(self.micro_batches()):
-            # Under DDP the gradients are all-reduced in the last micro-batch's backward only.
-            # FSDP2 reduce-scatters in every one: skipping it would keep whole gradients.
-            local = i < last and isinstance(self.net, DistributedDataParallel)
+            # Under DDP the gradients are all-reduced in the last micro-batch's backward only
+            # (unless `sync_each_micro_batch`). FSDP2 reduce-scatters in every one: skipping it
+            # would keep whole gradients.
+            local = ddp and (not sync or (i < last and not self.sync_each_micro_batch))
             with self.net.no_sync() if local else contextlib.nullcontext():
-                loss = self.forward(inputs, targets)
-                loss = loss * weight if weight != 1.0 else loss
-                self.backward(loss)
+                with self.phase("forward"):
+                    loss = self.forward(inputs, targets)
+                    loss = loss * weight if weight != 1.0 else loss
+                with self.phase("backward"):
+                    self.backward(loss)
             total += loss.item()
+        if sync and self.reduce_grads is not None:
+            self.reduce_grads(self)
         return total
 
     def step(self) -> float:
+        """One training step: the previous gradients dropped (when kept at rest), the next batch
+        (when there is a data source), every micro-batch's forward and backward, the update."""
+        if self.grads_at_rest:
+            self.drop_grads()
+        if self.batches is not None:
+            with self.phase("data"):
+                self.inputs, self.targets = self.batches()
         self.losses.append(self.accumulate())
-        self.update()
+        with self.phase("optimizer"):
+            self.update()
         return self.losses[-1]
 
     def train(self, steps: int) -> dict[str, object]:
@@ -217,6 +261,10 @@ class Trainer:
         return optimizer_state(self.optimizer)
 
 
+def no_phase(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 def adamw(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
@@ -224,6 +272,8 @@ def adamw(params, lr: float) -> torch.optim.Optimizer:
 def step_with_gradients(trainer: Trainer) -> dict:
     """One training step; its loss and host copies of the gradients it applied. numpy copies:
     they stay outside the harness's memory meter (and off the GPU) while kept for comparisons."""
+    if trainer.grads_at_rest:
+        trainer.drop_grads()
     loss = trainer.accumulate()
     grads = {n: p.grad.detach().float().cpu().numpy().copy()  # numpy has no bf16
              for n, p in trainer.model.named_parameters()}

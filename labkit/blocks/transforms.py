@@ -22,15 +22,16 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from labkit.blocks.layout import Layout
 from labkit.blocks.model import Decoder
 from labkit.blocks.training import CopyAdamW, Trainer
 
@@ -126,9 +127,23 @@ def apply_tp(model: torch.nn.Module, mesh: DeviceMesh, *, sequence_parallel: boo
 
 
 def apply_tensor_parallel(step: Trainer, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Trainer:
-    """The step's model sharded over `mesh`; every rank of it runs the same batch."""
+    """The step's model sharded over `mesh`; every rank of it runs the same batch. Before each
+    update every gradient is laid out as its parameter (`match_grad_placements`)."""
     apply_tp(step.model, mesh, sequence_parallel=sequence_parallel)
+    step.grad_hooks.append(lambda s: match_grad_placements(s.model))
     return step
+
+
+def match_grad_placements(model: torch.nn.Module) -> None:
+    """Lay every gradient out as its parameter, once, after backward. Two come out otherwise:
+    - with sequence parallelism a norm weight's gradient covers only this rank's tokens (Partial):
+      one all-reduce here (as Megatron does), where AdamW would all-reduce it in each op reading it;
+    - the vocab-parallel embedding's gradient comes out whole (Replicate, V x d on every rank: its
+      inputs, the token ids and the output gradient, are replicated): keeping this rank's rows is
+      a local slice, and frees (n-1)/n of it."""
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
 # --- activation checkpointing ---------------------------------------------------------------------
@@ -246,7 +261,7 @@ def apply_data_parallel(step: Trainer, kind: str, mesh: DeviceMesh | None = None
         return step
     sharded = kind in ("zero2", "zero3")
     if mesh is None and sharded:  # DDP needs no mesh: it runs on the default process group
-        mesh = init_device_mesh(torch.device(step.cfg.device).type, (dist.get_world_size(),))
+        mesh = Layout(dist.get_world_size(), 1, kind, step.cfg.device, always=("dp",)).dp_mesh
     n, r = ((mesh.size(), mesh.get_local_rank()) if mesh is not None
             else (dist.get_world_size(), dist.get_rank()))
     step.inputs, step.targets = step.inputs.chunk(n)[r], step.targets.chunk(n)[r]

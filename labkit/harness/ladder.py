@@ -3,7 +3,7 @@ the planner's prediction for that exact rung.
 
     rungs = build_rungs({"precision": "bf16", "checkpointing": "full", "zero_stage": 2}, nproc=2)
     frame = run_ladder(rungs, preset="tiny", overrides={"nproc": 2})
-    labkit.views.recipe.ladder_figure(frame)
+    labkit.views.ladder.ladder_figure(frame)
 
 The rungs follow the composition root's order (`labkit.blocks.recipe.compose`: precision,
 checkpointing, compile, data parallelism, accumulation, offload), so each rung is the one before

@@ -39,13 +39,6 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def storage_key(t: torch.Tensor) -> int | None:
-    """The identity of `t`'s storage, the key `LiveTensorTracker.live` holds it under (None:
-    a tensor without one); two views of one storage share it."""
-    st = _storage(t)
-    return None if st is None else st._cdata
-
-
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     t = local_tensor(t)
     if t.device.type == "meta" or not hasattr(t, "untyped_storage"):
@@ -153,10 +146,13 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current_bytes -= self.live.pop(key, 0)
         self.dtypes.pop(key, None)
 
-    def live_by_dtype(self) -> collections.Counter[str]:
+    def live_by_dtype(self, skip: Iterable[torch.Tensor] = ()) -> collections.Counter[str]:
+        """Live bytes by dtype, leaving out the storages of `skip`."""
+        skipped = {st._cdata for st in map(_storage, skip) if st is not None}
         out: collections.Counter[str] = collections.Counter()
         for key, nbytes in list(self.live.items()):
-            out[self.dtypes.get(key, "unknown")] += nbytes
+            if key not in skipped:
+                out[self.dtypes.get(key, "unknown")] += nbytes
         return out
 
     def reset_peak(self) -> None:
@@ -270,9 +266,12 @@ _WEIGHT_COPY_OPS = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "Transpose
 class SavedTensorMeter:
     """Tensors autograd saves for backward inside the block, each storage once, leaving out
     `exclude` (the parameters, which are resident anyway). Copies of those parameters (autocast's
-    16-bit weight casts) are counted apart from activations, in `weight_copy_bytes`."""
+    16-bit weight casts) are counted apart from activations, in `weight_copy_bytes`; with
+    `gathered`, so is any saved tensor reached from a leaf that requires grad (FSDP2's gathered
+    parameters, made during the forward, are such leaves)."""
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), *, gathered: bool = False):
+        self.gathered = gathered
         self.excluded = {st._cdata for st in map(_storage, exclude) if st is not None}
         self.seen: set[int] = set()
         self.weight_copy_by_dtype: collections.Counter[str] = collections.Counter()
@@ -314,7 +313,7 @@ class SavedTensorMeter:
             node = inputs[0]
             if node.name() == "torch::autograd::AccumulateGrad":
                 st = _storage(node.variable)
-                return st is not None and st._cdata in self.excluded
+                return self.gathered or (st is not None and st._cdata in self.excluded)
         return False
 
     @property
@@ -330,19 +329,24 @@ class SavedTensorMeter:
 class ActivationMeter:
     """What one forward pass leaves held for backward: every storage created during the forward
     and still alive at its end (so also what checkpointing keeps, which saved-tensor hooks cannot
-    see), less the forward's own output, with autocast's weight copies counted apart."""
+    see), less the forward's own output, with autocast's weight copies counted apart. `exclude`:
+    the resident tensors (the parameters). With `gathered` (FSDP2), the parameters as the module
+    holds them after the forward are left out too (FSDP2 registers the gathered ones in place of
+    the shards), and copies of those count as weight copies (`SavedTensorMeter`)."""
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self.exclude = list(exclude)
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), *, gathered: Callable[[], Iterable[torch.Tensor]]
+                 | None = None):
+        self.exclude, self.gathered = list(exclude), gathered
         self.by_dtype: collections.Counter[str] = collections.Counter()
         self.weight_copy_bytes = 0
         self.largest: list[tuple[str, int]] = []  # the biggest saved tensors, by producing op
 
     def measure(self, forward: Callable[[], object]) -> "ActivationMeter":
-        tracker, saved = LiveTensorTracker(), SavedTensorMeter(self.exclude)
+        tracker = LiveTensorTracker()
+        saved = SavedTensorMeter(self.exclude, gathered=self.gathered is not None)
         with tracker, saved:
             out = forward()
-        held = tracker.live_by_dtype()
+        held = tracker.live_by_dtype(self.gathered() if self.gathered else ())
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
                 held[_dtype_name(t)] -= st.nbytes()

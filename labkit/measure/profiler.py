@@ -59,15 +59,6 @@ def phase_range(name: str, device: str = "cpu") -> Iterator[None]:
             torch.cuda.nvtx.range_pop()
 
 
-def run_phases(phases: Sequence[tuple[str, Callable[[], Any]]], device: str = "cpu") -> dict[str, Any]:
-    """Run each (name, fn) in order inside its `phase_range`; the results by phase name."""
-    out = {}
-    for name, fn in phases:
-        with phase_range(name, device):
-            out[name] = fn()
-    return out
-
-
 class CaptureRange:
     """Opens the CUDA profiler range (cudaProfilerStart/Stop) around one call of a step, the
     `at_call`-th (0-based; 1 = the first call after a warm-up), so `nsys --capture-range=

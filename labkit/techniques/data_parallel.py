@@ -24,7 +24,6 @@ the check must fail (but for the unchecked `powersgd`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 from dataclasses import dataclass
@@ -144,6 +143,9 @@ def build_step(cfg: Config) -> tuple[Trainer, CommLog | None]:
     pieces = pieces_per_rank(cfg)  # k micro-batches of b, or one piece
     if pieces > 1:
         apply_accumulation(step, [len(step.inputs) // pieces] * pieces)
+    # `accumulate` all-reduces in every micro-batch's backward; no gradient norm (nothing
+    # beyond DDP's communication)
+    step.sync_each_micro_batch, step.measure_norm = cfg.variant == "accumulate", False
     step.build_optimizer()
     return step, log
 
@@ -159,47 +161,25 @@ def attach_comm_log(net: torch.nn.Module, cfg: Config) -> CommLog:
     return log
 
 
-def backward_pass(step: Trainer, sync: bool = True) -> float:
-    """Forward and backward of every micro-batch (loss / pieces each); this rank's mean loss. The
-    all-reduce runs in the backward of the pieces that sync: every one for `accumulate` (unlike
-    `Trainer.accumulate`), the last for `accumulate_no_sync`, none without `sync`."""
-    total, last, variant = 0.0, len(step.sizes) - 1, step.cfg.variant
-    for i, (inputs, targets, _) in enumerate(step.micro_batches()):
-        local = not sync or (variant == "accumulate_no_sync" and i < last)
-        with step.net.no_sync() if local and is_ddp(variant) else contextlib.nullcontext():
-            loss = step.forward(inputs, targets) / len(step.sizes)
-            step.backward(loss)
-        total += loss.item()
-    return total
-
-
-def update(step: Trainer) -> None:
-    """The optimizer step, then the gradients dropped (no gradient norm: nothing beyond DDP's)."""
-    step.optimizer.step()
-    step.optimizer.zero_grad(set_to_none=True)
-
-
 def train_step(step: Trainer, log: CommLog | None) -> float:
     if log:
         log.reset()
-    loss = backward_pass(step)
-    update(step)
-    return loss
+    return step.step()
 
 
 def check(step: Trainer) -> dict:
     """`steps` steps; every step's global loss, and the first step's averaged gradients."""
     cfg = step.cfg
     for _ in range(POWERSGD_START_ITER if cfg.variant == "powersgd" else 0):
-        backward_pass(step)
-        step.optimizer.zero_grad(set_to_none=True)
+        step.accumulate()
+        step.drop_grads()
     losses, grads = [], None
     for _ in range(cfg.steps):
-        losses.append(global_mean(backward_pass(step), cfg))
+        losses.append(global_mean(step.accumulate(), cfg))
         if grads is None:  # host copies, outside the memory meter (see training.py)
             grads = {n: p.grad.detach().cpu().numpy().copy()
                      for n, p in step.model.named_parameters()}
-        update(step)
+        step.update()
     return {"losses": losses, "grads": grads}
 
 
@@ -210,15 +190,15 @@ def side_by_side(step: Trainer, repeats: int) -> dict[str, float]:
     device, full, synced, local = step.cfg.device, [], [], []
     for _ in range(repeats):
         t0 = lined_up(device)
-        backward_pass(step, sync=True)
+        step.accumulate(sync=True)
         t1 = clock(device)
-        update(step)
+        step.update()
         full.append(clock(device) - t0)
         synced.append(t1 - t0)
         t2 = lined_up(device)
-        backward_pass(step, sync=False)
+        step.accumulate(sync=False)
         local.append(clock(device) - t2)
-        step.optimizer.zero_grad(set_to_none=True)  # no update: the ranks' weights stay equal
+        step.drop_grads()  # no update: the ranks' weights stay equal
     return comm_times(synced, local, full)
 
 

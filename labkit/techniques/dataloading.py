@@ -38,11 +38,13 @@ worker (seconds each); `fork` is the Linux default, kept to compare. Startup sho
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -165,18 +167,20 @@ def is_cuda(cfg: Config) -> bool:
 
 
 # ---------------------------------------------------------------- the training loop
-class LoaderStep:
-    """The plain training step (`trainer`), fed by the loader: wait for a batch, copy it, train
-    on it."""
+class LoaderFeed:
+    """The plain training step's data source and meter (`Trainer.batches`, `Trainer.phase`): each
+    step waits for the loader's next batch and copies it to the device (the `data` phase); the
+    seconds of that wait, of the whole step and of the copy are recorded per step."""
 
     def __init__(self, cfg: Config):
-        self.cfg, self.trainer = cfg, Trainer(cfg, lr=cfg.lr)
+        self.cfg = cfg
         self.loader = make_loader(cfg, make_dataset(cfg))
         self.iterator = None
         self.non_blocking = cfg.variant == "non_blocking"
         self.records: list[tuple[float, float, float]] = []  # (wait_s, step_s, copy_s) per step
         self.batches: list[dict] = []  # host copies of the batches check() trained on
         self.first_batch_s = math.nan
+        self.started = self.waited = self.copy_s = 0.0
 
     def next_batch(self) -> dict:
         """The next batch; a new epoch (a fresh pipeline) when this one is used up."""
@@ -191,37 +195,35 @@ class LoaderStep:
             self.first_batch_s = clock(self.cfg.device) - start
         return batch
 
-    def step(self) -> float:
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's (inputs, targets) on the device, from the loader's next batch."""
         cuda = is_cuda(self.cfg)
-        # Host seconds on the one clock (on CUDA it drains the device first: nothing of this
-        # step is queued yet); the copy by CUDA events: a non_blocking copy returns before it ends.
-        start = clock(self.cfg.device)
         batch = self.next_batch()
-        waited = clock(self.cfg.device) - start
+        self.waited = clock(self.cfg.device) - self.started
         copy = CudaSpan() if cuda else contextlib.nullcontext()
         with copy:
             tokens = batch["tokens"].to(self.cfg.device, non_blocking=self.non_blocking)  # (B, T+1)
         if not cuda:
-            waited = clock(self.cfg.device) - start
-        loss = self.trainer.forward(tokens[:, :-1], tokens[:, 1:])
-        self.trainer.backward_and_update(loss)
-        self.trainer.losses.append(loss.item())  # .item() synchronizes: the step's work is done
-        copy_s = copy.seconds if cuda else 0.0
-        # On CUDA the compute stream waits for the copy whether or not the host did: count it.
-        self.records.append((waited + copy_s, clock(self.cfg.device) - start, copy_s))
+            self.waited = clock(self.cfg.device) - self.started
+        self.copy_s = copy.seconds if cuda else 0.0
         if len(self.batches) < self.cfg.steps:
             self.batches.append(batch)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        # Host seconds on the one clock (on CUDA it drains the device first: nothing of this
+        # step is queued yet); the copy by CUDA events: a non_blocking copy returns before it ends.
+        if name == "data":
+            self.started = clock(self.cfg.device)
+        yield
+        if name != "optimizer":
+            return
+        # On CUDA the compute stream waits for the copy whether or not the host did: count it.
+        self.records.append((self.waited + self.copy_s, clock(self.cfg.device) - self.started,
+                             self.copy_s))
         if is_metered():  # a harness meter (memory, FLOPs) slowed this step: not a timing
             self.records.pop()
-        return self.trainer.losses[-1]
-
-    def check(self) -> dict:
-        """`steps` steps from a fresh loader: losses, and the batches trained on."""
-        for _ in range(self.cfg.steps):
-            self.step()
-        self.records.clear()  # the pipeline's start is reported as first_batch_ms instead
-        return {"losses": list(self.trainer.losses), "tokens": [b["tokens"] for b in self.batches],
-                "checksums": [b["checksum"] for b in self.batches]}
 
     def report(self) -> dict[str, float]:
         if not self.records:
@@ -256,11 +258,20 @@ def data_ms(cfg: Config) -> float:
 
 
 def build(cfg: Config) -> Workload:
-    trainer = LoaderStep(cfg)
+    trainer, feed = Trainer(cfg, lr=cfg.lr), LoaderFeed(cfg)
+    trainer.batches, trainer.phase = feed, feed.phase
     return Workload(
-        step=trainer.step, check=trainer.check, tokens_per_step=cfg.batch_size * cfg.seq_len,
-        tensors={"param_bytes": trainer.trainer.model.parameters}, report=trainer.report,
-        predicted=trainer.predicted, notes=notes(cfg), compute_dtype=cfg.dtype)
+        step=trainer.step, check=functools.partial(check, trainer, feed),
+        tokens_per_step=cfg.batch_size * cfg.seq_len, tensors={"param_bytes": trainer.model.parameters},
+        report=feed.report, predicted=feed.predicted, notes=notes(cfg), compute_dtype=cfg.dtype)
+
+
+def check(trainer: Trainer, feed: LoaderFeed) -> dict:
+    """`steps` steps from a fresh loader: losses, and the batches trained on."""
+    trainer.train(feed.cfg.steps)
+    feed.records.clear()  # the pipeline's start is reported as first_batch_ms instead
+    return {"losses": list(trainer.losses), "tokens": [b["tokens"] for b in feed.batches],
+            "checksums": [b["checksum"] for b in feed.batches]}
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:

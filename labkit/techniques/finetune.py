@@ -178,7 +178,7 @@ def adapter_grad_difference(step: Trainer) -> float:
     with torch.no_grad():
         hand = {"B": s * G.T @ (X @ A.float().T), "A": s * (G @ B.float()).T @ X}
     got = {"A": A.grad.float(), "B": B.grad.float()}
-    step.optimizer.zero_grad(set_to_none=True)
+    step.drop_grads()
     return max(float((got[k] - hand[k]).norm() / hand[k].norm().clamp_min(1e-30)) for k in hand)
 
 

@@ -15,11 +15,12 @@ One training step (AdamW, fp32) on one global batch of `batch_size` sequences, l
   gathers a TP shard) and the activations of the split matmuls are 1/tp.
 
 The transforms (`labkit.blocks.transforms`), in torchtitan's order: `apply_tensor_parallel` on the
-"tp" sub-mesh, then `shard_fully` on the "dp" sub-mesh, then the optimizer (`build_sharded_step`
-builds it last). FSDP goes last because it shards whatever parameters it finds,
-TP's DTensors included (they become 2-D DTensors on the (dp, tp) mesh), while parallelize_module
-cannot split a parameter FSDP has already sharded; and FSDP must see the final parameters to
-group them for its all-gathers. The loss (the mean over the dp groups) and every gradient
+"tp" sub-mesh, then ZeRO-3 on the "dp" sub-mesh (`apply_data_parallel`, FSDP2, as a recipe's
+zero3, which also takes the dp group's rows of the batch), then the optimizer
+(`build_sharded_step` builds it last), over one `Layout`'s mesh. FSDP goes last because it shards
+whatever parameters it finds, TP's DTensors included (they become 2-D DTensors on the (dp, tp)
+mesh), while parallelize_module cannot split a parameter FSDP has already sharded; and FSDP must
+see the final parameters to group them for its all-gathers. The loss (the mean over the dp groups) and every gradient
 (gathered with `full_tensor()`) must equal the reference's at fp32 precision. Under
 `fault=corrupt_reduction` fault_rank spoils the reductions of the techniques its layout applies
 (`with_fault`): tensor parallel's sum of the wo and w2 partial products, FSDP2's reduce-scatter
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from labkit import planner
 from labkit.config import ConfigError, knob
@@ -42,7 +43,8 @@ from labkit.blocks.distributed import DistConfig, corrupt_reduction, corrupt_sca
 from labkit.blocks.sharded import (TP_TOLERANCE as TOLERANCE, backward, build_sharded_step,
                                    check_tp_shape, corrupt_row_outputs, full_grads, grads, train_step)
 from labkit.blocks.training import Trainer, compare_grads, lm_loss, optimizer_state
-from labkit.blocks.transforms import apply_tensor_parallel, shard_fully
+from labkit.blocks.layout import Layout
+from labkit.blocks.transforms import apply_data_parallel, apply_tensor_parallel
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -94,31 +96,26 @@ def skip_reason(cfg: Config) -> str | None:
 
 # --- the transforms ---------------------------------------------------------------------------
 
-def apply_fsdp(step: Trainer, mesh: DeviceMesh) -> Trainer:
-    """FSDP2 over the 1-D `mesh` (`transforms.shard_fully`): one unit per block (gathered, used
-    and freed in turn), then the root for what is left (embedding, final norm, head); FSDP2's
-    default resharding (the blocks after their forward, the root kept for the backward)."""
-    shard_fully(step.model, mesh, reshard_after_forward=None)
-    return step
-
-
-def make_layout(cfg: Config) -> tuple[Callable[[Trainer], Trainer] | None, DeviceMesh | None]:
-    """(step transform, the dp sub-mesh or None) for the variant; every rank makes the same meshes."""
+def make_layout(cfg: Config) -> tuple[Callable[[Trainer], Trainer] | None, Layout]:
+    """(step transform, layout) of the variant; every rank makes the same mesh. FSDP2 is ZeRO-3
+    as the recipe builds it (`apply_data_parallel(..., "zero3")`: each block gathered for its
+    forward and again for its backward), and takes this dp group's rows of the batch."""
     dp, tp = layout(cfg)
-    dev = cfg.device.split(":")[0]
+    lay = Layout(dp, tp, "zero3" if dp > 1 else "none", cfg.device)
     if cfg.variant == "single":
-        return None, None
-    if cfg.variant == "fsdp":
-        mesh = init_device_mesh(dev, (dp,), mesh_dim_names=("dp",))
-        return functools.partial(apply_fsdp, mesh=mesh), mesh
-    if cfg.variant == "tp":
-        mesh = init_device_mesh(dev, (tp,), mesh_dim_names=("tp",))
-        return functools.partial(apply_tensor_parallel, mesh=mesh), None
-    mesh = init_device_mesh(dev, (dp, tp), mesh_dim_names=("dp", "tp"))
-    # TP first, FSDP second (torchtitan's order): fully_shard re-shards TP's DTensors along dp (2-D
-    # DTensors on the (dp, tp) mesh, each all-gather fetching a TP shard), while parallelize_module
-    # cannot split parameters FSDP has already sharded. The optimizer is made after both.
-    return (lambda step: apply_fsdp(apply_tensor_parallel(step, mesh["tp"]), mesh["dp"])), mesh["dp"]
+        return None, lay
+
+    def apply(step: Trainer) -> Trainer:
+        # TP first, FSDP second (torchtitan's order): fully_shard re-shards TP's DTensors along
+        # dp (2-D DTensors on the (dp, tp) mesh, each all-gather fetching a TP shard), while
+        # parallelize_module cannot split parameters FSDP has already sharded. The optimizer is
+        # made after both.
+        if lay.tp_enabled:
+            apply_tensor_parallel(step, lay.tp_mesh)
+        if lay.dp_enabled:
+            apply_data_parallel(step, "zero3", lay.dp_mesh)
+        return step
+    return apply, lay
 
 
 def with_fault(cfg: Config, apply: Callable[[Trainer], Trainer] | None):
@@ -140,15 +137,6 @@ def with_fault(cfg: Config, apply: Callable[[Trainer], Trainer] | None):
     return faulty
 
 
-def batch_rows(cfg: Config, dp_mesh: DeviceMesh | None) -> slice:
-    """This rank's rows of the global batch: its dp group's 1/dp (all of it without dp)."""
-    if dp_mesh is None:
-        return slice(None)
-    per = cfg.batch_size // dp_mesh.size()
-    start = dp_mesh.get_local_rank() * per
-    return slice(start, start + per)
-
-
 def mean_over(loss: torch.Tensor, dp_mesh: DeviceMesh | None) -> float:
     """The global batch's loss: the mean of the dp groups' (equal-sized) means."""
     if dp_mesh is None:
@@ -161,8 +149,9 @@ def mean_over(loss: torch.Tensor, dp_mesh: DeviceMesh | None) -> float:
 # --- the experiment ---------------------------------------------------------------------------
 
 def build(cfg: Config) -> Workload:
-    apply, dp_mesh = make_layout(cfg)
-    step = build_sharded_step(cfg, with_fault(cfg, apply), rows=batch_rows(cfg, dp_mesh))
+    apply, lay = make_layout(cfg)
+    dp_mesh = lay.dp_mesh
+    step = build_sharded_step(cfg, with_fault(cfg, apply))
     return Workload(step=functools.partial(train_step, step),
                     check=functools.partial(check, step, dp_mesh),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,  # the global batch: all ranks together
@@ -174,11 +163,11 @@ def build(cfg: Config) -> Workload:
 
 def check(step: Trainer, dp_mesh: DeviceMesh | None) -> dict:
     """One training step: the global loss and every gradient, gathered whole."""
+    step.drop_grads()
     loss = lm_loss(step.model(step.inputs), step.targets)
     backward(step, loss)
     out = {"loss": mean_over(loss, dp_mesh), "grads": full_grads(step.model)}
-    step.optimizer.step()
-    step.optimizer.zero_grad(set_to_none=True)
+    step.update()
     return out
 
 

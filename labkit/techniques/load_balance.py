@@ -18,10 +18,13 @@ both splits give the one-process gradient of all G sequences, up to fp32 roundin
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,7 @@ from labkit import planner
 from labkit.config import ConfigError, knob
 from labkit.blocks.distributed import DistConfig, rank, world_size
 from labkit.measure.clock import clock
-from labkit.blocks.training import Trainer, compare_grads, lm_loss
+from labkit.blocks.training import Trainer, compare_grads
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -78,111 +81,121 @@ def predicted_step_s(shares: list[int], speeds: list[float]) -> float:
     return max(share / speed for share, speed in zip(shares, speeds))
 
 
-class BalancedStep:
-    """The plain training step (`trainer`, over the global batch) run on this rank's share of
-    that batch; the gradients summed by hand."""
+class RankClock:
+    """A meter around this rank's phases of the step (`Trainer.phase`): each step's forward and
+    backward seconds (`compute_s`), on the slow rank stretched by a sleep of `delay` x what they
+    took, as a device that much slower would arrive late; and the seconds of the gradients' sum
+    (`wait_s`, in `reduce`: the wait for the slowest rank, then the transfer)."""
 
-    def __init__(self, cfg: Config):
-        self.cfg, n, r = cfg, world_size(), rank()
-        if cfg.slow_rank >= n:  # the same on every rank: all raise together
-            raise ConfigError(f"slow_rank={cfg.slow_rank} but there are {n} ranks; valid: 0..{n - 1}")
-        self.total = n * cfg.batch_size  # G
-        self.trainer = Trainer(cfg, batch_size=self.total)  # (G, T), the same on every rank
-        self.inputs, self.targets = self.trainer.inputs, self.trainer.targets
-        self.delay = cfg.slowdown - 1 if r == cfg.slow_rank else 0.0
-        self.speeds = self.calibrate()
-        self.shares = split(self.total, self.speeds) if cfg.variant == "proportional" \
-            else [cfg.batch_size] * n
-        start = sum(self.shares[:r])
-        mine = slice(start, start + self.shares[r])
-        self.mine = (self.inputs[mine], self.targets[mine])  # (share_r, T) each
-        self.compute_s, self.wait_s = [], []
+    def __init__(self, device: str, delay: float):
+        self.device, self.delay = device, delay
+        self.compute_s: list[float] = []
+        self.wait_s: list[float] = []
+        self.started = 0.0
 
-    def busy(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
-        """Forward and backward, then the artificial delay: the slow rank's device time."""
-        t0 = clock(self.cfg.device)
-        loss = lm_loss(self.trainer.model(inputs), targets) * weight
-        loss.backward()
-        time.sleep(self.delay * (clock(self.cfg.device) - t0))
-        return loss.detach()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name == "forward":
+            self.started = clock(self.device)
+        yield
+        if name == "backward":
+            time.sleep(self.delay * (clock(self.device) - self.started))
+            self.compute_s.append(clock(self.device) - self.started)
 
-    def calibrate(self) -> list[float]:
-        """Every rank's sequences per second on b sequences, all-gathered (the same list on
-        every rank, so every rank computes the same split)."""
-        b = self.cfg.batch_size
-        times = []
-        for _ in range(self.cfg.calibration_steps):
-            t0 = clock(self.cfg.device)
-            self.busy(self.inputs[:b], self.targets[:b], 1.0)
-            times.append(clock(self.cfg.device) - t0)
-            self.trainer.optimizer.zero_grad(set_to_none=True)
-        speeds: list = [None] * world_size()
-        dist.all_gather_object(speeds, b / statistics.median(times))
-        return speeds
-
-    def sum_gradients(self) -> None:
+    def reduce(self, trainer: Trainer) -> None:
         """One all-reduce (sum) of every gradient, flattened into one fp32 buffer."""
-        params = list(self.trainer.model.parameters())
+        start = clock(self.device)
+        params = list(trainer.model.parameters())
         flat = torch.cat([p.grad.flatten() for p in params])
         dist.all_reduce(flat)
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad.copy_(g.view_as(p))
+        self.wait_s.append(clock(self.device) - start)
 
-    def backward_and_sum(self) -> torch.Tensor:
-        """This rank's share of the step; returns its weighted loss (share/G x its mean)."""
-        t0 = clock(self.cfg.device)
-        loss = self.busy(*self.mine, self.shares[rank()] / self.total)
-        t1 = clock(self.cfg.device)
-        self.sum_gradients()
-        self.compute_s.append(t1 - t0)
-        self.wait_s.append(clock(self.cfg.device) - t1)
-        return loss
 
-    def step(self) -> float:
-        loss = self.backward_and_sum()
-        self.trainer.optimizer.step()
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+@dataclass
+class Split:
+    """The global batch of `total` sequences in `shares` by rank, from the calibrated `speeds`
+    (sequences per second by rank, the same list on every rank)."""
 
-    def check(self) -> dict:
-        """One step: the global batch's mean loss and the summed gradients it applied."""
-        loss = self.backward_and_sum()
-        dist.all_reduce(loss)  # sum_i share_i/G x mean_i: the global mean
-        grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in self.trainer.model.named_parameters()}
-        self.trainer.optimizer.step()
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss.item(), "grads": grads}
+    total: int
+    speeds: list[float]
+    shares: list[int]
 
-    def report(self) -> dict[str, float]:
-        timed = self.cfg.timed_steps  # the last steps are the harness's timed ones
-        return {"num_sequences": float(self.shares[rank()]),
-                "sequences_per_s": self.speeds[rank()],
-                "compute_ms": statistics.median(self.compute_s[-timed:]) * 1e3,
-                "wait_ms": statistics.median(self.wait_s[-timed:]) * 1e3}
 
-    def predicted(self) -> dict[str, float]:
-        """From the calibrated speeds: this split's step, and this rank's compute and wait."""
-        r, cfg = rank(), self.cfg
-        step_s = predicted_step_s(self.shares, self.speeds)
-        compute_s = self.shares[r] / self.speeds[r]
-        plan = planner.training_memory(cfg.model, batch_size=self.shares[r], seq_len=cfg.seq_len,
-                                       precision="fp32", optimizer="adamw", device=cfg.device)
-        return {"step_ms": step_s * 1e3, "compute_ms": compute_s * 1e3,
-                "wait_ms": (step_s - compute_s) * 1e3, "sequences_per_s": self.speeds[r],
-                "num_sequences": self.total * self.speeds[r] / sum(self.speeds)
-                if cfg.variant == "proportional" else float(cfg.batch_size),
-                "peak_mem_bytes": plan.total_bytes}
+def build_step(cfg: Config) -> tuple[Trainer, RankClock, Split]:
+    """The plain training step over the global batch (the same on every rank), calibrated, then
+    cut to this rank's share: its mean loss weighted by share / G, the gradients summed by hand
+    after the backward (`RankClock.reduce`), no gradient norm."""
+    n, r = world_size(), rank()
+    if cfg.slow_rank >= n:  # the same on every rank: all raise together
+        raise ConfigError(f"slow_rank={cfg.slow_rank} but there are {n} ranks; valid: 0..{n - 1}")
+    total = n * cfg.batch_size  # G
+    trainer = Trainer(cfg, batch_size=total)  # (G, T), the same on every rank
+    meter = RankClock(cfg.device, cfg.slowdown - 1 if r == cfg.slow_rank else 0.0)
+    trainer.phase, trainer.measure_norm = meter.phase, False
+    speeds = calibrate(trainer, meter)
+    shares = split(total, speeds) if cfg.variant == "proportional" else [cfg.batch_size] * n
+    mine = slice(sum(shares[:r]), sum(shares[:r + 1]))
+    trainer.inputs, trainer.targets = trainer.inputs[mine], trainer.targets[mine]  # (share_r, T)
+    trainer.sizes, trainer.loss_weight = [shares[r]], shares[r] / total
+    trainer.reduce_grads = meter.reduce
+    return trainer, meter, Split(total, speeds, shares)
+
+
+def calibrate(trainer: Trainer, meter: RankClock) -> list[float]:
+    """Every rank's sequences per second on b sequences (forward and backward, no sum),
+    all-gathered (the same list on every rank, so every rank computes the same split)."""
+    cfg, b = trainer.cfg, trainer.cfg.batch_size
+    whole = trainer.inputs, trainer.targets
+    trainer.inputs, trainer.targets, trainer.sizes = whole[0][:b], whole[1][:b], [b]
+    for _ in range(cfg.calibration_steps):
+        trainer.accumulate(sync=False)
+        trainer.drop_grads()
+    trainer.inputs, trainer.targets = whole
+    speeds: list = [None] * world_size()
+    dist.all_gather_object(speeds, b / statistics.median(meter.compute_s[-cfg.calibration_steps:]))
+    return speeds
+
+
+def check(trainer: Trainer) -> dict:
+    """One step: the global batch's mean loss and the summed gradients it applied."""
+    loss = torch.tensor(trainer.accumulate() * trainer.loss_weight, dtype=torch.float64)
+    dist.all_reduce(loss)  # sum_i share_i/G x mean_i: the global mean
+    grads = {n: p.grad.detach().cpu().numpy().copy() for n, p in trainer.model.named_parameters()}
+    trainer.update()
+    return {"loss": loss.item(), "grads": grads}
+
+
+def report(cfg: Config, meter: RankClock, at: Split) -> dict[str, float]:
+    timed = cfg.timed_steps  # the last steps are the harness's timed ones
+    return {"num_sequences": float(at.shares[rank()]), "sequences_per_s": at.speeds[rank()],
+            "compute_ms": statistics.median(meter.compute_s[-timed:]) * 1e3,
+            "wait_ms": statistics.median(meter.wait_s[-timed:]) * 1e3}
+
+
+def predicted(cfg: Config, at: Split) -> dict[str, float]:
+    """From the calibrated speeds: this split's step, and this rank's compute and wait."""
+    r = rank()
+    step_s = predicted_step_s(at.shares, at.speeds)
+    compute_s = at.shares[r] / at.speeds[r]
+    plan = planner.training_memory(cfg.model, batch_size=at.shares[r], seq_len=cfg.seq_len,
+                                   precision="fp32", optimizer="adamw", device=cfg.device)
+    return {"step_ms": step_s * 1e3, "compute_ms": compute_s * 1e3,
+            "wait_ms": (step_s - compute_s) * 1e3, "sequences_per_s": at.speeds[r],
+            "num_sequences": at.total * at.speeds[r] / sum(at.speeds)
+            if cfg.variant == "proportional" else float(cfg.batch_size),
+            "peak_mem_bytes": plan.total_bytes}
 
 
 def build(cfg: Config) -> Workload:
-    balanced = BalancedStep(cfg)
+    trainer, meter, at = build_step(cfg)
     return Workload(
-        step=balanced.step, check=balanced.check,
-        tokens_per_step=balanced.shares[rank()] * cfg.seq_len,
-        tensors={"param_bytes": balanced.trainer.model.parameters,
-                 "optimizer_bytes": balanced.trainer.optimizer_tensors},
-        report=balanced.report, predicted=balanced.predicted, notes=notes(cfg, balanced),
-        count_flops=False, compute_dtype=cfg.dtype)
+        step=trainer.step, check=functools.partial(check, trainer),
+        tokens_per_step=at.shares[rank()] * cfg.seq_len,
+        tensors={"param_bytes": trainer.model.parameters, "optimizer_bytes": trainer.optimizer_tensors},
+        report=functools.partial(report, cfg, meter, at), predicted=functools.partial(predicted, cfg, at),
+        notes=notes(cfg, at), count_flops=False, compute_dtype=cfg.dtype)
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
@@ -197,15 +210,15 @@ def expected(cfg: Config) -> dict[str, float]:
     return {"param_bytes": plan.param_bytes, "optimizer_bytes": plan.optimizer_bytes}
 
 
-def notes(cfg: Config, balanced: BalancedStep) -> dict[str, str]:
-    even = [cfg.batch_size] * len(balanced.speeds)
-    proportional = split(balanced.total, balanced.speeds)
-    speeds = ", ".join(f"{s:.1f}" for s in balanced.speeds)
+def notes(cfg: Config, at: Split) -> dict[str, str]:
+    even = [cfg.batch_size] * len(at.speeds)
+    proportional = split(at.total, at.speeds)
+    speeds = ", ".join(f"{s:.1f}" for s in at.speeds)
     return {
         "step_ms": (f"predicted: max over ranks of share / speed, compute only. Calibrated speeds "
                     f"(sequences/s by rank): {speeds}; from them even {even} would take "
-                    f"{predicted_step_s(even, balanced.speeds) * 1e3:.1f} ms, proportional "
-                    f"{proportional} {predicted_step_s(proportional, balanced.speeds) * 1e3:.1f} ms."),
+                    f"{predicted_step_s(even, at.speeds) * 1e3:.1f} ms, proportional "
+                    f"{proportional} {predicted_step_s(proportional, at.speeds) * 1e3:.1f} ms."),
         "compute_ms": (f"this rank's forward + backward on its share, the slow rank's sleep "
                        f"included (slowdown {cfg.slowdown:g} on rank {cfg.slow_rank})."),
         "wait_ms": "in the all-reduce: waiting for slower ranks, then the transfer.",

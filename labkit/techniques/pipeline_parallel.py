@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from dataclasses import dataclass, replace
 from statistics import median
@@ -47,8 +48,7 @@ from labkit.measure.clock import clock, repeat_seconds
 from labkit.measure.modes import unmetered
 from labkit.blocks.model import build_model, rope_tables
 from labkit.blocks.pipeline_schedule import ideal_bubble, replayed_bubbles, step_bubbles
-from labkit.blocks.training import (Trainer, compare_grads, lm_loss, make_batch,
-                                        optimizer_state, step_with_gradients)
+from labkit.blocks.training import Trainer, compare_grads, lm_loss, make_batch, step_with_gradients
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -270,7 +270,8 @@ def bubble_metrics(every: list[list[list[tuple[float, float, float]]]], r: int) 
 
 
 class Pipeline:
-    """This rank's stage, its schedule and its optimizer."""
+    """This rank's stage, its schedule, and the plain training step over the stage's parameters
+    (`trainer`), whose forwards and backwards are the schedule's (`Trainer.forward_backward`)."""
 
     def __init__(self, cfg: Config):
         p, r, m = world_size(), dist.get_rank(), cfg.micro_batches
@@ -289,7 +290,8 @@ class Pipeline:
         self.stage = TimedStage(self.module, r, p, torch.device(cfg.device), spans=self.spans,
                                 delay_s=delay, corrupt=cfg.corrupt)
         self.schedule = SCHEDULES[cfg.variant](self.stage, m, loss_fn=self.loss)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)  # as Trainer's
+        self.trainer = Trainer(cfg, model=self.module)  # AdamW over this stage's parameters
+        self.trainer.forward_backward, self.trainer.measure_norm = self.scheduled_loss, False
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with self.spans.timed():
@@ -304,19 +306,17 @@ class Pipeline:
         self.schedule.step(*args, return_outputs=False, **kwargs)
         return losses
 
-    def update(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self) -> None:
-        self.run_schedule()
-        self.update()
+    def scheduled_loss(self) -> float:
+        """One step's forwards and backwards by the schedule; the batch's mean loss on the last
+        stage (nan on the others)."""
+        losses = self.run_schedule()
+        return torch.stack(losses).mean().item() if losses else math.nan
 
     def check(self) -> dict:
         losses = self.run_schedule()
         grads = {self.names[n]: t.grad.detach().cpu().numpy().copy()
                  for n, t in self.module.named_parameters()}
-        self.update()
+        self.trainer.update()
         # The batch's loss, the mean of the m micro-batch losses, from the last stage to all.
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros(
             (), device=self.cfg.device)
@@ -410,9 +410,8 @@ class Pipeline:
 def build_pipeline(cfg: Config) -> Workload:
     pipe = Pipeline(cfg)
     return Workload(
-        step=pipe.step, check=pipe.check, tokens_per_step=cfg.batch_size * cfg.seq_len,
-        tensors={"param_bytes": pipe.module.parameters,
-                 "optimizer_bytes": lambda: optimizer_state(pipe.optimizer)},
+        step=pipe.trainer.step, check=pipe.check, tokens_per_step=cfg.batch_size * cfg.seq_len,
+        tensors={"param_bytes": pipe.module.parameters, "optimizer_bytes": pipe.trainer.optimizer_tensors},
         report=pipe.report, predicted=pipe.predicted, notes=notes(cfg, pipe.bounds, pipe.costs),
         compute_dtype=cfg.dtype, count_flops=False)
 

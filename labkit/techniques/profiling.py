@@ -22,6 +22,7 @@ numbers). This experiment's technique is measurement itself, so unlike the other
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -34,8 +35,8 @@ from typing import Any, Callable
 from labkit import hardware, planner
 from labkit.config import RunConfig, knob, torch_dtype
 from labkit.measure.monitor import DeviceMonitor
-from labkit.measure.profiler import (CaptureRange, Profile, analyse, nsys_command, profile_step,
-                                     record, run_phases, top_kernel_command)
+from labkit.measure.profiler import (CaptureRange, Profile, analyse, nsys_command, phase_range,
+                                     profile_step, record, top_kernel_command)
 from labkit.measure.timer import cpu_threads, time_step
 from labkit.results import runs_dir
 from labkit.blocks.training import Trainer, make_batch
@@ -61,46 +62,26 @@ class Config(RunConfig):
     trace_dir: str = knob("", help="where Chrome traces go (empty: <runs dir>/traces)")
 
 
-class PhasedStep:
-    """The plain training step (`trainer`) as named phases; `on_phase(name)` runs before each
-    (a marker)."""
+def phased_trainer(cfg: Config, mark: Callable[[str], None] | None = None) -> Trainer:
+    """The plain training step (`Trainer.step`) in named phases, each a `phase_range`
+    (`labkit.measure.profiler`) and first marked by `mark(name)` when given; the batch made inside
+    the step (the `data` phase) when `data_phase`; no gradient norm (the optimizer phase is
+    AdamW's step alone)."""
+    trainer = Trainer(cfg, weights=torch_dtype(cfg.dtype), lr=cfg.lr)
+    if cfg.data_phase:
+        trainer.batches = functools.partial(make_batch, cfg)
+    trainer.measure_norm = False
+    trainer.phase = marked_phases(cfg.device, mark)
+    return trainer
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.trainer = Trainer(cfg, weights=torch_dtype(cfg.dtype), lr=cfg.lr)
-        self.on_phase: Callable[[str], None] | None = None
-        self.state: dict[str, Any] = {}
 
-    def phases(self) -> list[tuple[str, Callable[[], Any]]]:
-        s, cfg, trainer = self.state, self.cfg, self.trainer
-        out = [("data", lambda: s.update(zip(("inputs", "targets"), make_batch(cfg))))] \
-            if cfg.data_phase else []
-        out += [("forward", lambda: s.update(loss=trainer.forward(s.get("inputs"), s.get("targets")))),
-                ("backward", lambda: s["loss"].backward()),
-                ("optimizer", self._update)]
-        if self.on_phase is None:
-            return out
-        return [(name, self._marked(name, fn)) for name, fn in out]
-
-    def _marked(self, name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-        def call() -> Any:
-            self.on_phase(name)
-            return fn()
-        return call
-
-    def _update(self) -> None:
-        self.trainer.optimizer.step()
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-
-    def step(self) -> float:
-        run_phases(self.phases(), self.cfg.device)
-        self.trainer.losses.append(self.state.pop("loss").item())
-        return self.trainer.losses[-1]
-
-    def train(self, steps: int) -> dict[str, object]:
-        for _ in range(steps):
-            self.step()
-        return {"losses": list(self.trainer.losses), "grad_norm": self.trainer.grad_norm}
+def marked_phases(device: str, mark: Callable[[str], None] | None):
+    """`Trainer.phase`: each phase a `phase_range`, marked first by `mark(name)` when given."""
+    def phase(name: str):
+        if mark is not None:
+            mark(name)
+        return phase_range(name, device)
+    return phase
 
 
 def trace_path(cfg: Config) -> Path:
@@ -123,10 +104,10 @@ def overhead_pct(plain: Callable[[], Any], observed: Callable[[], Any], cfg: Con
 
 
 def build(cfg: Config) -> Workload:
-    trainer = PhasedStep(cfg)
+    trainer = phased_trainer(cfg)
     common = {"check": lambda: trainer.train(cfg.steps), "tokens_per_step": cfg.batch_size * cfg.seq_len,
-              "tensors": {"param_bytes": trainer.trainer.model.parameters,
-                          "optimizer_bytes": trainer.trainer.optimizer_tensors},
+              "tensors": {"param_bytes": trainer.model.parameters,
+                          "optimizer_bytes": trainer.optimizer_tensors},
               "compute_dtype": cfg.dtype}
     if cfg.variant == "profiler":
         return _profiler_workload(cfg, trainer, common)
@@ -139,7 +120,7 @@ def build(cfg: Config) -> Workload:
     return Workload(step=CaptureRange(cfg.device).wrap(trainer.step), notes=notes, **common)
 
 
-def _profiler_workload(cfg: Config, trainer: PhasedStep, common: dict) -> Workload:
+def _profiler_workload(cfg: Config, trainer: Trainer, common: dict) -> Workload:
     last: dict[str, Any] = {}
 
     def step() -> float:
@@ -184,9 +165,9 @@ def _profile_notes(cfg: Config, prof: Profile) -> dict[str, str]:
     return notes
 
 
-def _monitor_workload(cfg: Config, trainer: PhasedStep, common: dict) -> Workload:
+def _monitor_workload(cfg: Config, trainer: Trainer, common: dict) -> Workload:
     monitor = DeviceMonitor(cfg.device, interval_s=cfg.monitor_interval_ms / 1e3)
-    trainer.on_phase = monitor.mark
+    trainer.phase = marked_phases(cfg.device, monitor.mark)
     seen: dict[str, float] = {}
 
     def step() -> float:
@@ -214,13 +195,13 @@ def _monitor_workload(cfg: Config, trainer: PhasedStep, common: dict) -> Workloa
     return Workload(step=step, report=report, predicted=predicted, notes=notes, **common)
 
 
-def _unmarked(trainer: PhasedStep) -> Callable[[], float]:
+def _unmarked(trainer: Trainer) -> Callable[[], float]:
     def step() -> float:
-        on_phase, trainer.on_phase = trainer.on_phase, None
+        phase, trainer.phase = trainer.phase, marked_phases(trainer.cfg.device, None)
         try:
             return trainer.step()
         finally:
-            trainer.on_phase = on_phase
+            trainer.phase = phase
     return step
 
 
@@ -252,7 +233,7 @@ def profile_once(cfg: Config) -> Profile:
     """A warm-up step, then one step profiled with stacks: operator table, findings, memory
     timeline, and the Chrome trace written to `trace_path(cfg)`."""
     with cpu_threads(cfg.num_threads):
-        trainer = PhasedStep(cfg)
+        trainer = phased_trainer(cfg)
         trainer.step()
         prof, _ = profile_step(trainer.step, cfg.device, trace_path=trace_path(cfg), memory_timeline=True)
     return prof
@@ -261,9 +242,8 @@ def profile_once(cfg: Config) -> Profile:
 def monitor_once(cfg: Config, steps: int | None = None) -> DeviceMonitor:
     """`steps` (default cfg.steps) training steps under a `DeviceMonitor`, stopped afterwards."""
     with cpu_threads(cfg.num_threads):
-        trainer = PhasedStep(cfg)
         monitor = DeviceMonitor(cfg.device, interval_s=cfg.monitor_interval_ms / 1e3)
-        trainer.on_phase = monitor.mark
+        trainer = phased_trainer(cfg, monitor.mark)
         with monitor:
             trainer.train(steps or cfg.steps)
     return monitor

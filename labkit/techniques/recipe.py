@@ -8,14 +8,17 @@ The knobs each turn one technique on (every default is off), and `composed` is
 - `checkpointing`: none, full, selective or every_n (every `checkpoint_every`-th block);
 - `micro_batches`: k micro-batches per rank and step, gradients accumulated; each rank's
   `batch_size` is split, so the global batch is unchanged;
-- `zero_stage`: 0 (plain DDP when there are several ranks), 1 (ZeroRedundancyOptimizer), 2 or 3
-  (FSDP2), over the `nproc` ranks;
+- `zero_stage`: 0 (plain DDP when there are several replicas), 1 (ZeroRedundancyOptimizer), 2 or
+  3 (FSDP2), over the data-parallel replicas;
+- `tensor_parallel`: the ranks of one model replica (Megatron's split, `transforms.
+  apply_tensor_parallel`); the `nproc / tensor_parallel` replicas are data parallel (FSDP2 with
+  tensor parallelism: zero_stage 2 or 3);
 - `offload`: the activations or the optimizer's states in host memory (GPUs only);
 - `compile`: each block through torch.compile; `attention`: sdpa or naive.
 
 Variants:
 - `plain` (the reference): fp32, nothing applied, every rank computing the whole global batch
-  (nproc x batch_size sequences) as one process would;
+  (replicas x batch_size sequences) as one process would;
 - `composed`: the recipe. Checked against `plain`: the losses of `steps` steps and the whole
   weights after them, within the tolerance of its precision. Under `fault=corrupt_reduction`
   fault_rank scales its DDP buckets before the all-reduce, or its FSDP2 reduce-scatter shard
@@ -43,10 +46,10 @@ from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_sc
                                        world_size)
 from labkit.blocks.recipe import Recipe, compose
 from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference
-from labkit.blocks.sharded import full_tensor
+from labkit.blocks.sharded import check_tp_shape, full_tensor
 from labkit.blocks.transforms import PRECISION_TOLERANCE, checkpointed_blocks, compute_dtype
 from labkit.config import ConfigError, knob
-from labkit.measure.memory import LiveTensorTracker, storage_bytes, storage_key
+from labkit.measure.memory import ActivationMeter, LiveTensorTracker, storage_bytes
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
@@ -79,6 +82,8 @@ class Config(DistConfig):
                            "2: + sharded gradients (FSDP2); 3: + sharded parameters")
     offload: str = knob("none", choices=OFFLOADS, help="activations or optimizer states in host "
                         "memory (GPUs only)")
+    tensor_parallel: int = knob(1, min=1, help="tensor-parallel degree: the ranks of one model "
+                                "replica (must divide nproc)")
     compile: bool = knob(False, help="torch.compile each block")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
@@ -86,13 +91,18 @@ class Config(DistConfig):
     reduction_fault = True  # see composed_step
 
 
+def replicas(cfg: Config) -> int:
+    """The data-parallel replicas: the ranks over the tensor-parallel degree."""
+    return max(1, (cfg.nproc or world_size()) // cfg.tensor_parallel)
+
+
 def recipe_of(cfg: Config) -> Recipe:
-    """The knobs as a Recipe: ZeRO stage 0 is DDP over several ranks, nothing over one."""
-    ranks = cfg.nproc or world_size()
-    data = DATA_PARALLEL[cfg.zero_stage] if ranks > 1 or cfg.zero_stage else "none"
+    """The knobs as a Recipe: ZeRO stage 0 is DDP over several replicas, nothing over one."""
+    data = DATA_PARALLEL[cfg.zero_stage] if replicas(cfg) > 1 or cfg.zero_stage else "none"
     return Recipe(precision=cfg.precision, checkpointing=cfg.checkpointing,
                   checkpoint_every=cfg.checkpoint_every, compile=cfg.compile, data_parallel=data,
-                  accumulation=cfg.micro_batches, offload=cfg.offload)
+                  tensor_parallel=cfg.tensor_parallel, accumulation=cfg.micro_batches,
+                  offload=cfg.offload)
 
 
 def refused(cfg: Config) -> str | None:
@@ -118,6 +128,8 @@ def validate(cfg: Config) -> None:
     if cfg.batch_size % cfg.micro_batches:
         raise ConfigError(f"micro_batches={cfg.micro_batches} must divide batch_size="
                           f"{cfg.batch_size} (each rank's batch is split)")
+    if cfg.tensor_parallel > 1:
+        check_tp_shape(cfg, cfg.tensor_parallel)
     why = refused(cfg)
     if why:
         raise ConfigError(why)
@@ -138,8 +150,8 @@ def skip_reason(cfg: Config) -> str | None:
 # --- the two steps --------------------------------------------------------------------------------
 
 def plain_step(cfg: Config) -> Trainer:
-    """The plain fp32 step on the whole global batch (nproc x batch_size), on every rank."""
-    return Trainer(cfg, lr=LR, batch_size=cfg.batch_size * world_size())
+    """The plain fp32 step on the whole global batch (replicas x batch_size), on every rank."""
+    return Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg))
 
 
 def composed_step(cfg: Config) -> Trainer:
@@ -155,7 +167,8 @@ def composed_step(cfg: Config) -> Trainer:
 
 
 def global_loss(loss: float, step: Trainer) -> float:
-    """The global batch's mean loss: the mean of the ranks' (equal slices), or this one."""
+    """The global batch's mean loss: the mean of the ranks' (equal slices; the ranks of a
+    tensor-parallel group share theirs), or this one."""
     if step.cfg.variant == REFERENCE or world_size() == 1:
         return loss
     t = torch.tensor([loss], dtype=torch.float64)
@@ -177,48 +190,22 @@ class Observed:
 
 
 def observed_forward(step: Trainer, seen: Observed):
-    """Step.forward measuring, once, what the first micro-batch's forward leaves allocated: every
-    storage made in it and alive at its end, less the loss and the parameters (FSDP2's gathered
-    blocks are parameters too); the 16-bit copies of parameters that autocast cached and the
-    backward keeps are counted apart."""
+    """Step.forward measuring, once, what the first micro-batch's forward leaves allocated
+    (`ActivationMeter`: every storage made in it and alive at its end, less the loss and the
+    parameters); the copies of parameters that autocast cached and the backward keeps, and
+    FSDP2's gathered ones, counted apart."""
     forward = step.forward
 
     def measured(inputs=None, targets=None):
         if seen.activation_bytes is not None:
             return forward(inputs, targets)
-        copies = SavedWeightCopies()
-        with LiveTensorTracker() as live, copies:
-            loss = forward(inputs, targets)
-        params = {storage_key(p) for p in step.model.parameters()
-                  if not hasattr(p, "placements")}  # not the shards: they were made before
-        held = {k: b for k, b in live.live.items() if k not in params and k != storage_key(loss)}
-        seen.weight_copy_bytes = sum(held.pop(k, 0) for k in copies.keys)
-        seen.activation_bytes = sum(held.values())
-        return loss
+        out = []
+        meter = ActivationMeter(step.model.parameters(), gathered=step.model.parameters).measure(
+            lambda: out.append(forward(inputs, targets)) or out[0])
+        seen.activation_bytes, seen.weight_copy_bytes = meter.total_bytes, meter.weight_copy_bytes
+        return out[0]
 
     return measured
-
-
-# Ops between a parameter and a saved copy of it: autocast's cast, a transpose or view of it
-COPY_OPS = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
-            "UnsafeViewBackward0", "ExpandBackward0")
-
-
-class SavedWeightCopies(torch.autograd.graph.saved_tensors_hooks):
-    """The storages of saved tensors reached from a parameter (a leaf that requires grad, FSDP2's
-    gathered ones included) through casts and views alone: autocast's cached weight copies."""
-
-    def __init__(self):
-        self.keys: set[int] = set()
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        node = t.grad_fn
-        while node is not None and node.name() in COPY_OPS:
-            node = next((n for n, _ in node.next_functions if n is not None), None)
-        if node is not None and node.name() == "torch::autograd::AccumulateGrad":
-            self.keys.add(storage_key(t))
-        return t.detach()  # as SavedTensorMeter: no cycle through the tensor's own grad_fn
 
 
 def check(step: Trainer, seen: Observed, budget: int | None, cfg: Config) -> dict:
@@ -300,7 +287,8 @@ def planned(cfg: Config) -> planner.MemoryPlan | None:
     case for the recipe (offload, compile)."""
     n = cfg.nproc or 2
     if cfg.variant == REFERENCE:
-        return planner.training_memory(cfg.model, batch_size=cfg.batch_size * n, seq_len=cfg.seq_len,
+        return planner.training_memory(cfg.model, batch_size=cfg.batch_size * (n // cfg.tensor_parallel),
+                                       seq_len=cfg.seq_len,
                                        precision="fp32", device=cfg.device)
     micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
     kwargs, _ = recipes.planner_kwargs(micro, recipe_of(cfg), n)
@@ -311,15 +299,17 @@ def step_flops(cfg: Config) -> int:
     """This rank's FLOPs per step: forward and backward of its sequences, plus one more forward
     of each checkpointed block (less its MLP's down-projection, which recomputation stops
     before; selective recomputes only elementwise ops: 0)."""
-    m, n = cfg.model, cfg.nproc or 2
+    m, dp = cfg.model, (cfg.nproc or 2) // cfg.tensor_parallel
     plain = cfg.variant == REFERENCE
-    batch = cfg.batch_size * (n if plain else 1)
+    batch = cfg.batch_size * (dp if plain else 1)
     flops = planner.train_step_flops(m, batch=batch, seq_len=cfg.seq_len, attention=cfg.attention)
+    if not plain:  # a tensor-parallel rank computes its share of the heads, MLP and vocabulary
+        flops //= cfg.tensor_parallel
     if plain or cfg.checkpointing in ("none", "selective"):
         return flops
     k = len(checkpointed_blocks(m.num_layers, cfg.checkpointing, every=cfg.checkpoint_every))
     block = planner.forward_flops(m, batch=batch, new=cfg.seq_len, keys=cfg.seq_len, logits=0) // m.num_layers
-    return flops + k * (block - 2 * batch * cfg.seq_len * m.ffn_size * m.hidden_size)
+    return flops + k * (block - 2 * batch * cfg.seq_len * m.ffn_size * m.hidden_size) // cfg.tensor_parallel
 
 
 def expected(cfg: Config) -> dict[str, float]:
@@ -334,7 +324,7 @@ def expected(cfg: Config) -> dict[str, float]:
     peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(dtype)
     if peak:
         step_s = step_flops(cfg) / (peak * 1e12)
-        sequences = cfg.batch_size * ((cfg.nproc or 2) if cfg.variant == REFERENCE else 1)
+        sequences = cfg.batch_size * ((cfg.nproc or 2) // cfg.tensor_parallel if cfg.variant == REFERENCE else 1)
         out.update(step_ms=step_s * 1e3, tokens_per_s=sequences * cfg.seq_len / step_s)
     return {k: float(v) for k, v in out.items()}
 

@@ -38,12 +38,12 @@ from typing import Callable
 
 import numpy as np
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from labkit import planner
 from labkit.config import knob
 from labkit.blocks.distributed import DistConfig, corrupt_scale, default_nproc, world_size
+from labkit.blocks.layout import Layout
 from labkit.blocks.sharded import (TP_TOLERANCE as TOLERANCE, backward, build_sharded_step,
                                    check_tp_shape, corrupt_row_outputs, full_grads, grads, train_step)
 from labkit.blocks.training import Trainer, compare_grads, lm_loss, optimizer_state
@@ -140,6 +140,7 @@ def _comm_rows(counts: dict[str, int], total: float, bus: float) -> dict[str, fl
 def check_step(step: Trainer, measured: dict[str, float]) -> dict:
     """One training step: logits, loss and whole gradients; the collectives of its forward and
     backward counted into `measured` (AdamW on local shards communicates nothing)."""
+    step.drop_grads()
     with CommCounter() as counter, warnings.catch_warnings():
         # CommDebugMode's module tracker hooks the embedding, whose token ids need no grad
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -149,8 +150,7 @@ def check_step(step: Trainer, measured: dict[str, float]) -> dict:
     measured.update(counter.metrics())
     out = {"loss": loss.item(), "logits": logits.detach().cpu().numpy().copy(),
            "grads": full_grads(step.model)}
-    step.optimizer.step()
-    step.optimizer.zero_grad(set_to_none=True)
+    step.update()
     return out
 
 
@@ -158,7 +158,7 @@ def sharding(cfg: Config, n: int) -> Callable[[Trainer], Trainer]:
     """The transform of the variant's step: `apply_tensor_parallel` over n ranks, after
     (fault=corrupt_reduction) the corrupting hooks, registered first so that they see the
     unreduced outputs."""
-    mesh = init_device_mesh(cfg.device.split(":")[0], (n,), mesh_dim_names=("tp",))
+    mesh = Layout(tp=n, device=cfg.device, always=("tp",)).tp_mesh
     scale = corrupt_scale(cfg)
 
     def apply(step: Trainer) -> Trainer:

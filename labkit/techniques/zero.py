@@ -103,30 +103,23 @@ def maybe_corrupt_reduction(model: torch.nn.Module, cfg: Config) -> None:
 def build_step(cfg: Config) -> Trainer:
     """The plain step on the global batch (nproc x batch_size sequences, the same on every rank),
     made data parallel by the variant's transform (this rank's slice of the batch, DDP or FSDP2),
-    the fault's hook added, then the optimizer built over the wrapped (sharded) parameters."""
+    the fault's hook added, then the optimizer built over the wrapped (sharded) parameters. Each
+    step drops the previous step's gradients first (so this one's stay at rest, where
+    `grad_bytes` is measured); no gradient norm (on DTensors it would add collectives)."""
     step = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * world_size(), optimizer=False)
     apply_data_parallel(step, DATA_PARALLEL[cfg.variant], offload=cfg.variant == "zero3_offload")
     maybe_corrupt_reduction(step.net, cfg)
+    step.grads_at_rest, step.measure_norm = True, False
     step.build_optimizer()
     return step
-
-
-def train_step(step: Trainer) -> torch.Tensor:
-    """One step, the previous step's gradients dropped first (so this one's stay at rest, where
-    `grad_bytes` is measured); no gradient norm (on DTensors it would add collectives)."""
-    step.model.zero_grad(set_to_none=True)
-    loss = step.forward()
-    step.backward(loss)
-    step.optimizer.step()
-    return loss.detach()
 
 
 def check(step: Trainer) -> dict:
     """CHECK_STEPS steps; the losses, host copies of the whole gradients of the first step (kept
     at rest after it) and of the whole weights after the last."""
-    losses = [train_step(step).item()]
+    losses = [step.step()]
     grads = whole(step, {n: p.grad for n, p in step.model.named_parameters()})
-    losses += [train_step(step).item() for _ in range(CHECK_STEPS - 1)]
+    losses += [step.step() for _ in range(CHECK_STEPS - 1)]
     weights = whole(step, dict(step.model.named_parameters()))
     return {"losses": losses, "grads": grads, "weights": weights}
 
@@ -143,7 +136,7 @@ def grads(step: Trainer) -> list[torch.Tensor]:
 def build(cfg: Config) -> Workload:
     step = build_step(cfg)
     # FlopCounterMode under FSDP sees DTensor ops with global shapes: FLOPs are not counted.
-    return Workload(step=lambda: train_step(step), check=lambda: check(step),
+    return Workload(step=step.step, check=lambda: check(step),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,  # this rank's
                     # DTensors: storage_bytes counts the local shard
                     tensors={"param_bytes": lambda: list(step.model.parameters()),

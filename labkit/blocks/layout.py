@@ -1,0 +1,90 @@
+"""How a run's ranks split, and where its model states live: `dp` data-parallel replicas of
+`tp`-rank tensor-parallel groups, in the manner of torchtitan's `ParallelDims`.
+
+    layout = Layout.of(recipe, world, device)
+    if layout.tp_enabled:
+        apply_tensor_parallel(step, layout.tp_mesh)
+
+The rank product is checked once, where the layout is made (`of`); the device mesh is built once,
+on first use, by the one `init_device_mesh` call in labkit. Tensor parallelism is the inner
+dimension, so a TP group is neighbouring ranks (one node's fast links, on GPUs).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from labkit.config import ConfigError
+
+SHARDED = ("zero2", "zero3")  # the data-parallel modes FSDP2 builds
+HOST_OPTIMIZER = ("optimizer", "both")  # the offload modes that step the optimizer on the host
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`dp` replicas (built by `data_parallel`: ddp, zero1, zero2, zero3, or none) of `tp`-rank
+    tensor-parallel groups on `device`, the optimizer's states offloaded as `offload` says;
+    `always`: mesh dimensions built even when they are 1."""
+
+    dp: int = 1
+    tp: int = 1
+    data_parallel: str = "none"
+    device: str = "cpu"
+    offload: str = "none"
+    always: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, recipe, world: int, device: str = "cpu") -> "Layout":
+        """A recipe's layout on `world` ranks: TP groups of `recipe.tensor_parallel`, and the
+        rest data-parallel replicas when the recipe asks for data parallelism."""
+        tp = recipe.tensor_parallel
+        if world % tp:
+            raise ConfigError(f"tensor_parallel={tp} does not divide the {world} ranks")
+        dp = world // tp if recipe.data_parallel != "none" else 1
+        return cls(dp, tp, recipe.data_parallel, device, recipe.offload)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_enabled and self.data_parallel in SHARDED
+
+    @property
+    def host_optimizer(self) -> bool:
+        return self.offload in HOST_OPTIMIZER
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The mesh's named dimensions: each that splits the ranks, and each in `always` (a
+        sharded path checked on one rank still shards over a mesh of one)."""
+        return {name: size for name, size in (("dp", self.dp), ("tp", self.tp))
+                if size > 1 or name in self.always}
+
+    @functools.cached_property
+    def mesh(self) -> DeviceMesh | None:
+        """The mesh of `dims`, built once (None: no dimension)."""
+        if not self.dims:
+            return None
+        return init_device_mesh(torch.device(self.device).type, tuple(self.dims.values()),
+                                mesh_dim_names=tuple(self.dims))
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["dp"] if "dp" in self.dims else None
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["tp"] if "tp" in self.dims else None
