@@ -69,9 +69,12 @@ def test_every_rank_has_its_peak_beside_the_planners_within_10_percent(rows):
 def test_model_states_and_activations_are_measured_beside_their_predictions(rows):
     for rank in RANKS:
         for metric in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                       "saved_weight_copy_bytes"):
+                       "saved_weight_copy_bytes", "all_gather_bytes"):
             row = at(rows, "composed", metric, rank)
             assert row["value"] == pytest.approx(row["predicted"], rel=0.01), row
+        # ZeRO-2 gathers the whole model once a micro-batch, in fp32 (autocast casts after it)
+        assert at(rows, "composed", "all_gather_bytes", rank)["value"] == pytest.approx(
+            RECIPE["micro_batches"] * 4 * planner.num_params(config().model), rel=0.01)
         # ZeRO-2 over 2 ranks: each keeps half of plain's parameters at rest, and of its gradients
         for metric in ("param_bytes", "grad_bytes"):
             half = at(rows, "plain", metric, rank)["value"] / 2
@@ -97,6 +100,43 @@ def test_a_budget_makes_composed_an_oom_row_while_plain_still_runs(rows):
         assert plain["status"] == "ok" and plain["value"] > budget * 2**30  # not bound by it
 
 
+# --- the model converters: QLoRA + full checkpointing + ZeRO-2, one more launch ------------------
+
+QLORA = {"finetune": "qlora", "checkpointing": "full", "zero_stage": 2, "precision": "fp32",
+         "micro_batches": 1}
+
+
+@pytest.fixture(scope="module")
+def qlora_rows(tmp_path_factory):
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    return run_experiment("recipe", preset="tiny", overrides={**SIZES, **QLORA},
+                          runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
+
+
+def test_qlora_with_checkpointing_and_zero2_matches_its_one_process_reference(qlora_rows):
+    """plain holds the same converters on one process: the same adapters train, the NF4 base stays;
+    composed must end with its weights and losses at fp32 precision."""
+    for rank in RANKS:
+        for metric in ("loss_rel_diff", "weight_rel_diff"):
+            row = at(qlora_rows, "composed", metric, rank)
+            assert row["status"] == "ok" and row["value"] <= recipe.FP32_TOLERANCE, row
+
+
+def test_qlora_zero2_terms_are_the_planners_and_the_peak_within_10_percent(qlora_rows):
+    for rank in RANKS:
+        for metric in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                       "all_gather_bytes"):
+            row = at(qlora_rows, "composed", metric, rank)
+            assert row["value"] == pytest.approx(row["predicted"], rel=0.01), row
+        for variant in recipe.VARIANTS:
+            row = at(qlora_rows, variant, "peak_mem_bytes", rank)
+            assert row["value"] == pytest.approx(row["predicted"], rel=0.10), row
+        # ZeRO-2: the adapters' gradients and moments halved; the NF4 base whole on each rank
+        plain, composed = (at(qlora_rows, v, "grad_bytes", rank)["value"] for v in recipe.VARIANTS)
+        assert composed == pytest.approx(plain / 2, rel=0.01)
+
+
 REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
            ({"zero_stage": 2, "offload": "optimizer"}, "needs a GPU"),
            ({"zero_stage": 3, "offload": "activations"}, "DTensor"),
@@ -104,7 +144,10 @@ REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
            ({"micro_batches": 3}, "must divide batch_size"),
            ({"memory_budget_gib": 1.0}, "budget_gib"),
            ({"zero_stage": 0, "tensor_parallel": 2, "nproc": 4}, "DDP cannot wrap"),
-           ({"zero_stage": 0, "tensor_parallel": 3, "nproc": 4}, "tensor parallel degree 3")]
+           ({"zero_stage": 0, "tensor_parallel": 3, "nproc": 4}, "tensor parallel degree 3"),
+           ({"finetune": "qlora", "zero_stage": 1}, "NF4 weights are buffers"),
+           ({"finetune": "lora", "tensor_parallel": 2, "zero_stage": 0}, "use tensor_parallel=1 with finetune"),
+           ({"finetune": "lora", "lora_targets": "q,x"}, "unknown LoRA target 'x'")]
 
 
 @pytest.mark.parametrize("overrides, reason", REFUSED)

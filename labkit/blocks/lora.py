@@ -32,6 +32,19 @@ from torch import nn
 from labkit import planner
 from labkit.measure.memory import inner_tensors
 
+NEEDS = {"lora": ("peft",), "qlora": ("peft", "torchao")}  # the libraries of each method
+
+
+def missing_library(method: str) -> str | None:
+    """The first library `method` (lora, qlora) needs that does not import here, or None."""
+    for name in NEEDS.get(method, ()):
+        try:
+            __import__(name)
+        except ImportError:
+            return name
+    return None
+
+
 def block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
     """(name, module) of every linear inside the decoder blocks (not the head), the base's own:
     under a PEFT wrapper its `base_layer`."""

@@ -41,6 +41,10 @@ class Recipe:
     tensor_parallel: int = 1             # TP degree (the ranks of one model replica)
     accumulation: int = 1                # micro-batches of batch_size per optimizer step
     offload: str = "none"                # OFFLOADS
+    finetune: str = "none"               # transforms.FINETUNE: lora or qlora adapters, base frozen
+    lora_rank: int = 8                   # the adapters' rank r
+    lora_alpha: float = 16.0             # their scale: outputs add (alpha / r) B A x
+    lora_targets: str = "q,v"            # the linears adapted (planner.parse_lora_targets)
 
     def techniques(self) -> list[str]:
         """The fields that differ from the plain step, as `name=value`."""
@@ -56,14 +60,16 @@ def refusal(recipe: Recipe, device: str, world: int = 1, *, launched: bool | Non
     or not (False); None: as this process is."""
     launched = dist.is_initialized() if launched is None else launched
     return (_unknown(recipe) or _layout(recipe, world, launched) or _optimizer_clash(recipe)
-            or _offload_clash(recipe, device) or _device_clash(recipe, device))
+            or _offload_clash(recipe, device) or _device_clash(recipe, device)
+            or _converter_clash(recipe))
 
 
 def _unknown(recipe: Recipe) -> str | None:
     for name, value, valid in (("precision", recipe.precision, transforms.PRECISIONS),
                                ("checkpointing", recipe.checkpointing, transforms.CHECKPOINT_MODES),
                                ("data_parallel", recipe.data_parallel, transforms.DATA_PARALLEL),
-                               ("offload", recipe.offload, OFFLOADS)):
+                               ("offload", recipe.offload, OFFLOADS),
+                               ("finetune", recipe.finetune, transforms.FINETUNE)):
         try:
             check_choice(name, value, valid)
         except ConfigError as e:
@@ -72,6 +78,11 @@ def _unknown(recipe: Recipe) -> str | None:
         return "checkpointing=blocks needs the block list the checkpointing experiment's budget chooses"
     if recipe.accumulation < 1 or recipe.tensor_parallel < 1 or recipe.checkpoint_every < 1:
         return "accumulation, tensor_parallel and checkpoint_every are counts: 1 or more"
+    if recipe.finetune != "none":
+        try:
+            planner.parse_lora_targets(recipe.lora_targets)
+        except ConfigError as e:
+            return str(e)
     return None
 
 
@@ -134,6 +145,16 @@ def _offload_clash(recipe: Recipe, device: str) -> str | None:
     return None
 
 
+def _converter_clash(recipe: Recipe) -> str | None:
+    if recipe.finetune != "none" and recipe.tensor_parallel > 1:
+        return ("LoRA's adapters wrap the linears that tensor parallelism's plan shards by name: "
+                "use tensor_parallel=1 with finetune")
+    if recipe.finetune == "qlora" and recipe.data_parallel in ("ddp", "zero1"):
+        return ("DDP broadcasts the module's buffers, and QLoRA's NF4 weights are buffers of a "
+                "tensor subclass it cannot send: use zero2 or zero3 with qlora")
+    return None
+
+
 def _device_clash(recipe: Recipe, device: str) -> str | None:
     if recipe.precision == "tf32" and not device.startswith("cuda"):
         return "TF32 is a mode of NVIDIA tensor cores; this device is a CPU"
@@ -156,28 +177,33 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
     #    (the shards, the optimizer's states) takes its dtype from them.
     transforms.apply_precision(step, recipe.precision, loss_scaling=recipe.loss_scaling)
-    # 2. tensor parallel on the plain modules: its plan names the linear layers, which a
+    # 2. the model converters, before any parallelism (torchtitan applies its converters before
+    #    `parallelize`): NF4 from the weights in their training dtype, which is what they
+    #    dequantize to; the adapters in the base's dtype; everything else frozen.
+    transforms.apply_finetune(step, recipe.finetune, rank=recipe.lora_rank, alpha=recipe.lora_alpha,
+                              targets=planner.parse_lora_targets(recipe.lora_targets))
+    # 3. tensor parallel on the plain modules: its plan names the linear layers, which a
     #    checkpoint or compile wrapper would hide.
     if layout.tp_enabled:
         transforms.apply_tensor_parallel(step, layout.tp_mesh)
-    # 3. checkpointing wraps whole (possibly sharded) blocks, before compile, so the compiled
+    # 4. checkpointing wraps whole (possibly sharded) blocks, before compile, so the compiled
     #    block is the one that recomputes.
     transforms.apply_checkpointing(step, recipe.checkpointing, every=recipe.checkpoint_every)
-    # 4. compile each block, before data parallelism: FSDP2's gathers and DDP's bucket hooks
+    # 5. compile each block, before data parallelism: FSDP2's gathers and DDP's bucket hooks
     #    run between the blocks, outside the compiled graphs.
     if recipe.compile:
         transforms.apply_compile(step)
-    # 5. data parallelism wraps (or shards) the finished model and keeps this rank's slice.
+    # 6. data parallelism wraps (or shards) the finished model and keeps this rank's slice.
     if layout.dp_enabled:
         transforms.apply_data_parallel(step, recipe.data_parallel, layout.dp_mesh,
-                               offload=layout.host_optimizer and layout.fsdp_enabled)
-    # 6. accumulation splits this rank's slice into micro-batches, around whatever the forward
+                                       offload=layout.host_optimizer and layout.fsdp_enabled)
+    # 7. accumulation splits this rank's slice into micro-batches, around whatever the forward
     #    has become (under DDP only the last micro-batch all-reduces).
     transforms.apply_accumulation(step, [cfg.batch_size] * recipe.accumulation)
-    # 7. offload: activation hooks around the forward; the host optimizer unless FSDP2 offloads.
+    # 8. offload: activation hooks around the forward; the host optimizer unless FSDP2 offloads.
     transforms.apply_offload(step, activations=recipe.offload in ("activations", "both"),
-                     optimizer=layout.host_optimizer and not layout.fsdp_enabled)
-    # 8. the optimizer last, over the final parameters: their dtype, device and shard.
+                             optimizer=layout.host_optimizer and not layout.fsdp_enabled)
+    # 9. the optimizer last, over the final parameters: their dtype, device and shard.
     step.build_optimizer()
     return step
 
@@ -188,10 +214,14 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     planner has no case for the recipe."""
     if recipe.offload != "none" or recipe.compile:
         return None, "the planner does not model offload or compile"
+    if recipe.finetune != "none" and recipe.precision != "fp32":
+        return None, (f"the planner's fine-tuning steps compute in one dtype; precision="
+                      f"{recipe.precision} with finetune is not one of its cases (use fp32)")
     mode, layers = recipe.checkpointing, None
     if mode == "every_n":  # the planner's full recomputation on the blocks every_n wraps
         mode = "full"
-        layers = len(transforms.checkpointed_blocks(cfg.model.num_layers, "every_n", every=recipe.checkpoint_every))
+        layers = len(transforms.checkpointed_blocks(cfg.model.num_layers, "every_n",
+                                                    every=recipe.checkpoint_every))
     if mode not in planner.CHECKPOINTING:
         return None, f"the planner has no case for checkpointing={recipe.checkpointing}"
     stage = ZERO_STAGE[recipe.data_parallel]
@@ -209,4 +239,10 @@ def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.Me
     kwargs, why = planner_kwargs(cfg, recipe, world)
     if kwargs is None:
         raise ConfigError(why)
-    return planner.training_memory(cfg.model, **kwargs)
+    if recipe.finetune == "none":
+        return planner.training_memory(cfg.model, **kwargs)
+    return planner.finetune_memory(
+        cfg.model, method=recipe.finetune, lora_rank=recipe.lora_rank,
+        lora_targets=recipe.lora_targets, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        checkpointing=kwargs["checkpointing"], device=cfg.device, zero_stage=kwargs["zero_stage"],
+        gpus=kwargs["gpus"])

@@ -114,7 +114,8 @@ class Trainer:
     - `loss_weight` and `scaler` (a GradScaler): the backward of `loss * loss_weight`, scaled;
     - `grad_hooks`: called with the step on the final (unscaled) gradients, before the update;
     - `optimizer_factory(params, lr)`: how the optimizer is built, once, after the transforms
-      (`build_optimizer`), since its states take their dtype, device and shard from the weights.
+      (`build_optimizer`, over the parameters that train), since its states take their dtype,
+      device and shard from the weights.
 
     The options of the loop, each off by default:
     - `grads_at_rest`: the previous step's gradients are dropped at the start of a step, not after
@@ -153,7 +154,9 @@ class Trainer:
         self.grad_norm, self.losses = math.nan, []
 
     def build_optimizer(self):
-        self.optimizer = self.optimizer_factory(self.model.parameters(), self.lr)
+        """The optimizer over the parameters that train (a frozen one gets no state)."""
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = self.optimizer_factory(trained, self.lr)
         return self.optimizer
 
     def forward(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:

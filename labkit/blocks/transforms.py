@@ -89,6 +89,30 @@ def apply_precision(step: Trainer, precision: str, *, loss_scaling: bool = True)
     return step
 
 
+# --- model converters: what trains, and how the base is stored -----------------------------------
+
+FINETUNE = ("none", "lora", "qlora")
+
+
+def apply_finetune(step: Trainer, method: str, *, rank: int = 8, alpha: float = 16.0,
+                   targets: tuple[str, ...] = ("q", "v")) -> Trainer:
+    """The model converted in place (torchtitan's model converters): `lora` freezes the base and
+    puts rank-`rank` adapters on the `targets` linears (PEFT); `qlora` first stores the base's
+    block linears in NF4 (torchao), from the weights in their dtype, which is what they
+    dequantize to. The optimizer, built later, keeps state for the adapters alone
+    (`Trainer.build_optimizer`: what requires grad)."""
+    if method not in FINETUNE:
+        raise ValueError(f"unknown finetune {method!r}; valid: {', '.join(FINETUNE)}")
+    if method == "none":
+        return step
+    from labkit.blocks import lora  # PEFT and torchao: the finetune extra
+
+    if method == "qlora":
+        lora.apply_nf4(step.model)
+    lora.apply_lora(step.model, targets, rank=rank, alpha=alpha)
+    return step
+
+
 # --- tensor parallel ------------------------------------------------------------------------------
 
 def block_plan(block: torch.nn.Module, seq, sequence_parallel: bool) -> dict:

@@ -33,7 +33,7 @@ from labkit.techniques import recipe, record
 
 NAME = "recipe"
 PLAIN = "plain"
-# The knobs in the order compose applies their transforms (steps 1, 3, 4, 5, 6 and 7 there).
+# The knobs in the order compose applies their transforms (steps 1, 4, 5, 6, 7 and 8 there).
 ORDER = ("precision", "checkpointing", "compile", "zero_stage", "micro_batches", "offload")
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(recipe.Config) if f.name in ORDER}  # all off
 DDP = "+ ddp"

@@ -12,7 +12,8 @@ Where each part lives (each module imports only those above it in this list):
 - `model`: parameter counts, FLOPs, the shapes one GPU holds under tp/pp (`stage_params`);
 - `plan`: a plan's checked inputs (`_Run`, `_resolve`) and its result (`MemoryPlan`);
 - `activations`: what the blocks keep for backward (`layer_activation_bytes`);
-- `sharding`: ZeRO's model states per stage and the ZeRO/FSDP2 working buffers;
+- `sharding`: ZeRO's model states per stage, the ZeRO/FSDP2 working buffers and FSDP2's
+  all-gathered bytes per step;
 - `formulas`: each term of a training plan in words, for the table;
 - `training`: `training_memory`, the step's timeline and its temporaries;
 - `inference`: the KV cache, `inference_memory`;
@@ -40,7 +41,7 @@ from labkit.planner.precision import (DTYPE_OF, OPTIMIZERS, PRECISION_BYTES, PRE
                                       PrecisionBytes, optimizer_bytes_per_param)
 from labkit.planner.report import GIB, plan_report
 from labkit.planner.search import Recommendation, recommend
-from labkit.planner.sharding import zero_model_state_bytes
+from labkit.planner.sharding import fsdp2_all_gather_bytes, zero_model_state_bytes
 from labkit.planner.training import training_memory
 
 # Private terms the tests reach as planner._NAME (held to saved-tensor hooks and measured buffers)
@@ -55,7 +56,8 @@ __all__ = ["CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_CHECKPOINTING",
            "OPTIMIZER_IMPLS", "PRECISIONS", "PRECISION_BYTES", "PRESETS", "PrecisionBytes",
            "Recommendation", "StageParams", "ZERO_STAGES", "adamw_state_bytes", "attention_flops",
            "block_linear_params", "block_tensors", "check_tp", "finetune_compute_dtype",
-           "finetune_frontier", "finetune_memory", "forward_flops", "generate_flops",
+           "finetune_frontier", "finetune_memory", "forward_flops", "fsdp2_all_gather_bytes",
+           "generate_flops",
            "inference_memory", "korthikanti_activation_bytes", "kv_bytes_per_token",
            "kv_cache_bytes", "layer_activation_bytes", "layer_params", "linear_shapes",
            "linear_weight_bytes", "local_shape", "lora_module_names", "nf4_bytes",

@@ -26,6 +26,7 @@ from labkit.planner.activations import _attention_bytes, _embedding_side_bytes
 from labkit.planner.model import block_linear_params, local_shape
 from labkit.planner.model import num_params as _count_params
 from labkit.planner.plan import MemoryPlan, _positive, _resolve, _Run
+from labkit.planner.sharding import _fsdp2_units
 from labkit.planner.training import training_memory
 
 
@@ -157,8 +158,10 @@ def finetune_compute_dtype(device: str | None = None) -> str:
 
 def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_targets=("q", "v"),
                     batch_size: int, seq_len: int, compute_dtype: str = "fp32",
-                    checkpointing: str = "none", device: str | None = None) -> MemoryPlan:
-    """One fine-tuning step's memory on one GPU. full: `training_memory` with every weight in
+                    checkpointing: str = "none", device: str | None = None, zero_stage: int = 0,
+                    gpus: int = 1) -> MemoryPlan:
+    """One fine-tuning step's memory on one of `gpus` data-parallel ranks (ZeRO `zero_stage`,
+    2 and 3 as FSDP2 builds them: `_lora_sharded`). full: `training_memory` with every weight in
     the compute dtype (fp32, or pure bf16: weights, gradients and AdamW moments in 16 bits).
     lora / qlora: the frozen base (block linears in the compute dtype, or NF4 for qlora; the
     rest in the compute dtype) plus adapters in the compute dtype; gradients and AdamW state
@@ -170,15 +173,58 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
     precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[_dtype_name(compute_dtype)]
     if method == "full":
         plan = training_memory(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                               checkpointing=checkpointing, device=device)
+                               checkpointing=checkpointing, device=device, zero_stage=zero_stage,
+                               gpus=gpus, fsdp2=zero_stage >= 2)
         return dataclasses.replace(plan, trainable_params=plan.num_params,
                                    linear_weight_bytes=linear_weight_bytes(m, "full", compute_dtype=precision))
     check_choice("checkpointing (fine-tuning)", checkpointing, FINETUNE_CHECKPOINTING)
     r = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                 checkpointing=checkpointing, device=device)
+                 checkpointing=checkpointing, device=device, zero_stage=zero_stage, gpus=gpus,
+                 fsdp2=zero_stage >= 2)
     targets = parse_lora_targets(lora_targets)
     trainable = trainable_params(m, method, lora_rank=lora_rank, lora_targets=targets)
-    return _lora_plan(r, method, targets, lora_rank, trainable)
+    plan = _lora_plan(r, method, targets, lora_rank, trainable)
+    return _lora_sharded(plan, r, method, trainable) if r.dp > 1 and r.zero_stage >= 1 else plan
+
+
+def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int) -> MemoryPlan:
+    """A (Q)LoRA step's terms on one of `r.dp` ranks. ZeRO-1: AdamW's moments divided. ZeRO-2
+    and 3 (FSDP2): every Parameter sharded at rest (the frozen embedding, head, norms and, for
+    lora, block linears; the adapters), QLoRA's NF4 weights (buffers) kept whole on each rank;
+    the adapters' gradients and moments sharded. In the backward FSDP2 holds gathered copies:
+    ZeRO-2 every unit's (it does not reshard after forward), ZeRO-3 the root unit's (embedding,
+    final norm, head: never resharded after forward) and two blocks' (the one in its backward
+    and the next, prefetched)."""
+    m, w, dp = r.m, r.prec.weight, r.dp
+    moments = 2 * w * trainable
+    terms = {"optimizer": -(-moments // dp) + plan.optimizer_bytes - moments}  # steps: every rank
+    if r.zero_stage >= 2:
+        linears = linear_weight_bytes(m, method, compute_dtype=r.precision)
+        elems = m.num_layers * block_linear_params(m, biases=False)
+        dense = (r.num_params - elems) * w + w * trainable + (linears if method == "lora" else 0)
+        root = w * _fsdp2_units(r)[0]
+        gathered = dense if r.zero_stage == 2 else root + 2 * (dense - root) // m.num_layers
+        terms.update(param=-(-dense // dp) + (linears if method == "qlora" else 0),
+                     grad=-(-w * trainable // dp), gathered=gathered)
+    return _phased(plan, **terms)
+
+
+HELD = {"backward": ("param", "grad", "optimizer", "activation", "gathered"),
+        "step": ("param", "grad", "optimizer")}
+
+
+def _phased(plan: MemoryPlan, **terms: int) -> MemoryPlan:
+    """`plan` with `terms` replaced (by name: param, grad, optimizer, gathered), each phase's own
+    temporaries kept, and its peak chosen again."""
+    def held(p: MemoryPlan, phase: str) -> int:
+        return sum(getattr(p, f"{t}_bytes") for t in HELD[phase])
+
+    new = dataclasses.replace(plan, **{f"{k}_bytes": v for k, v in terms.items()})
+    temporaries = {phase: plan.phase_bytes[phase] - held(plan, phase) for phase in HELD}
+    phases = {phase: held(new, phase) + temporaries[phase] for phase in HELD}
+    peak = max(phases, key=phases.get)
+    return dataclasses.replace(new, phase_bytes=phases, peak_phase=peak, overhead_bytes=temporaries[peak],
+                               held_at_peak=(*HELD[peak], "overhead"))
 
 
 def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, trainable: int) -> MemoryPlan:
@@ -192,7 +238,11 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
     act, per_layer = _lora_activations(r, targets, rank)
     dequant = max(nf4_dequant_bytes(o, i, dtype=r.precision) for o, i in linear_shapes(m).values()) \
         if method == "qlora" else 0
-    backward = _lora_backward_temporaries(r, tokens, dequant)
+    # under full checkpointing a block's backward first recomputes its forward: what the block
+    # keeps without checkpointing is held again, one block at a time
+    recomputed = tokens * _lora_layer_bytes(r, targets, rank, grad_in=True)[0] \
+        if r.checkpointing == "full" else 0
+    backward = _lora_backward_temporaries(r, tokens, dequant + recomputed)
     # torch's AdamW on the CPU loops (two temporaries of the largest adapter), on CUDA copies v
     largest = rank * max(o + i for o, i in linear_shapes(m).values())
     step = w * (2 * largest if r.impl == "single" else trainable)
@@ -262,15 +312,16 @@ def _lora_layer_bytes(r: _Run, targets: tuple[str, ...], rank: int, *, grad_in: 
     return kept, g_mid or g1 or g3 or "down" in T
 
 
-def _lora_backward_temporaries(r: _Run, tokens: int, dequant: int = 0) -> int:
+def _lora_backward_temporaries(r: _Run, tokens: int, extra: int = 0) -> int:
     """Beyond the activations at the backward's largest moment: the loss's fp32 gradients of
     the log-probabilities and the logits (8·b·s·V), or a block's (the residual stream's
-    gradient and the MLP's two f-wide gradients, beside qlora's `dequant`: a weight
-    dequantized for its input's gradient), whichever is larger."""
+    gradient and the MLP's two f-wide gradients, beside `extra`: qlora's weight dequantized
+    for its input's gradient, and a checkpointed block's recomputed activations), whichever is
+    larger."""
     s, p = r.shape, r.prec
     loss = 8 * tokens * s.vocab
     block = tokens * (p.residual * s.d + (2 if r.m.arch == "llama" else 1) * p.act * s.f)
-    return max(loss, block + dequant)
+    return max(loss, block + extra)
 
 
 def _lora_formulas(r: _Run, method: str, targets: tuple[str, ...], rank: int, dequant: int) -> dict[str, str]:

@@ -25,6 +25,19 @@ def zero_model_state_bytes(num_params: int, *, stage: int, dp: int, precision: s
             k * (shard if stage >= 1 else num_params))
 
 
+def fsdp2_all_gather_bytes(num_params: int, *, zero_stage: int, micro_batches: int = 1,
+                           element_bytes: int = 4) -> int:
+    """The bytes FSDP2's all-gathers deliver to one rank in one step (nccl-tests' S: each output,
+    every rank's shard together) for Ψ = `num_params` (this rank's tensor-parallel share):
+    every unit gathered whole once a micro-batch under ZeRO-2 (resharded after the backward),
+    twice under ZeRO-3 (for the forward and again for the backward; the root unit too), each
+    element in `element_bytes` (the parameters' dtype). Padding of a shard's rows to a multiple
+    of the ranks is not counted. 0 below stage 2 (no all-gather of parameters)."""
+    if zero_stage < 2:
+        return 0
+    return (2 if zero_stage >= 3 else 1) * micro_batches * num_params * element_bytes
+
+
 def _zero_buffers(r: _Run, sp: StageParams, last: bool, resident: bool, block: int | None) -> int:
     """ZeRO's working buffers at the loss and the head (`block` None) or in the backward's
     `block`-th block (0: the first it goes through): stage 3 gathers one module's full weights

@@ -30,7 +30,7 @@ import torch
 from labkit import hardware, planner
 from labkit.blocks import lora
 from labkit.blocks.search import find_largest
-from labkit.blocks.training import Trainer, adamw, lm_loss
+from labkit.blocks.training import Trainer, lm_loss
 from labkit.blocks.transforms import apply_checkpointing
 from labkit.config import ConfigError, MODELS, RunConfig, knob, torch_dtype
 from labkit.measure.memory import MemoryMeter, fits_in_memory, storage_bytes
@@ -47,7 +47,6 @@ COMPUTE = {"fp32": "float32", "bf16": "bfloat16"}
 # from the same bf16 inputs (bf16 keeps 8 significant bits: 2^-8 = 0.4% per rounding).
 GRAD_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 EVAL_SHAPE = (8, 128)  # held-out (sequences, tokens) for the reference preset's perplexity
-NEEDS = {"lora": ("peft",), "lora_ckpt": ("peft",), "qlora": ("peft", "torchao")}
 
 
 @dataclass(kw_only=True)
@@ -71,18 +70,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("the reference preset loads the trained model; its shape cannot be set")
 
 
-def missing_library(variant: str) -> str | None:
-    """The first library `variant` needs that does not import here, or None."""
-    for name in NEEDS.get(variant, ()):
-        try:
-            __import__(name)
-        except ImportError:
-            return name
-    return None
-
-
 def skip_reason(cfg: Config) -> str | None:
-    name = missing_library(cfg.variant)
+    name = lora.missing_library("lora" if cfg.variant == "lora_ckpt" else cfg.variant)
     if name:
         return f"{cfg.variant} needs {name}, which is not installed: pip install labkit[finetune]"
     if cfg.device.startswith("cuda") and compute_dtype(cfg) == "bfloat16" and not torch.cuda.is_bf16_supported():
@@ -106,11 +95,6 @@ def targets(cfg: Config) -> tuple[str, ...]:
 
 
 # --- the step ---------------------------------------------------------------------------------------
-
-def trainable_adamw(params, lr: float) -> torch.optim.Optimizer:
-    """AdamW over the parameters that train: frozen ones get no state (and need no grad)."""
-    return adamw([p for p in params if p.requires_grad], lr)
-
 
 def base_model(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
     """The trained model on the `reference` preset (a skip when its weights are missing), else
@@ -143,8 +127,7 @@ def finetune_step(cfg: Config, before_adapters=None) -> tuple[Trainer, float]:
         lora.apply_lora(step.model, targets(cfg), rank=cfg.lora_rank, alpha=cfg.lora_alpha)
     if cfg.variant == "lora_ckpt":
         apply_checkpointing(step, "full")
-    step.optimizer_factory = trainable_adamw
-    step.build_optimizer()
+    step.build_optimizer()  # over what trains: the adapters (or, for full, everything)
     return step, nf4_ratio
 
 

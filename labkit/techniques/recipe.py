@@ -14,11 +14,15 @@ The knobs each turn one technique on (every default is off), and `composed` is
   apply_tensor_parallel`); the `nproc / tensor_parallel` replicas are data parallel (FSDP2 with
   tensor parallelism: zero_stage 2 or 3);
 - `offload`: the activations or the optimizer's states in host memory (GPUs only);
-- `compile`: each block through torch.compile; `attention`: sdpa or naive.
+- `compile`: each block through torch.compile; `attention`: sdpa or naive;
+- `finetune`: the model converters, applied before any parallelism: `lora` freezes the base and
+  trains rank-`lora_rank` adapters on `lora_targets` (PEFT); `qlora` also stores the base's block
+  linears in NF4 (torchao). The optimizer keeps state for the adapters alone.
 
 Variants:
-- `plain` (the reference): fp32, nothing applied, every rank computing the whole global batch
-  (replicas x batch_size sequences) as one process would;
+- `plain` (the reference): fp32, nothing applied but the model converters (they say what
+  trains), every rank computing the whole global batch (replicas x batch_size sequences) as one
+  process would;
 - `composed`: the recipe. Checked against `plain`: the losses of `steps` steps and the whole
   weights after them, within the tolerance of its precision. Under `fault=corrupt_reduction`
   fault_rank scales its DDP buckets before the all-reduce, or its FSDP2 reduce-scatter shard
@@ -41,14 +45,17 @@ import torch
 import torch.distributed as dist
 
 from labkit import hardware, planner
+from labkit.blocks import lora
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
 from labkit.blocks.recipe import Recipe, compose
 from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference
 from labkit.blocks.sharded import check_tp_shape, full_tensor
-from labkit.blocks.transforms import PRECISION_TOLERANCE, checkpointed_blocks, compute_dtype
+from labkit.blocks.transforms import (FINETUNE, PRECISION_TOLERANCE, apply_finetune, checkpointed_blocks,
+                                     compute_dtype)
 from labkit.config import ConfigError, knob
+from labkit.measure.comm import CommCounter
 from labkit.measure.memory import ActivationMeter, LiveTensorTracker, storage_bytes
 from labkit.workload import Comparison, Workload
 
@@ -85,6 +92,12 @@ class Config(DistConfig):
     tensor_parallel: int = knob(1, min=1, help="tensor-parallel degree: the ranks of one model "
                                 "replica (must divide nproc)")
     compile: bool = knob(False, help="torch.compile each block")
+    finetune: str = knob("none", choices=FINETUNE, help="lora: the base frozen, rank-lora_rank "
+                         "adapters trained; qlora: the base's block linears also in NF4")
+    lora_rank: int = knob(8, min=1, help="finetune: the adapters' rank r")
+    lora_alpha: float = knob(16.0, min=0.0, help="finetune: outputs add (alpha / r) B A x")
+    lora_targets: str = knob("q,v", help="finetune: comma list of q, k, v, o, gate, up, down "
+                             "(or attn, all)")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
@@ -102,7 +115,8 @@ def recipe_of(cfg: Config) -> Recipe:
     return Recipe(precision=cfg.precision, checkpointing=cfg.checkpointing,
                   checkpoint_every=cfg.checkpoint_every, compile=cfg.compile, data_parallel=data,
                   tensor_parallel=cfg.tensor_parallel, accumulation=cfg.micro_batches,
-                  offload=cfg.offload)
+                  offload=cfg.offload, finetune=cfg.finetune, lora_rank=cfg.lora_rank,
+                  lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets)
 
 
 def refused(cfg: Config) -> str | None:
@@ -136,6 +150,9 @@ def validate(cfg: Config) -> None:
 
 
 def skip_reason(cfg: Config) -> str | None:
+    name = lora.missing_library(cfg.finetune)
+    if name:  # plain applies the converters too
+        return f"finetune={cfg.finetune} needs {name}, which is not installed: pip install labkit[finetune]"
     if cfg.variant == REFERENCE:
         return None
     if cfg.offload != "none" and not cfg.device.startswith("cuda"):
@@ -150,8 +167,13 @@ def skip_reason(cfg: Config) -> str | None:
 # --- the two steps --------------------------------------------------------------------------------
 
 def plain_step(cfg: Config) -> Trainer:
-    """The plain fp32 step on the whole global batch (replicas x batch_size), on every rank."""
-    return Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg))
+    """The plain fp32 step on the whole global batch (replicas x batch_size), on every rank,
+    with the recipe's model converters (they say what trains: the reference trains the same)."""
+    step = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg), optimizer=False)
+    apply_finetune(step, cfg.finetune, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                   targets=planner.parse_lora_targets(cfg.lora_targets))
+    step.build_optimizer()
+    return step
 
 
 def composed_step(cfg: Config) -> Trainer:
@@ -178,11 +200,13 @@ def global_loss(loss: float, step: Trainer) -> float:
 
 class Observed:
     """What the check sees of a step that the harness's meters cannot: the gradients' bytes at
-    the update (they are dropped after it), the activations one micro-batch's forward keeps, and
-    this variant's own live-tensor peak over build and check (the budget's measure)."""
+    the update (they are dropped after it), the activations one micro-batch's forward keeps, the
+    bytes all-gathered per step, and this variant's own live-tensor peak over build and check
+    (the budget's measure)."""
 
     def __init__(self):
         self.grad_bytes, self.activation_bytes, self.weight_copy_bytes = 0, None, 0
+        self.all_gather_bytes = 0.0
         self.tracker = LiveTensorTracker()
 
     def record_grads(self, step: Trainer) -> None:
@@ -212,8 +236,9 @@ def check(step: Trainer, seen: Observed, budget: int | None, cfg: Config) -> dic
     """`steps` steps: the global losses, then the whole weights (host copies, gathered from
     shards: collectives in the same order on every rank); the budget judged on every rank.
     `cfg`: the experiment's (the step's holds one micro-batch)."""
-    with seen.tracker:
+    with seen.tracker, CommCounter() as comm:
         losses = [global_loss(step.step(), step) for _ in range(cfg.steps)]
+    seen.all_gather_bytes = comm.bytes["all_gather"] / cfg.steps
     if budget is not None:
         over_budget(seen, budget, cfg)
     weights = {n: full_tensor(p, cfg.device).float().cpu().numpy().copy()
@@ -244,14 +269,14 @@ def build(cfg: Config) -> Workload:
     sequences = len(step.inputs)  # this rank's: the global batch for plain, its slice otherwise
     return Workload(step=step.step, check=lambda: check(step, seen, budget, cfg),
                     tokens_per_step=sequences * cfg.seq_len,
-                    tensors={"param_bytes": step.model.parameters,
+                    tensors={"param_bytes": lambda: [*step.model.parameters(), *step.model.buffers()],
                              "optimizer_bytes": step.optimizer_tensors},
                     report=lambda: report(seen), notes=notes(cfg), count_flops=False,
                     compute_dtype=compute_dtype(cfg.precision if cfg.variant != REFERENCE else "fp32"))
 
 
 def report(seen: Observed) -> dict[str, float]:
-    out = {"grad_bytes": float(seen.grad_bytes)}
+    out = {"grad_bytes": float(seen.grad_bytes), "all_gather_bytes": seen.all_gather_bytes}
     if seen.activation_bytes is not None:
         out["activation_bytes"] = float(seen.activation_bytes)
         out["saved_weight_copy_bytes"] = float(seen.weight_copy_bytes)
@@ -281,18 +306,21 @@ def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
 # --- predictions ----------------------------------------------------------------------------------
 
 def planned(cfg: Config) -> planner.MemoryPlan | None:
-    """The planner's step for this variant on one rank: plain's whole global batch in fp32, or
-    the recipe as compose builds it (`recipes.planned_memory`: its precision's case,
-    checkpointing, micro-batches and ZeRO stage over nproc). None where the planner has no
-    case for the recipe (offload, compile)."""
+    """The planner's step for this variant on one rank: plain's whole global batch in fp32 (with
+    the recipe's model converters), or the recipe as compose builds it (`recipes.planned_memory`:
+    its precision's case, converters, checkpointing, micro-batches and ZeRO stage over nproc).
+    None where the planner has no case for the recipe (offload, compile)."""
     n = cfg.nproc or 2
     if cfg.variant == REFERENCE:
-        return planner.training_memory(cfg.model, batch_size=cfg.batch_size * (n // cfg.tensor_parallel),
-                                       seq_len=cfg.seq_len,
-                                       precision="fp32", device=cfg.device)
+        whole = dataclasses.replace(cfg, batch_size=cfg.batch_size * (n // cfg.tensor_parallel))
+        only = Recipe(finetune=cfg.finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                      lora_targets=cfg.lora_targets)  # the converters alone, on one process
+        return recipes.planned_memory(whole, only)
     micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
-    kwargs, _ = recipes.planner_kwargs(micro, recipe_of(cfg), n)
-    return None if kwargs is None else planner.training_memory(cfg.model, **kwargs)
+    try:
+        return recipes.planned_memory(micro, recipe_of(cfg), n)
+    except ConfigError:
+        return None
 
 
 def step_flops(cfg: Config) -> int:
@@ -312,8 +340,24 @@ def step_flops(cfg: Config) -> int:
     return flops + k * (block - 2 * batch * cfg.seq_len * m.ffn_size * m.hidden_size) // cfg.tensor_parallel
 
 
+def gathered_params(cfg: Config) -> int:
+    """The parameters FSDP2 gathers: every Parameter, adapters included (QLoRA's NF4 weights are
+    buffers: each rank keeps them whole, never gathered)."""
+    m, n = cfg.model, planner.num_params(cfg.model)
+    if cfg.finetune == "none":
+        return n
+    n += planner.trainable_params(m, cfg.finetune, lora_rank=cfg.lora_rank,
+                                  lora_targets=planner.parse_lora_targets(cfg.lora_targets))
+    return n - (m.num_layers * planner.block_linear_params(m, biases=False) if cfg.finetune == "qlora" else 0)
+
+
 def expected(cfg: Config) -> dict[str, float]:
     plan, out = planned(cfg), {"loss_delta": 0.0}
+    if cfg.tensor_parallel == 1:  # (tensor parallelism all-gathers its logits too: not predicted)
+        stage = cfg.zero_stage if cfg.variant != REFERENCE and replicas(cfg) > 1 else 0
+        out["all_gather_bytes"] = planner.fsdp2_all_gather_bytes(
+            gathered_params(cfg), zero_stage=stage, micro_batches=cfg.micro_batches,
+            element_bytes=2 if cfg.precision == "bf16_weights" else 4)
     if plan is not None:
         out.update(peak_mem_bytes=plan.total_bytes, param_bytes=plan.param_bytes,
                    grad_bytes=plan.grad_bytes, optimizer_bytes=plan.optimizer_bytes,
@@ -337,7 +381,10 @@ def notes(cfg: Config) -> dict[str, str]:
            "grad_bytes": "at the optimizer step (dropped after it): DDP's buckets, FSDP2's "
                          "gradient shards or whole gradients.",
            "activation_bytes": "what the first micro-batch's forward leaves allocated for its "
-                               "backward, parameters (and FSDP2's gathered blocks) left out."}
+                               "backward, parameters (and FSDP2's gathered blocks) left out.",
+           "all_gather_bytes": "per step, what this rank's all-gathers delivered (each whole "
+                               "output): FSDP2's parameters, in their own dtype (fp32 under "
+                               "autocast: it casts after the gather)."}
     if cfg.variant == REFERENCE:
         out["tokens_per_s"] = "every rank computes the whole global batch (as one process would)."
     if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:

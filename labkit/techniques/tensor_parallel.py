@@ -29,7 +29,6 @@ are summed across ranks (Megatron's "g"), and that check must fail.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import warnings
 from dataclasses import dataclass
@@ -37,13 +36,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 from labkit import planner
 from labkit.config import knob
 from labkit.blocks.distributed import DistConfig, corrupt_scale, default_nproc, world_size
 from labkit.blocks.layout import Layout
+from labkit.measure.comm import COLLECTIVES, CommCounter
 from labkit.blocks.sharded import (TP_TOLERANCE as TOLERANCE, backward, build_sharded_step,
                                    check_tp_shape, corrupt_row_outputs, full_grads, grads, train_step)
 from labkit.blocks.training import Trainer, compare_grads, lm_loss, optimizer_state
@@ -56,7 +54,6 @@ REFERENCE = "single"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclass(kw_only=True)
@@ -79,35 +76,6 @@ def skip_reason(cfg: Config) -> str | None:
     if cfg.variant == "tp_sp" and cfg.seq_len % n:
         return f"sequence parallel splits seq_len={cfg.seq_len} into {n} equal pieces: use a multiple of {n}"
     return None
-
-
-# --- counting the communication ---------------------------------------------------------------
-
-class CommCounter(CommDebugMode):
-    """CommDebugMode's collective counts, plus the bytes of each: S as nccl-tests defines it (the
-    all-reduce's buffer, the all-gather's output, the reduce-scatter's input), and the bytes each
-    rank moves on its busiest link with a ring (x 2(n-1)/n for all-reduce, (n-1)/n otherwise)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes: collections.Counter[str] = collections.Counter()
-        self.bus_bytes = 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        packet = getattr(func, "_overloadpacket", None)
-        if out is not NotImplemented and packet in self.comm_registry:
-            name, n = packet.__name__.removesuffix("_into_tensor").removesuffix("_tensor"), world_size()
-            sizes = [t.numel() * t.element_size() for t in (args[0], out) if isinstance(t, torch.Tensor)]
-            self.bytes[name] += max(sizes)
-            self.bus_bytes += max(sizes) * (2 if name == "all_reduce" else 1) * (n - 1) / n
-        return out
-
-    def metrics(self) -> dict[str, float]:
-        counts = collections.Counter({k.__name__.removesuffix("_into_tensor").removesuffix("_tensor"): v
-                                      for k, v in self.get_comm_counts().items()})
-        out = {f"{c}_count": float(counts[c]) for c in COLLECTIVES}
-        return {**out, "comm_bytes": float(sum(self.bytes.values())), "comm_bus_bytes": self.bus_bytes}
 
 
 def comm_formula(cfg: DistConfig, variant: str, n: int) -> dict[str, float]:
