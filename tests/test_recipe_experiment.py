@@ -69,9 +69,13 @@ def test_every_rank_has_its_peak_beside_the_planners_within_10_percent(rows):
 def test_model_states_and_activations_are_measured_beside_their_predictions(rows):
     for rank in RANKS:
         for metric in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                       "saved_weight_copy_bytes", "all_gather_bytes"):
+                       "saved_weight_copy_bytes", "all_gather_bytes", "build_peak_bytes"):
             row = at(rows, "composed", metric, rank)
             assert row["value"] == pytest.approx(row["predicted"], rel=0.01), row
+        # built on the meta device and sharded: no rank ever held the whole model, as plain did
+        whole = 4 * planner.num_params(config().model)
+        assert at(rows, "plain", "build_peak_bytes", rank)["value"] == pytest.approx(whole, rel=0.01)
+        assert at(rows, "composed", "build_peak_bytes", rank)["value"] < whole
         # ZeRO-2 gathers the whole model once a micro-batch, in fp32 (autocast casts after it)
         assert at(rows, "composed", "all_gather_bytes", rank)["value"] == pytest.approx(
             RECIPE["micro_batches"] * 4 * planner.num_params(config().model), rel=0.01)

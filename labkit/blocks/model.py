@@ -216,14 +216,37 @@ class Decoder(nn.Module):
 
 def init_weights(model: Decoder) -> None:
     """GPT-2's scheme: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
-    std = 0.02
     for name, p in model.named_parameters():
-        if p.dim() == 1:
-            nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-        elif name.endswith(("wo.weight", "w2.weight")):
-            nn.init.normal_(p, 0.0, std / math.sqrt(2 * model.cfg.num_layers))
-        else:
-            nn.init.normal_(p, 0.0, std)
+        init_parameter(name, p, model.cfg.num_layers)
+
+
+def init_parameter(name: str, p: torch.Tensor, num_layers: int) -> None:
+    std = 0.02
+    if p.dim() == 1:
+        nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+    elif name.endswith(("wo.weight", "w2.weight")):
+        nn.init.normal_(p, 0.0, std / math.sqrt(2 * num_layers))
+    else:
+        nn.init.normal_(p, 0.0, std)
+
+
+def materialize(model: Decoder, device: str | torch.device, *, seed: int = 0) -> Decoder:
+    """A decoder built on the meta device (and sharded since: DTensor parameters) made real on
+    `device` with `build_model`'s weights: the same seeded draws in the same order, each
+    parameter's whole tensor drawn in turn in fp32 and only this rank's shard of it kept. One
+    whole tensor at a time, never the whole model."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            whole = torch.empty(p.shape, device=device)
+            init_parameter(name, whole, model.cfg.num_layers)
+            if isinstance(p, DTensor):  # every rank drew the same whole: keep this one's shard
+                whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(whole.to(p.dtype))
+    return model
 
 
 def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu",

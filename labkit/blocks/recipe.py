@@ -17,6 +17,7 @@ import torch.distributed as dist
 from labkit import planner
 from labkit.blocks import transforms
 from labkit.blocks.layout import Layout
+from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
 from labkit.config import ConfigError, RunConfig, check_choice
 
@@ -169,9 +170,15 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     if why:
         raise ConfigError(why)
     layout = Layout.of(recipe, world, cfg.device)
+    # 0. Under FSDP2 the model is built on the meta device, sharded, then made real (step 6): no
+    #    rank holds the whole of it. Not for converters (NF4 and the adapters' initialisation
+    #    need real weights), FSDP2's offload, or weights loaded from a folder.
+    meta = (layout.fsdp_enabled and recipe.finetune == "none" and not layout.host_optimizer
+            and not cfg.model.source)
+    model = build_model(cfg.model, device="meta", attention=cfg.attention) if meta else None
     # The global batch, built the same on every rank; data parallelism takes each rank's slice.
     step = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,
-                   batch_size=cfg.batch_size * recipe.accumulation * layout.dp)
+                   batch_size=cfg.batch_size * recipe.accumulation * layout.dp, model=model)
     # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
     # compile, then FSDP):
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
@@ -193,10 +200,13 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     #    run between the blocks, outside the compiled graphs.
     if recipe.compile:
         transforms.apply_compile(step)
-    # 6. data parallelism wraps (or shards) the finished model and keeps this rank's slice.
+    # 6. data parallelism wraps (or shards) the finished model and keeps this rank's slice; a
+    #    model built on the meta device gets its weights now, each rank its shards.
     if layout.dp_enabled:
         transforms.apply_data_parallel(step, recipe.data_parallel, layout.dp_mesh,
                                        offload=layout.host_optimizer and layout.fsdp_enabled)
+    if meta:
+        materialize(step.model, cfg.device, seed=cfg.seed)
     # 7. accumulation splits this rank's slice into micro-batches, around whatever the forward
     #    has become (under DDP only the last micro-batch all-reduces).
     transforms.apply_accumulation(step, [cfg.batch_size] * recipe.accumulation)

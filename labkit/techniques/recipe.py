@@ -206,7 +206,7 @@ class Observed:
 
     def __init__(self):
         self.grad_bytes, self.activation_bytes, self.weight_copy_bytes = 0, None, 0
-        self.all_gather_bytes = 0.0
+        self.all_gather_bytes, self.build_peak_bytes = 0.0, 0
         self.tracker = LiveTensorTracker()
 
     def record_grads(self, step: Trainer) -> None:
@@ -264,6 +264,7 @@ def build(cfg: Config) -> Workload:
     budget = int(cfg.budget_gib * 2**30) if cfg.budget_gib and cfg.variant != REFERENCE else None
     with seen.tracker:  # the budget's measure starts with the build
         step = plain_step(cfg) if cfg.variant == REFERENCE else composed_step(cfg)
+    seen.build_peak_bytes = seen.tracker.peak_bytes
     step.grad_hooks.append(seen.record_grads)
     step.forward = observed_forward(step, seen)
     sequences = len(step.inputs)  # this rank's: the global batch for plain, its slice otherwise
@@ -276,7 +277,8 @@ def build(cfg: Config) -> Workload:
 
 
 def report(seen: Observed) -> dict[str, float]:
-    out = {"grad_bytes": float(seen.grad_bytes), "all_gather_bytes": seen.all_gather_bytes}
+    out = {"grad_bytes": float(seen.grad_bytes), "all_gather_bytes": seen.all_gather_bytes,
+           "build_peak_bytes": float(seen.build_peak_bytes)}
     if seen.activation_bytes is not None:
         out["activation_bytes"] = float(seen.activation_bytes)
         out["saved_weight_copy_bytes"] = float(seen.weight_copy_bytes)
@@ -351,6 +353,19 @@ def gathered_params(cfg: Config) -> int:
     return n - (m.num_layers * planner.block_linear_params(m, biases=False) if cfg.finetune == "qlora" else 0)
 
 
+def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int:
+    """The fp32 model built whole (and the batch's token ids, not counted); beside it DDP's gradient buckets (as large), made when it
+    wraps; under FSDP2 (ZeRO-2/3) on the meta device: the shards, and the largest parameter drawn
+    whole beside its shard's copy."""
+    whole, dp = 4 * planner.num_params(cfg.model), replicas(cfg)
+    if cfg.variant == REFERENCE or dp == 1:
+        return whole
+    if cfg.zero_stage <= 1:
+        return 2 * whole
+    largest = 4 * max(planner.stage_tensors(cfg.model))
+    return plan.param_bytes + largest + largest // dp
+
+
 def expected(cfg: Config) -> dict[str, float]:
     plan, out = planned(cfg), {"loss_delta": 0.0}
     if cfg.tensor_parallel == 1:  # (tensor parallelism all-gathers its logits too: not predicted)
@@ -362,6 +377,8 @@ def expected(cfg: Config) -> dict[str, float]:
         out.update(peak_mem_bytes=plan.total_bytes, param_bytes=plan.param_bytes,
                    grad_bytes=plan.grad_bytes, optimizer_bytes=plan.optimizer_bytes,
                    activation_bytes=plan.activation_bytes)
+    if plan is not None and cfg.finetune == "none" and cfg.precision != "bf16_weights":
+        out["build_peak_bytes"] = build_peak(cfg, plan)
     if plan is not None and plan.weight_copy_bytes:  # autocast: the casts its backward keeps
         out["saved_weight_copy_bytes"] = plan.kept_weight_copy_bytes
     dtype = "float32" if cfg.variant == REFERENCE else compute_dtype(cfg.precision)
@@ -382,6 +399,9 @@ def notes(cfg: Config) -> dict[str, str]:
                          "gradient shards or whole gradients.",
            "activation_bytes": "what the first micro-batch's forward leaves allocated for its "
                                "backward, parameters (and FSDP2's gathered blocks) left out.",
+           "build_peak_bytes": "the live tensors' peak while the step was built: under ZeRO-2/3 "
+                               "the model is built on the meta device, sharded, then each "
+                               "parameter drawn whole in turn and its shard kept.",
            "all_gather_bytes": "per step, what this rank's all-gathers delivered (each whole "
                                "output): FSDP2's parameters, in their own dtype (fp32 under "
                                "autocast: it casts after the gather)."}
