@@ -354,9 +354,9 @@ def gathered_params(cfg: Config) -> int:
 
 
 def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int:
-    """The fp32 model built whole (and the batch's token ids, not counted); beside it DDP's gradient buckets (as large), made when it
-    wraps; under FSDP2 (ZeRO-2/3) on the meta device: the shards, and the largest parameter drawn
-    whole beside its shard's copy."""
+    """The fp32 model built whole (the batch's token ids beside it not counted); DDP's gradient
+    buckets beside it (as large), made when it wraps; under FSDP2 (ZeRO-2/3) on the meta device:
+    the shards, and the largest parameter drawn whole beside its shard's copy."""
     whole, dp = 4 * planner.num_params(cfg.model), replicas(cfg)
     if cfg.variant == REFERENCE or dp == 1:
         return whole
