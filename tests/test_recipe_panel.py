@@ -66,6 +66,16 @@ def test_every_n_and_the_gpu_count_reach_the_planner():
     assert panel.plan.total_bytes == expected.total_bytes
 
 
+def test_a_qlora_recipe_reaches_the_planners_fine_tuning_step_on_its_ranks():
+    panel = RecipePanel(**{**SMALL, "finetune": "qlora", "checkpointing": "full", "zero_stage": 2})
+    expected = planner.finetune_memory(MODELS["small"], method="qlora", batch_size=8, seq_len=512,
+                                       checkpointing="full", device="cuda", zero_stage=2, gpus=4)
+    assert panel.plan.total_bytes == expected.total_bytes and panel.plan.gathered_bytes > 0
+    assert "finetune=qlora" in panel.header()
+    bf16 = RecipePanel(**{**SMALL, "finetune": "lora", "precision": "bf16"})
+    assert bf16.plan is None and "fine-tuning steps compute in one dtype" in bf16.not_planned
+
+
 def test_offload_and_compile_are_not_planned_and_say_why():
     panel = RecipePanel(**SMALL, compile=True)
     assert panel.plan is None and panel.not_planned == "the planner does not model offload or compile"

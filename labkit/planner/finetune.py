@@ -198,6 +198,8 @@ def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int) -> Mem
     m, w, dp = r.m, r.prec.weight, r.dp
     moments = 2 * w * trainable
     terms = {"optimizer": -(-moments // dp) + plan.optimizer_bytes - moments}  # steps: every rank
+    formulas = {"optimizer": f"AdamW's m + v of the adapters / {dp} ranks (ZeRO-{r.zero_stage}), "
+                             "+ 4 per adapter tensor (its step, on every rank)"}
     if r.zero_stage >= 2:
         linears = linear_weight_bytes(m, method, compute_dtype=r.precision)
         elems = m.num_layers * block_linear_params(m, biases=False)
@@ -206,7 +208,13 @@ def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int) -> Mem
         gathered = dense if r.zero_stage == 2 else root + 2 * (dense - root) // m.num_layers
         terms.update(param=-(-dense // dp) + (linears if method == "qlora" else 0),
                      grad=-(-w * trainable // dp), gathered=gathered)
-    return _phased(plan, **terms)
+        nf4 = " + the NF4 block linears whole (buffers)" if method == "qlora" else ""
+        formulas.update(param=f"every Parameter (frozen base and adapters) / {dp} ranks{nf4}",
+                        grad=f"the adapters' gradients / {dp} ranks",
+                        gathered="FSDP2's whole parameters in the backward: every unit (ZeRO-2) "
+                                 "or the root and two blocks (ZeRO-3)")
+    plan = _phased(plan, **terms)
+    return dataclasses.replace(plan, formulas={**plan.formulas, **formulas})
 
 
 HELD = {"backward": ("param", "grad", "optimizer", "activation", "gathered"),
