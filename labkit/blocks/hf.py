@@ -260,11 +260,15 @@ def load_weights(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
     return model
 
 
+def loads_weights(cfg) -> bool:
+    """Whether a model of shape `cfg` gets its folder's weights: the folder has some and the
+    shape is the folder's own (a shape shrunk through --set keeps its random weights)."""
+    return bool(cfg.source) and bool(weight_files(cfg.source)) and model_config(cfg.source) == cfg
+
+
 def maybe_load_weights(model: torch.nn.Module) -> bool:
-    """Load `model.cfg.source`'s weights when it has some and the shape is the folder's own;
-    a shape shrunk through --set keeps its random weights. True when loaded."""
-    cfg = model.cfg
-    if not weight_files(cfg.source) or model_config(cfg.source) != cfg:
+    """Load `model.cfg.source`'s weights when `loads_weights`. True when loaded."""
+    if not loads_weights(model.cfg):
         return False
-    load_weights(model, cfg.source)
+    load_weights(model, model.cfg.source)
     return True

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 import torch.distributed as dist
 
 from labkit import planner
-from labkit.blocks import transforms
+from labkit.blocks import hf, transforms
 from labkit.blocks.layout import Layout
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
@@ -174,7 +174,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     #    rank holds the whole of it. Not for converters (NF4 and the adapters' initialisation
     #    need real weights), FSDP2's offload, or weights loaded from a folder.
     meta = (layout.fsdp_enabled and recipe.finetune == "none" and not layout.host_optimizer
-            and not cfg.model.source)
+            and not (cfg.model.source and hf.loads_weights(cfg.model)))
     model = build_model(cfg.model, device="meta", attention=cfg.attention) if meta else None
     # The global batch, built the same on every rank; data parallelism takes each rank's slice.
     step = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import hardware, planner
-from labkit.blocks import lora
+from labkit.blocks import hf, lora
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
@@ -353,15 +353,18 @@ def gathered_params(cfg: Config) -> int:
     return n - (m.num_layers * planner.block_linear_params(m, biases=False) if cfg.finetune == "qlora" else 0)
 
 
-def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int:
+def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int | None:
     """The fp32 model built whole (the batch's token ids beside it not counted); DDP's gradient
     buckets beside it (as large), made when it wraps; under FSDP2 (ZeRO-2/3) on the meta device:
-    the shards, and the largest parameter drawn whole beside its shard's copy."""
+    the shards, and the largest parameter drawn whole beside its shard's copy. None for weights
+    loaded from a folder under FSDP2 (built whole, then sharded: not predicted)."""
     whole, dp = 4 * planner.num_params(cfg.model), replicas(cfg)
     if cfg.variant == REFERENCE or dp == 1:
         return whole
     if cfg.zero_stage <= 1:
         return 2 * whole
+    if cfg.model.source and hf.loads_weights(cfg.model):
+        return None
     largest = 4 * max(planner.stage_tensors(cfg.model))
     return plan.param_bytes + largest + largest // dp
 
@@ -377,8 +380,10 @@ def expected(cfg: Config) -> dict[str, float]:
         out.update(peak_mem_bytes=plan.total_bytes, param_bytes=plan.param_bytes,
                    grad_bytes=plan.grad_bytes, optimizer_bytes=plan.optimizer_bytes,
                    activation_bytes=plan.activation_bytes)
-    if plan is not None and cfg.finetune == "none" and cfg.precision != "bf16_weights":
-        out["build_peak_bytes"] = build_peak(cfg, plan)
+    built = build_peak(cfg, plan) if plan is not None and cfg.finetune == "none" \
+        and cfg.precision != "bf16_weights" else None
+    if built is not None:
+        out["build_peak_bytes"] = built
     if plan is not None and plan.weight_copy_bytes:  # autocast: the casts its backward keeps
         out["saved_weight_copy_bytes"] = plan.kept_weight_copy_bytes
     dtype = "float32" if cfg.variant == REFERENCE else compute_dtype(cfg.precision)
@@ -401,7 +406,8 @@ def notes(cfg: Config) -> dict[str, str]:
                                "backward, parameters (and FSDP2's gathered blocks) left out.",
            "build_peak_bytes": "the live tensors' peak while the step was built: under ZeRO-2/3 "
                                "the model is built on the meta device, sharded, then each "
-                               "parameter drawn whole in turn and its shard kept.",
+                               "parameter drawn whole in turn and its shard kept (not with "
+                               "finetune: NF4 and the adapters start from real weights).",
            "all_gather_bytes": "per step, what this rank's all-gathers delivered (each whole "
                                "output): FSDP2's parameters, in their own dtype (fp32 under "
                                "autocast: it casts after the gather)."}
