@@ -43,7 +43,7 @@ def test_fp16_accumulation_scales_every_micro_batch_loss():
     Unscaling then divides the other micro-batches' gradients by the scale (2**16), so the
     step's gradient is nearly the last micro-batch's alone. The unscaled gradients at the update
     must be the plain fp32 step's on the same two sequences, within fp16's tolerance."""
-    step = compose(train_config(), Recipe(precision="fp16", accumulation=2))
+    step = compose(train_config(), Recipe(precision="fp16", micro_batches=2))
     assert step.sizes == [1, 1] and step.scaler.get_scale() > 1  # two micro-batches, scaled
     unscaled = []
     step.grad_hooks.append(lambda s: unscaled.append(host_grads(s)))

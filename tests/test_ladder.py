@@ -12,7 +12,6 @@ import pytest
 
 from conftest import FAST
 from labkit.blocks import recipe as recipes
-from labkit.blocks.recipe import Recipe
 from labkit.config import ConfigError
 from labkit.harness import ladder
 from labkit.techniques import recipe
@@ -39,19 +38,18 @@ def test_rungs_follow_the_composition_roots_order():
     assert [r.label for r in ladder.build_rungs({"precision": "fp16"}, nproc=1)] == ["plain", "+ fp16"]
 
 
-def _recipe(rung: ladder.Rung) -> Recipe:
-    """What a rung computes: plain is the plain step (no transform), a composed rung its knobs."""
+def _techniques(rung: ladder.Rung) -> set[str]:
+    """What a rung computes: plain is the plain step on one process (no transform), a composed
+    rung its knobs on the 2 ranks' replicas."""
     if rung.variant == ladder.PLAIN:
-        return Recipe()
-    cfg = recipe.Config(nproc=2, **rung.knobs)
-    return recipe.recipe_of(cfg)
+        return {"replicas=1"}
+    return {"replicas=2", *recipe.recipe_of(recipe.Config(nproc=2, **rung.knobs)).techniques()}
 
 
 def test_each_rung_differs_from_the_one_below_by_one_technique():
     rungs = ladder.build_rungs({**STEPS, "zero_stage": 2}, nproc=2)
     for below, rung in zip(rungs, rungs[1:]):
-        before = set(_recipe(below).techniques())
-        after = set(_recipe(rung).techniques())
+        before, after = _techniques(below), _techniques(rung)
         changed = {t.split("=")[0] for t in before ^ after}
         assert len(changed) == 1, (below.label, rung.label, before, after)
         assert set(below.knobs.items()) <= set(rung.knobs.items())  # it keeps the rungs below

@@ -89,7 +89,7 @@ def test_the_empty_recipe_is_bitwise_the_plain_trainer():
 @pytest.mark.parametrize("k", [2, 3])
 def test_accumulating_k_micro_batches_is_one_batch_of_k_times_b(k):
     cfg = config(batch_size=2)
-    step = compose(cfg, Recipe(accumulation=k))
+    step = compose(cfg, Recipe(micro_batches=k))
     assert step.sizes == [2] * k and len(step.inputs) == 2 * k
     got, ref = one_step(step), one_step(Trainer(cfg, batch_size=2 * k))
     max_abs, max_rel = gradient_difference(ref["grads"], got["grads"])
@@ -97,7 +97,7 @@ def test_accumulating_k_micro_batches_is_one_batch_of_k_times_b(k):
 
 
 def test_accumulation_of_one_is_bitwise_the_plain_step():
-    got, ref = one_step(compose(config(), Recipe(accumulation=1))), plain(1)
+    got, ref = one_step(compose(config(), Recipe(micro_batches=1))), plain(1)
     assert gradient_difference(ref["grads"], got["grads"]) == (0.0, 0.0)
 
 
@@ -121,11 +121,11 @@ def test_activation_offload_is_bitwise_and_sends_the_activations_to_the_host():
 
 def test_bf16_checkpointing_and_accumulation_stay_within_bf16_tolerance_of_fp32():
     ref = plain(2)
-    got = one_step(compose(config(), Recipe(precision="bf16", checkpointing="full", accumulation=2)))
+    got = one_step(compose(config(), Recipe(precision="bf16", checkpointing="full", micro_batches=2)))
     assert abs(got["loss"] - ref["loss"]) / abs(ref["loss"]) <= TOLERANCE["bf16"]
     assert gradient_difference(ref["grads"], got["grads"])[1] > 0  # autocast did run in bf16
     # checkpointing recomputes the same bf16 forward: bitwise the same result without it
-    same = one_step(compose(config(), Recipe(precision="bf16", accumulation=2)))
+    same = one_step(compose(config(), Recipe(precision="bf16", micro_batches=2)))
     assert same["loss"] == got["loss"] and gradient_difference(same["grads"], got["grads"]) == (0.0, 0.0)
 
 
@@ -161,27 +161,25 @@ def test_fp16_builds_a_grad_scaler_that_unscales_exactly_before_the_update():
 
 UNKNOWN = [(Recipe(precision="fp8"), "valid: fp32, tf32, bf16, fp16, bf16_weights"),
            (Recipe(checkpointing="some"), "valid: none, full, every_n, selective, blocks"),
-           (Recipe(data_parallel="zero4"), "valid: none, ddp, zero1, zero2, zero3"),
+           (Recipe(zero_stage=4), "valid: 0, 1, 2, 3"),
            (Recipe(offload="disk"), "valid: none, activations, optimizer, both")]
 # (recipe, world, a phrase of the reason); parallel ones with torch.distributed started
-REFUSED = [(Recipe(accumulation=0), 1, "1 or more"),
+REFUSED = [(Recipe(micro_batches=0), 1, "1 or more"),
            (Recipe(checkpointing="blocks"), 1, "block list"),
            (Recipe(precision="tf32"), 1, "CPU"),
            (Recipe(compile=True, offload="activations"), 1, "strides"),
            (Recipe(precision="bf16_weights", offload="optimizer"), 1, "choose one"),
-           (Recipe(precision="fp16", offload="both"), 1, "param_groups"),
-           (Recipe(), 2, "train alone")]
-REFUSED_IN_DIST = [(Recipe(tensor_parallel=2, data_parallel="ddp"), 4, "DDP cannot wrap"),
+           (Recipe(precision="fp16", offload="both"), 1, "param_groups")]
+REFUSED_IN_DIST = [(Recipe(tensor_parallel=2), 4, "DDP cannot wrap"),
                    (Recipe(tensor_parallel=3), 4, "does not divide"),
-                   (Recipe(tensor_parallel=2), 4, "needs data_parallel"),
-                   (Recipe(tensor_parallel=2, data_parallel="zero2"), 2, "1: use data_parallel=none"),
-                   (Recipe(data_parallel="zero1", offload="optimizer"), 2, "choose one"),
-                   (Recipe(data_parallel="zero1", precision="bf16_weights"), 2, "master copies"),
-                   (Recipe(data_parallel="zero3", offload="activations"), 2, "DTensor"),
+                   (Recipe(tensor_parallel=2, zero_stage=2), 2, "leave 1: use zero_stage=0"),
+                   (Recipe(zero_stage=1, offload="optimizer"), 2, "choose one"),
+                   (Recipe(zero_stage=1, precision="bf16_weights"), 2, "master copies"),
+                   (Recipe(zero_stage=3, offload="activations"), 2, "DTensor"),
                    (Recipe(tensor_parallel=2, offload="activations"), 2, "DTensor"),
                    (Recipe(tensor_parallel=2, precision="fp16"), 2, "DTensor refuses"),
                    (Recipe(tensor_parallel=2, offload="optimizer"), 2, "FSDP2's offload"),
-                   (Recipe(data_parallel="zero2", offload="optimizer"), 2, "needs a GPU")]
+                   (Recipe(zero_stage=2, offload="optimizer"), 2, "needs a GPU")]
 
 
 def one_line(why):
@@ -215,7 +213,7 @@ def test_a_parallel_layout_that_cannot_run_is_refused_in_one_line(recipe, world,
     assert one_line(why) and reason in why, why
 
 
-@pytest.mark.parametrize("recipe", [Recipe(data_parallel="ddp"), Recipe(tensor_parallel=2)])
+@pytest.mark.parametrize("recipe", [Recipe(zero_stage=1), Recipe(tensor_parallel=2)])
 def test_a_parallel_recipe_outside_torch_distributed_is_refused(recipe):
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="torch.distributed started"):
@@ -229,7 +227,7 @@ GRID = {"precision": ["fp32", "bf16", "fp16", "bf16_weights"], "checkpointing": 
 def test_every_single_process_combination_refusal_allows_runs_and_the_rest_are_refused():
     refused = set()
     for values in itertools.product(*GRID.values()):
-        r = Recipe(accumulation=2, **dict(zip(GRID, values)))
+        r = Recipe(micro_batches=2, **dict(zip(GRID, values)))
         if refusal(r, "cpu"):
             refused.add((r.precision, r.offload))
             continue
@@ -246,26 +244,25 @@ def test_every_single_process_combination_refusal_allows_runs_and_the_rest_are_r
 # name: (the recipe on 2 ranks, its single-process reference: the plain step of that global batch,
 # or a recipe). Batch 1 per micro-batch per replica: global = accumulation x data-parallel ranks.
 PARALLEL = {
-    "ddp": (Recipe(data_parallel="ddp"), 2),
-    "ddp_accumulation2": (Recipe(data_parallel="ddp", accumulation=2), 4),
-    "zero1": (Recipe(data_parallel="zero1"), 2),
-    "zero1_accumulation2": (Recipe(data_parallel="zero1", accumulation=2), 4),
-    "zero2": (Recipe(data_parallel="zero2"), 2),
-    "zero2_accumulation2": (Recipe(data_parallel="zero2", accumulation=2), 4),
-    "zero3": (Recipe(data_parallel="zero3"), 2),
+    "ddp": (Recipe(zero_stage=0), 2),
+    "ddp_accumulation2": (Recipe(zero_stage=0, micro_batches=2), 4),
+    "zero1": (Recipe(zero_stage=1), 2),
+    "zero1_accumulation2": (Recipe(zero_stage=1, micro_batches=2), 4),
+    "zero2": (Recipe(zero_stage=2), 2),
+    "zero2_accumulation2": (Recipe(zero_stage=2, micro_batches=2), 4),
+    "zero3": (Recipe(zero_stage=3), 2),
     "tensor_parallel2": (Recipe(tensor_parallel=2), 1),
     "tensor_parallel2_full_accumulation2": (Recipe(tensor_parallel=2, checkpointing="full",
-                                                   accumulation=2), 2),
+                                                   micro_batches=2), 2),
     # the worked example: mixed precision + checkpointing + accumulation + ZeRO, against the same
     # bf16 micro-batches of one sequence on one process
     "zero3_bf16_full_accumulation2": (
-        Recipe(data_parallel="zero3", precision="bf16", checkpointing="full", accumulation=2),
-        Recipe(precision="bf16", checkpointing="full", accumulation=4)),
+        Recipe(zero_stage=3, precision="bf16", checkpointing="full", micro_batches=2),
+        Recipe(precision="bf16", checkpointing="full", micro_batches=4)),
 }
 DATA_PARALLEL_CASES = [n for n in PARALLEL if not n.startswith("tensor")]
-REFUSED_ON_RANKS = {"tp2_ddp": Recipe(tensor_parallel=2, data_parallel="ddp"),
-                    "tp2_zero2_no_replicas": Recipe(tensor_parallel=2, data_parallel="zero2"),
-                    "zero3_activation_offload": Recipe(data_parallel="zero3", offload="activations")}
+REFUSED_ON_RANKS = {"tp2_zero2_no_replicas": Recipe(tensor_parallel=2, zero_stage=2),
+                    "zero3_activation_offload": Recipe(zero_stage=3, offload="activations")}
 
 
 def reference_grads(reference) -> dict:
@@ -353,8 +350,8 @@ def test_a_data_parallel_recipe_matches_the_plain_step_of_the_global_batch(ranks
     for rank in ranks:
         assert rank[name]["max_rel"] <= FP32_ROUNDING, (name, rank[name]["max_rel"])
     assert ranks[0][name]["loss"] != ranks[1][name]["loss"]  # each rank trained its own slice
-    assert ranks[0][name]["num_micro_batches"] == PARALLEL[name][0].accumulation
-    sharded = PARALLEL[name][0].data_parallel in ("zero2", "zero3")
+    assert ranks[0][name]["num_micro_batches"] == PARALLEL[name][0].micro_batches
+    sharded = PARALLEL[name][0].zero_stage >= 2
     assert all((rank[name]["num_sharded"] > 0) == sharded for rank in ranks)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from conftest import FAST
 from labkit import planner
+from labkit.blocks.layout import Layout
 from labkit.blocks.recipe import Recipe, compose
 from labkit.config import MODELS, ConfigError, RunConfig, resolve
 from labkit.harness.experiment import plan_points, run_experiment
@@ -144,7 +145,7 @@ def test_qlora_zero2_terms_are_the_planners_and_the_peak_within_10_percent(qlora
 REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
            ({"zero_stage": 2, "offload": "optimizer"}, "needs a GPU"),
            ({"zero_stage": 3, "offload": "activations"}, "DTensor"),
-           ({"zero_stage": 2, "nproc": 1}, "nproc >= 2"),
+           ({"zero_stage": 2, "nproc": 1}, "use zero_stage=0"),
            ({"micro_batches": 3}, "must divide batch_size"),
            ({"memory_budget_gib": 1.0}, "budget_gib"),
            ({"zero_stage": 0, "tensor_parallel": 2, "nproc": 4}, "DDP cannot wrap"),
@@ -165,11 +166,12 @@ def test_tensor_parallel_is_a_knob_whose_replicas_share_the_global_batch():
     """tensor_parallel=2 on 4 ranks: 2 replicas of 2-rank TP groups; ZeRO over the replicas; plain
     computes the replicas' global batch (2 x batch_size), as composed's replicas do together."""
     cfg = config(zero_stage=2, tensor_parallel=2, nproc=4)
-    assert recipe.recipe_of(cfg) == Recipe(precision="bf16", checkpointing="full", accumulation=2,
-                                           data_parallel="zero2", tensor_parallel=2)
+    assert recipe.recipe_of(cfg) == Recipe(precision="bf16", checkpointing="full", micro_batches=2,
+                                           zero_stage=2, tensor_parallel=2)
     assert recipe.replicas(cfg) == 2
     pure = config(zero_stage=0, tensor_parallel=2, nproc=2)  # one replica: no data parallelism
-    assert recipe.recipe_of(pure).data_parallel == "none" and recipe.refused(pure) is None
+    assert Layout.of(recipe.recipe_of(pure), 2).data_parallel == "none"
+    assert recipe.refused(pure) is None
     plain = recipe.planned(config(variant="plain", zero_stage=2, tensor_parallel=2, nproc=4))
     assert plain == recipe.planned(config(variant="plain", zero_stage=2, nproc=2))
 
@@ -234,7 +236,7 @@ PEAKS = [  # (batch, seq, checkpointing, micro-batches): each phase of an autoca
 @pytest.mark.parametrize("batch, seq, mode, micro", PEAKS)
 def test_autocast_peak_is_within_10_percent_of_the_measured_one(batch, seq, mode, micro):
     measured = measured_peak(run_config(TINY2, batch, seq),
-                             Recipe(precision="bf16", checkpointing=mode, accumulation=micro))
+                             Recipe(precision="bf16", checkpointing=mode, micro_batches=micro))
     plan = planner.training_memory(TINY2, batch_size=batch, seq_len=seq, precision="bf16_autocast",
                                    checkpointing=mode, accumulation_steps=micro, device="cpu")
     print(f"bf16 autocast b={batch} s={seq} {mode} x{micro}: measured {measured} predicted "

@@ -83,9 +83,9 @@ def test_offload_and_compile_are_not_planned_and_say_why():
 
 
 @pytest.mark.parametrize("knobs, recipe, world", [
-    ({"precision": "bf16_weights", "zero_stage": 1}, Recipe(precision="bf16_weights", data_parallel="zero1"), 4),
+    ({"precision": "bf16_weights", "zero_stage": 1}, Recipe(precision="bf16_weights", zero_stage=1), 4),
     ({"precision": "fp16", "offload": "optimizer"}, Recipe(precision="fp16", offload="optimizer",
-                                                           data_parallel="ddp"), 4),
+                                                           zero_stage=0), 4),
 ])
 def test_a_refused_combination_shows_its_refusal_line(knobs, recipe, world):
     panel = RecipePanel(**SMALL, **knobs)
@@ -97,7 +97,7 @@ def test_a_refused_combination_shows_its_refusal_line(knobs, recipe, world):
 
 def test_zero_on_one_gpu_is_the_experiments_refusal():
     panel = RecipePanel(**{**SMALL, "num_gpus": 1, "zero_stage": 2})
-    assert panel.refusal == experiment.refused(panel.cfg) and "needs nproc >= 2" in panel.refusal
+    assert panel.refusal == experiment.refused(panel.cfg) and "use zero_stage=0" in panel.refusal
 
 
 def test_a_bad_hugging_face_folder_is_one_line_and_a_good_one_is_planned(tmp_path):

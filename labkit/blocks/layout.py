@@ -19,8 +19,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from labkit.config import ConfigError
 
+ZERO_MODES = ("ddp", "zero1", "zero2", "zero3")  # what each ZeRO stage builds over the replicas
 SHARDED = ("zero2", "zero3")  # the data-parallel modes FSDP2 builds
 HOST_OPTIMIZER = ("optimizer", "both")  # the offload modes that step the optimizer on the host
+
+
+def data_mode(zero_stage: int, replicas: int) -> str:
+    """The data parallelism of `replicas` model replicas at `zero_stage`: none for one replica,
+    else DDP (stage 0), DDP with ZeroRedundancyOptimizer (1), FSDP2 (2 and 3)."""
+    return ZERO_MODES[zero_stage] if replicas > 1 else "none"
 
 
 @dataclass(frozen=True)
@@ -38,13 +45,13 @@ class Layout:
 
     @classmethod
     def of(cls, recipe, world: int, device: str = "cpu") -> "Layout":
-        """A recipe's layout on `world` ranks: TP groups of `recipe.tensor_parallel`, and the
-        rest data-parallel replicas when the recipe asks for data parallelism."""
+        """A recipe's layout on `world` ranks: TP groups of `recipe.tensor_parallel`, the rest
+        data-parallel replicas at `recipe.zero_stage`."""
         tp = recipe.tensor_parallel
         if world % tp:
             raise ConfigError(f"tensor_parallel={tp} does not divide the {world} ranks")
-        dp = world // tp if recipe.data_parallel != "none" else 1
-        return cls(dp, tp, recipe.data_parallel, device, recipe.offload)
+        dp = world // tp
+        return cls(dp, tp, data_mode(recipe.zero_stage, dp), device, recipe.offload)
 
     @property
     def world(self) -> int:

@@ -1,8 +1,8 @@
 """A recipe: the step-side techniques one training run combines, and the one place that composes
 them (`compose`), in a fixed order, refusing up front the combinations that cannot work.
 
-    step = compose(cfg, Recipe(precision="bf16", checkpointing="full", accumulation=4,
-                               data_parallel="zero2"))
+    step = compose(cfg, Recipe(precision="bf16", checkpointing="full", micro_batches=4,
+                               zero_stage=2))
     step.step()
 
 The single-technique experiments apply the same transforms (`labkit.blocks.transforms`); a
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from labkit import planner
 from labkit.blocks import hf, transforms
-from labkit.blocks.layout import Layout
+from labkit.blocks.layout import HOST_OPTIMIZER, SHARDED, ZERO_MODES, Layout, data_mode
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
 from labkit.config import ConfigError, RunConfig, check_choice
@@ -27,7 +27,9 @@ OFFLOADS = ("none", "activations", "optimizer", "both")
 # TF32 changes no byte.
 PLANNER_PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16_autocast",
                      "fp16": "fp16_autocast", "bf16_weights": "mixed"}
-ZERO_STAGE = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+# The recipe's knobs in the order compose applies them (its steps 1 to 8): the ladder's order too
+ORDER = ("precision", "finetune", "tensor_parallel", "checkpointing", "compile", "zero_stage",
+         "micro_batches", "offload")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,9 +40,9 @@ class Recipe:
     checkpointing: str = "none"          # transforms.CHECKPOINT_MODES
     checkpoint_every: int = 2            # every_n: every n-th block
     compile: bool = False                # torch.compile of each block
-    data_parallel: str = "none"          # transforms.DATA_PARALLEL, over the ranks that are not TP
+    zero_stage: int = 0                  # of the data-parallel replicas (layout.ZERO_MODES)
     tensor_parallel: int = 1             # TP degree (the ranks of one model replica)
-    accumulation: int = 1                # micro-batches of batch_size per optimizer step
+    micro_batches: int = 1               # micro-batches of batch_size per optimizer step
     offload: str = "none"                # OFFLOADS
     finetune: str = "none"               # transforms.FINETUNE: lora or qlora adapters, base frozen
     lora_rank: int = 8                   # the adapters' rank r
@@ -60,15 +62,18 @@ def refusal(recipe: Recipe, device: str, world: int = 1, *, launched: bool | Non
     `launched`: judge as if on `world` ranks torch.distributed started (True, before a launch)
     or not (False); None: as this process is."""
     launched = dist.is_initialized() if launched is None else launched
-    return (_unknown(recipe) or _layout(recipe, world, launched) or _optimizer_clash(recipe)
-            or _offload_clash(recipe, device) or _device_clash(recipe, device)
-            or _converter_clash(recipe))
+    why = _unknown(recipe) or _layout(recipe, world, launched)
+    if why:
+        return why
+    mode = data_mode(recipe.zero_stage, world // recipe.tensor_parallel)
+    return (_optimizer_clash(recipe, mode) or _offload_clash(recipe, mode, device)
+            or _device_clash(recipe, device) or _converter_clash(recipe, mode))
 
 
 def _unknown(recipe: Recipe) -> str | None:
     for name, value, valid in (("precision", recipe.precision, transforms.PRECISIONS),
                                ("checkpointing", recipe.checkpointing, transforms.CHECKPOINT_MODES),
-                               ("data_parallel", recipe.data_parallel, transforms.DATA_PARALLEL),
+                               ("zero_stage", recipe.zero_stage, range(len(ZERO_MODES))),
                                ("offload", recipe.offload, OFFLOADS),
                                ("finetune", recipe.finetune, transforms.FINETUNE)):
         try:
@@ -77,8 +82,8 @@ def _unknown(recipe: Recipe) -> str | None:
             return str(e)
     if recipe.checkpointing == "blocks":
         return "checkpointing=blocks needs the block list the checkpointing experiment's budget chooses"
-    if recipe.accumulation < 1 or recipe.tensor_parallel < 1 or recipe.checkpoint_every < 1:
-        return "accumulation, tensor_parallel and checkpoint_every are counts: 1 or more"
+    if recipe.micro_batches < 1 or recipe.tensor_parallel < 1 or recipe.checkpoint_every < 1:
+        return "micro_batches, tensor_parallel and checkpoint_every are counts: 1 or more"
     if recipe.finetune != "none":
         try:
             planner.parse_lora_targets(recipe.lora_targets)
@@ -88,71 +93,70 @@ def _unknown(recipe: Recipe) -> str | None:
 
 
 def _layout(recipe: Recipe, world: int, launched: bool) -> str | None:
-    """How the ranks split into tensor-parallel groups and data-parallel replicas."""
-    tp, data = recipe.tensor_parallel, recipe.data_parallel
-    if (data != "none" or tp > 1) and not launched:
+    """How the ranks split into tensor-parallel groups and data-parallel replicas: the ranks
+    over `tensor_parallel` are the replicas, data parallel at `zero_stage` when there are two
+    or more."""
+    tp, stage = recipe.tensor_parallel, recipe.zero_stage
+    if (world > 1 or stage or tp > 1) and not launched:
         return ("data and tensor parallelism run on ranks that torch.distributed started "
                 "(torchrun, or the harness's launcher); this process is not one")
     if world % tp:
         return f"tensor_parallel={tp} does not divide the {world} ranks"
-    if tp > 1 and data in ("ddp", "zero1"):
+    replicas = world // tp
+    if stage and replicas == 1:  # compose would skip it: the recipe would not run
+        return (f"zero_stage={stage} shards over the data-parallel replicas; {world} rank(s) / "
+                f"tensor_parallel={tp} leave 1: use zero_stage=0")
+    if tp > 1 and replicas > 1 and stage <= 1:
         return ("DDP cannot wrap tensor-parallel (DTensor) parameters; with tensor_parallel > 1 "
-                "use data_parallel=zero2 or zero3 (FSDP2 on the other mesh dimension)")
-    if tp == 1 and data == "none" and world > 1:
-        return f"{world} ranks but no data or tensor parallelism: every rank would train alone"
-    if tp > 1 and data == "none" and world != tp:
-        return f"tensor_parallel={tp} on {world} ranks needs data_parallel for the rest"
-    if data != "none" and world // tp == 1:  # compose would skip it: the recipe would not run
-        return (f"data_parallel={data} needs 2 or more replicas; {world} rank(s) / "
-                f"tensor_parallel={tp} leave 1: use data_parallel=none")
+                "and several replicas use zero_stage=2 or 3 (FSDP2 over the replicas)")
     return None
 
 
-def _optimizer_clash(recipe: Recipe) -> str | None:
+def _optimizer_clash(recipe: Recipe, mode: str) -> str | None:
     """Two transforms that each choose the optimizer, or a GradScaler the optimizer cannot serve."""
-    host_optimizer = recipe.offload in ("optimizer", "both")
-    if host_optimizer and recipe.data_parallel == "zero1":
-        return ("offload=optimizer keeps whole host copies; ZeroRedundancyOptimizer (zero1) "
+    host_optimizer = recipe.offload in HOST_OPTIMIZER
+    if host_optimizer and mode == "zero1":
+        return ("offload=optimizer keeps whole host copies; ZeroRedundancyOptimizer (zero_stage=1) "
                 "shards those states itself: choose one")
-    if recipe.precision == "bf16_weights" and recipe.data_parallel == "zero1":
-        return ("bf16_weights keeps fp32 master copies in its own optimizer; zero1's "
+    if recipe.precision == "bf16_weights" and mode == "zero1":
+        return ("bf16_weights keeps fp32 master copies in its own optimizer; zero_stage=1's "
                 "ZeroRedundancyOptimizer would replace it (no master copies): choose one")
     if host_optimizer and recipe.precision == "bf16_weights":
         return "bf16_weights and offload=optimizer both replace the optimizer with copies: choose one"
     scaled = recipe.precision == "fp16" and recipe.loss_scaling
-    if scaled and host_optimizer and recipe.data_parallel not in ("zero2", "zero3"):
+    if scaled and host_optimizer and mode not in SHARDED:
         return ("fp16's GradScaler unscales through optimizer.param_groups, which the host "
                 "optimizer (CopyAdamW) has not: use bf16, or loss_scaling=False")
-    if scaled and recipe.tensor_parallel > 1 and recipe.data_parallel == "none":
+    if scaled and recipe.tensor_parallel > 1 and mode == "none":
         return ("fp16's GradScaler unscales DTensor (sharded) and plain (replicated norm) "
                 "gradients in one foreach call, which DTensor refuses: use bf16")
     return None
 
 
-def _offload_clash(recipe: Recipe, device: str) -> str | None:
+def _offload_clash(recipe: Recipe, mode: str, device: str) -> str | None:
     activations = recipe.offload in ("activations", "both")
     if activations and recipe.compile:
         return ("activation offload's host copies come back contiguous, and compile's backward "
                 "asserts the saved tensors' original strides: choose one")
-    if activations and (recipe.tensor_parallel > 1 or recipe.data_parallel in ("zero2", "zero3")):
+    if activations and (recipe.tensor_parallel > 1 or mode in SHARDED):
         return ("offload=activations tells parameters from activations by storage, which "
-                "sharded (DTensor) parameters do not expose: use ddp/zero1, or no offload")
-    host_optimizer = recipe.offload in ("optimizer", "both")
-    if host_optimizer and recipe.tensor_parallel > 1 and recipe.data_parallel == "none":
+                "sharded (DTensor) parameters do not expose: use zero_stage 0 or 1, or no offload")
+    host_optimizer = recipe.offload in HOST_OPTIMIZER
+    if host_optimizer and recipe.tensor_parallel > 1 and mode == "none":
         return ("offload=optimizer copies whole tensors; tensor-parallel shards need FSDP2's "
-                "offload (zero2/zero3)")
-    if host_optimizer and recipe.data_parallel in ("zero2", "zero3") and not device.startswith("cuda"):
-        return "offload=optimizer with zero2/zero3 is FSDP2's CPUOffloadPolicy, which needs a GPU"
+                "offload (zero_stage 2 or 3)")
+    if host_optimizer and mode in SHARDED and not device.startswith("cuda"):
+        return "offload=optimizer with zero_stage 2 or 3 is FSDP2's CPUOffloadPolicy, which needs a GPU"
     return None
 
 
-def _converter_clash(recipe: Recipe) -> str | None:
+def _converter_clash(recipe: Recipe, mode: str) -> str | None:
     if recipe.finetune != "none" and recipe.tensor_parallel > 1:
         return ("LoRA's adapters wrap the linears that tensor parallelism's plan shards by name: "
                 "use tensor_parallel=1 with finetune")
-    if recipe.finetune == "qlora" and recipe.data_parallel in ("ddp", "zero1"):
+    if recipe.finetune == "qlora" and mode in ("ddp", "zero1"):
         return ("DDP broadcasts the module's buffers, and QLoRA's NF4 weights are buffers of a "
-                "tensor subclass it cannot send: use zero2 or zero3 with qlora")
+                "tensor subclass it cannot send: use zero_stage 2 or 3 with qlora")
     return None
 
 
@@ -178,7 +182,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     model = build_model(cfg.model, device="meta", attention=cfg.attention) if meta else None
     # The global batch, built the same on every rank; data parallelism takes each rank's slice.
     step = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,
-                   batch_size=cfg.batch_size * recipe.accumulation * layout.dp, model=model)
+                   batch_size=cfg.batch_size * recipe.micro_batches * layout.dp, model=model)
     # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
     # compile, then FSDP):
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
@@ -203,13 +207,13 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     # 6. data parallelism wraps (or shards) the finished model and keeps this rank's slice; a
     #    model built on the meta device gets its weights now, each rank its shards.
     if layout.dp_enabled:
-        transforms.apply_data_parallel(step, recipe.data_parallel, layout.dp_mesh,
+        transforms.apply_data_parallel(step, layout.data_parallel, layout.dp_mesh,
                                        offload=layout.host_optimizer and layout.fsdp_enabled)
     if meta:
         materialize(step.model, cfg.device, seed=cfg.seed)
     # 7. accumulation splits this rank's slice into micro-batches, around whatever the forward
     #    has become (under DDP only the last micro-batch all-reduces).
-    transforms.apply_accumulation(step, [cfg.batch_size] * recipe.accumulation)
+    transforms.apply_accumulation(step, [cfg.batch_size] * recipe.micro_batches)
     # 8. offload: activation hooks around the forward; the host optimizer unless FSDP2 offloads.
     transforms.apply_offload(step, activations=recipe.offload in ("activations", "both"),
                              optimizer=layout.host_optimizer and not layout.fsdp_enabled)
@@ -234,13 +238,13 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
                                                     every=recipe.checkpoint_every))
     if mode not in planner.CHECKPOINTING:
         return None, f"the planner has no case for checkpointing={recipe.checkpointing}"
-    stage = ZERO_STAGE[recipe.data_parallel]
     layout = Layout.of(recipe, world, cfg.device)
+    stage = recipe.zero_stage if layout.dp_enabled else 0
     return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                 precision=PLANNER_PRECISION[recipe.precision], optimizer="adamw",
                 zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
-                accumulation_steps=recipe.accumulation, device=cfg.device, fsdp2=stage >= 2), ""
+                accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=stage >= 2), ""
 
 
 def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.MemoryPlan:

@@ -5,8 +5,8 @@ the planner's prediction for that exact rung.
     frame = run_ladder(rungs, preset="tiny", overrides={"nproc": 2})
     labkit.views.ladder.ladder_figure(frame)
 
-The rungs follow the composition root's order (`labkit.blocks.recipe.compose`: precision,
-checkpointing, compile, data parallelism, accumulation, offload), so each rung is the one before
+The rungs follow the composition root's order (`labkit.blocks.recipe.ORDER`: precision,
+checkpointing, compile, zero_stage, micro_batches, offload), so each rung is the one before
 with one more transform applied where compose applies it. On several ranks the first rung above
 `plain` is DDP alone (`zero_stage=0`): plain computes the whole global batch in one process,
 and splitting it over the ranks is itself a technique, whose memory would otherwise be credited
@@ -25,6 +25,7 @@ from typing import Any
 
 import pandas as pd
 
+from labkit.blocks import recipe as recipes
 from labkit.config import ConfigError, usable_threads
 from labkit.harness import launch
 from labkit.harness.experiment import measure_stored, plan_points
@@ -33,8 +34,9 @@ from labkit.techniques import recipe, record
 
 NAME = "recipe"
 PLAIN = "plain"
-# The knobs in the order compose applies their transforms (steps 1, 4, 5, 6, 7 and 8 there).
-ORDER = ("precision", "checkpointing", "compile", "zero_stage", "micro_batches", "offload")
+# The knobs a rung turns on, in the order compose applies them (its one `ORDER`); the model
+# converters and tensor parallelism are not rungs
+ORDER = tuple(k for k in recipes.ORDER if k not in ("finetune", "tensor_parallel"))
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(recipe.Config) if f.name in ORDER}  # all off
 DDP = "+ ddp"
 # Metrics a rung that did not run (oom, error, skipped) still has a prediction for.

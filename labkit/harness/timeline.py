@@ -40,7 +40,7 @@ class StepTimeline:
 
 
 def recipe_label(recipe: Recipe) -> str:
-    """`plain`, or the recipe's techniques (`checkpointing=full, accumulation=2`)."""
+    """`plain`, or the recipe's techniques (`checkpointing=full, micro_batches=2`)."""
     return ", ".join(recipe.techniques()) or "plain"
 
 
@@ -86,7 +86,7 @@ def step_timeline(cfg: RunConfig, recipe: Recipe | None = None) -> StepTimeline:
     """`compose(cfg, recipe)`, one warm-up step (AdamW's state exists after it, as in every
     later step), then one recorded step (categories: `labkit.measure.timeline`), with the
     planner's prediction for the same recipe: its precision's case, checkpointing and
-    micro-batches (`accumulation`: `cfg.batch_size` rows each, as `compose` splits them)."""
+    micro-batches (`micro_batches`: `cfg.batch_size` rows each, as `compose` splits them)."""
     recipe = recipe or Recipe()
     step = compose(cfg, recipe)
     step.step()

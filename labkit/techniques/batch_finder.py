@@ -158,7 +158,7 @@ def planner_peak(cfg: Config, n: int) -> int:
     at = at_size(cfg, n)
     sizes = probe_sizes(at)
     micro = dataclasses.replace(at, batch_size=sizes[0], device=torch.device(cfg.device).type)
-    plan = planned_memory(micro, dataclasses.replace(recipe(cfg.variant), accumulation=len(sizes)))
+    plan = planned_memory(micro, dataclasses.replace(recipe(cfg.variant), micro_batches=len(sizes)))
     return plan.total_bytes
 
 

@@ -68,7 +68,6 @@ CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_weights")
 CHECKPOINTING = ("none", "full", "selective", "every_n")
 OFFLOADS = ("none", "activations", "optimizer")
-DATA_PARALLEL = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 LR = 1e-3
 # fp32 recipes reorder sums (ranks, micro-batches): ~1e-7 per element; relative 1e-5 of the
 # weights' and losses' norms. The lossy precisions get mixed_precision's tolerance of the loss,
@@ -110,23 +109,16 @@ def replicas(cfg: Config) -> int:
 
 
 def recipe_of(cfg: Config) -> Recipe:
-    """The knobs as a Recipe: ZeRO stage 0 is DDP over several replicas, nothing over one."""
-    data = DATA_PARALLEL[cfg.zero_stage] if replicas(cfg) > 1 or cfg.zero_stage else "none"
-    return Recipe(precision=cfg.precision, checkpointing=cfg.checkpointing,
-                  checkpoint_every=cfg.checkpoint_every, compile=cfg.compile, data_parallel=data,
-                  tensor_parallel=cfg.tensor_parallel, accumulation=cfg.micro_batches,
-                  offload=cfg.offload, finetune=cfg.finetune, lora_rank=cfg.lora_rank,
-                  lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets)
+    """The knobs as a Recipe: the same names (its loss_scaling is the default's, on)."""
+    return Recipe(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Recipe)
+                     if hasattr(cfg, f.name)})
 
 
 def refused(cfg: Config) -> str | None:
     """Why compose would refuse this recipe on its ranks (one line), judged before they start
     (on nproc ranks, as if launched) and again on them."""
-    r, ranks = recipe_of(cfg), world_size() if is_distributed() else cfg.nproc or 1
-    if r.data_parallel != "none" and ranks == 1:
-        return (f"zero_stage={cfg.zero_stage} shards over the ranks: it needs nproc >= 2 "
-                "(zero_stage=0 on one rank)")
-    return recipes.refusal(r, cfg.device, ranks, launched=True)
+    ranks = world_size() if is_distributed() else cfg.nproc or 1
+    return recipes.refusal(recipe_of(cfg), cfg.device, ranks, launched=True)
 
 
 def validate(cfg: Config) -> None:
