@@ -207,10 +207,6 @@ class Trainer:
         if not self.grads_at_rest:
             self.drop_grads()
 
-    def backward_and_update(self, loss: torch.Tensor) -> None:
-        self.backward(loss)
-        self.update()
-
     def accumulate(self, sync: bool = True) -> float:
         """Forward and backward of every micro-batch; the gradients add up in `.grad`, and each
         micro-batch's activations are freed by its backward. Returns the batch's loss. Without
