@@ -194,7 +194,9 @@ def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int) -> Mem
     the adapters' gradients and moments sharded. In the backward FSDP2 holds gathered copies:
     ZeRO-2 every unit's (it does not reshard after forward), ZeRO-3 the root unit's (embedding,
     final norm, head: never resharded after forward) and two blocks' (the one in its backward
-    and the next, prefetched)."""
+    and the next, prefetched). Each micro-batch's forward starts with a third moment: FSDP2
+    gathers the root and the first block (prefetched) anew (both reshard after the backward),
+    each all-gather's flat output beside the parameters it is copied into: twice their bytes."""
     m, w, dp = r.m, r.prec.weight, r.dp
     moments = 2 * w * trainable
     terms = {"optimizer": -(-moments // dp) + plan.optimizer_bytes - moments}  # steps: every rank
@@ -207,7 +209,8 @@ def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int) -> Mem
         root = w * _fsdp2_units(r)[0]
         gathered = dense if r.zero_stage == 2 else root + 2 * (dense - root) // m.num_layers
         terms.update(param=-(-dense // dp) + (linears if method == "qlora" else 0),
-                     grad=-(-w * trainable // dp), gathered=gathered)
+                     grad=-(-w * trainable // dp), gathered=gathered,
+                     forward_gathers=2 * (root + (dense - root) // m.num_layers))
         nf4 = " + the NF4 block linears whole (buffers)" if method == "qlora" else ""
         formulas.update(param=f"every Parameter (frozen base and adapters) / {dp} ranks{nf4}",
                         grad=f"the adapters' gradients / {dp} ranks",
@@ -218,17 +221,19 @@ def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int) -> Mem
 
 
 HELD = {"backward": ("param", "grad", "optimizer", "activation", "gathered"),
-        "step": ("param", "grad", "optimizer")}
+        "step": ("param", "grad", "optimizer"), "forward": ("param", "grad", "optimizer")}
 
 
-def _phased(plan: MemoryPlan, **terms: int) -> MemoryPlan:
+def _phased(plan: MemoryPlan, *, forward_gathers: int = 0, **terms: int) -> MemoryPlan:
     """`plan` with `terms` replaced (by name: param, grad, optimizer, gathered), each phase's own
-    temporaries kept, and its peak chosen again."""
+    temporaries kept, and its peak chosen again; `forward_gathers`: the temporaries of a third
+    phase, the start of a micro-batch's forward (FSDP2's first all-gathers)."""
     def held(p: MemoryPlan, phase: str) -> int:
         return sum(getattr(p, f"{t}_bytes") for t in HELD[phase])
 
     new = dataclasses.replace(plan, **{f"{k}_bytes": v for k, v in terms.items()})
-    temporaries = {phase: plan.phase_bytes[phase] - held(plan, phase) for phase in HELD}
+    temporaries = {phase: plan.phase_bytes[phase] - held(plan, phase) for phase in ("backward", "step")}
+    temporaries["forward"] = forward_gathers
     phases = {phase: held(new, phase) + temporaries[phase] for phase in HELD}
     peak = max(phases, key=phases.get)
     return dataclasses.replace(new, phase_bytes=phases, peak_phase=peak, overhead_bytes=temporaries[peak],
