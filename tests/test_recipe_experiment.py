@@ -107,8 +107,8 @@ def test_a_budget_makes_composed_an_oom_row_while_plain_still_runs(rows):
 
 # --- the model converters: QLoRA + full checkpointing + ZeRO-2, one more launch ------------------
 
-QLORA = {"finetune": "qlora", "checkpointing": "full", "zero_stage": 2, "precision": "fp32",
-         "micro_batches": 1}
+QLORA = {"finetune": "qlora", "checkpointing": "full", "zero_stage": 2, "precision": "fp32"}
+QLORA_MICRO_BATCHES = (1, 2)  # 2: each micro-batch's forward gathers FSDP2's units anew
 
 
 @pytest.fixture(scope="module")
@@ -116,29 +116,40 @@ def qlora_rows(tmp_path_factory):
     pytest.importorskip("peft")
     pytest.importorskip("torchao")
     return run_experiment("recipe", preset="tiny", overrides={**SIZES, **QLORA},
+                          sweep={"micro_batches": list(QLORA_MICRO_BATCHES)},
                           runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
 
 
-def test_qlora_with_checkpointing_and_zero2_matches_its_one_process_reference(qlora_rows):
+def qlora_at(rows, variant, metric, rank, micro_batches):
+    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)
+            and r["params"]["sweep"]["micro_batches"] == micro_batches]
+    assert len(hits) == 1, (variant, metric, rank, micro_batches, hits)
+    return hits[0]
+
+
+@pytest.mark.parametrize("micro_batches", QLORA_MICRO_BATCHES)
+def test_qlora_with_checkpointing_and_zero2_matches_its_one_process_reference(qlora_rows, micro_batches):
     """plain holds the same converters on one process: the same adapters train, the NF4 base stays;
     composed must end with its weights and losses at fp32 precision."""
     for rank in RANKS:
         for metric in ("loss_rel_diff", "weight_rel_diff"):
-            row = at(qlora_rows, "composed", metric, rank)
+            row = qlora_at(qlora_rows, "composed", metric, rank, micro_batches)
             assert row["status"] == "ok" and row["value"] <= recipe.FP32_TOLERANCE, row
 
 
-def test_qlora_zero2_terms_are_the_planners_and_the_peak_within_10_percent(qlora_rows):
+@pytest.mark.parametrize("micro_batches", QLORA_MICRO_BATCHES)
+def test_qlora_zero2_terms_are_the_planners_and_the_peak_within_10_percent(qlora_rows, micro_batches):
     for rank in RANKS:
         for metric in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                        "all_gather_bytes"):
-            row = at(qlora_rows, "composed", metric, rank)
+            row = qlora_at(qlora_rows, "composed", metric, rank, micro_batches)
             assert row["value"] == pytest.approx(row["predicted"], rel=0.01), row
         for variant in recipe.VARIANTS:
-            row = at(qlora_rows, variant, "peak_mem_bytes", rank)
+            row = qlora_at(qlora_rows, variant, "peak_mem_bytes", rank, micro_batches)
             assert row["value"] == pytest.approx(row["predicted"], rel=0.10), row
         # ZeRO-2: the adapters' gradients and moments halved; the NF4 base whole on each rank
-        plain, composed = (at(qlora_rows, v, "grad_bytes", rank)["value"] for v in recipe.VARIANTS)
+        plain, composed = (qlora_at(qlora_rows, v, "grad_bytes", rank, micro_batches)["value"]
+                           for v in recipe.VARIANTS)
         assert composed == pytest.approx(plain / 2, rel=0.01)
 
 
