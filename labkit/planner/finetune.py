@@ -183,23 +183,25 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
                  fsdp2=zero_stage >= 2)
     targets = parse_lora_targets(lora_targets)
     trainable = trainable_params(m, method, lora_rank=lora_rank, lora_targets=targets)
-    plan = _lora_plan(r, method, targets, lora_rank, trainable)
-    return _lora_sharded(plan, r, method, trainable) if r.dp > 1 and r.zero_stage >= 1 else plan
+    return _lora_plan(r, method, targets, lora_rank, trainable)
 
 
-def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int) -> MemoryPlan:
+def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int,
+                  moments: tuple[int, int]) -> MemoryPlan:
     """A (Q)LoRA step's terms on one of `r.dp` ranks. ZeRO-1: AdamW's moments divided. ZeRO-2
     and 3 (FSDP2): every Parameter sharded at rest (the frozen embedding, head, norms and, for
     lora, block linears; the adapters), QLoRA's NF4 weights (buffers) kept whole on each rank;
     the adapters' gradients and moments sharded. In the backward FSDP2 holds gathered copies:
     ZeRO-2 every unit's (it does not reshard after forward), ZeRO-3 the root unit's (embedding,
     final norm, head: never resharded after forward) and two blocks' (the one in its backward
-    and the next, prefetched). Each micro-batch's forward starts with a third moment: FSDP2
-    gathers the root and the first block (prefetched) anew (both reshard after the backward),
-    each all-gather's flat output beside the parameters it is copied into: twice their bytes."""
+    and the next, prefetched), so under ZeRO-3 the loss's temporaries (the first of `moments`,
+    the loss's and a block's) meet the root alone. Each micro-batch's forward starts with a third
+    moment: FSDP2 gathers the root and the first block (prefetched) anew (both reshard after the
+    backward), each all-gather's flat output beside the parameters it is copied into: twice
+    their bytes."""
     m, w, dp = r.m, r.prec.weight, r.dp
-    moments = 2 * w * trainable
-    terms = {"optimizer": -(-moments // dp) + plan.optimizer_bytes - moments}  # steps: every rank
+    adam = 2 * w * trainable  # m and v; the steps, one per adapter tensor, are on every rank
+    terms = {"optimizer": -(-adam // dp) + plan.optimizer_bytes - adam}
     formulas = {"optimizer": f"AdamW's m + v of the adapters / {dp} ranks (ZeRO-{r.zero_stage}), "
                              "+ 4 per adapter tensor (its step, on every rank)"}
     if r.zero_stage >= 2:
@@ -207,10 +209,14 @@ def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int) -> Mem
         elems = m.num_layers * block_linear_params(m, biases=False)
         dense = (r.num_params - elems) * w + w * trainable + (linears if method == "lora" else 0)
         root = w * _fsdp2_units(r)[0]
-        gathered = dense if r.zero_stage == 2 else root + 2 * (dense - root) // m.num_layers
+        block = (dense - root) // m.num_layers
+        loss, in_block = moments
         terms.update(param=-(-dense // dp) + (linears if method == "qlora" else 0),
-                     grad=-(-w * trainable // dp), gathered=gathered,
-                     forward_gathers=2 * (root + (dense - root) // m.num_layers))
+                     grad=-(-w * trainable // dp), forward_gathers=2 * (root + block))
+        if r.zero_stage == 2:
+            terms["gathered"] = dense
+        else:  # the block's moment: the root and two blocks; the loss's: the root alone
+            terms.update(gathered=root + 2 * block, backward_temporaries=max(loss - 2 * block, in_block))
         nf4 = " + the NF4 block linears whole (buffers)" if method == "qlora" else ""
         formulas.update(param=f"every Parameter (frozen base and adapters) / {dp} ranks{nf4}",
                         grad=f"the adapters' gradients / {dp} ranks",
@@ -224,15 +230,19 @@ HELD = {"backward": ("param", "grad", "optimizer", "activation", "gathered"),
         "step": ("param", "grad", "optimizer"), "forward": ("param", "grad", "optimizer")}
 
 
-def _phased(plan: MemoryPlan, *, forward_gathers: int = 0, **terms: int) -> MemoryPlan:
+def _phased(plan: MemoryPlan, *, forward_gathers: int = 0, backward_temporaries: int | None = None,
+            **terms: int) -> MemoryPlan:
     """`plan` with `terms` replaced (by name: param, grad, optimizer, gathered), each phase's own
-    temporaries kept, and its peak chosen again; `forward_gathers`: the temporaries of a third
-    phase, the start of a micro-batch's forward (FSDP2's first all-gathers)."""
+    temporaries kept (or the backward's given), and its peak chosen again; `forward_gathers`: the
+    temporaries of a third phase, the start of a micro-batch's forward (FSDP2's first
+    all-gathers)."""
     def held(p: MemoryPlan, phase: str) -> int:
         return sum(getattr(p, f"{t}_bytes") for t in HELD[phase])
 
     new = dataclasses.replace(plan, **{f"{k}_bytes": v for k, v in terms.items()})
     temporaries = {phase: plan.phase_bytes[phase] - held(plan, phase) for phase in ("backward", "step")}
+    if backward_temporaries is not None:
+        temporaries["backward"] = backward_temporaries
     temporaries["forward"] = forward_gathers
     phases = {phase: held(new, phase) + temporaries[phase] for phase in HELD}
     peak = max(phases, key=phases.get)
@@ -255,7 +265,8 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
     # keeps without checkpointing is held again, one block at a time
     recomputed = tokens * _lora_layer_bytes(r, targets, rank, grad_in=True)[0] \
         if r.checkpointing == "full" else 0
-    backward = _lora_backward_temporaries(r, tokens, dequant + recomputed)
+    moments = _lora_backward_moments(r, tokens, dequant + recomputed)
+    backward = max(moments)
     # torch's AdamW on the CPU loops (two temporaries of the largest adapter), on CUDA copies v
     largest = rank * max(o + i for o, i in linear_shapes(m).values())
     step = w * (2 * largest if r.impl == "single" else trainable)
@@ -268,7 +279,8 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
                       overhead_bytes=backward if peak == "backward" else step, held_at_peak=held,
                       peak_phase=peak, phase_bytes=phases, trainable_params=trainable,
                       linear_weight_bytes=linears)
-    return dataclasses.replace(plan, formulas=_lora_formulas(r, method, targets, rank, dequant))
+    plan = dataclasses.replace(plan, formulas=_lora_formulas(r, method, targets, rank, dequant))
+    return _lora_sharded(plan, r, method, trainable, moments) if r.dp > 1 and r.zero_stage >= 1 else plan
 
 
 def _lora_activations(r: _Run, targets: tuple[str, ...], rank: int) -> tuple[int, int]:
@@ -325,16 +337,16 @@ def _lora_layer_bytes(r: _Run, targets: tuple[str, ...], rank: int, *, grad_in: 
     return kept, g_mid or g1 or g3 or "down" in T
 
 
-def _lora_backward_temporaries(r: _Run, tokens: int, extra: int = 0) -> int:
-    """Beyond the activations at the backward's largest moment: the loss's fp32 gradients of
-    the log-probabilities and the logits (8·b·s·V), or a block's (the residual stream's
-    gradient and the MLP's two f-wide gradients, beside `extra`: qlora's weight dequantized
-    for its input's gradient, and a checkpointed block's recomputed activations), whichever is
-    larger."""
+def _lora_backward_moments(r: _Run, tokens: int, extra: int = 0) -> tuple[int, int]:
+    """Beyond the activations, the temporaries of the backward's two largest moments: the
+    loss's fp32 gradients of the log-probabilities and the logits (8·b·s·V), and a block's (the
+    residual stream's gradient and the MLP's two f-wide gradients, beside `extra`: qlora's
+    weight dequantized for its input's gradient, and a checkpointed block's recomputed
+    activations)."""
     s, p = r.shape, r.prec
     loss = 8 * tokens * s.vocab
     block = tokens * (p.residual * s.d + (2 if r.m.arch == "llama" else 1) * p.act * s.f)
-    return max(loss, block + extra)
+    return loss, block + extra
 
 
 def _lora_formulas(r: _Run, method: str, targets: tuple[str, ...], rank: int, dequant: int) -> dict[str, str]:
