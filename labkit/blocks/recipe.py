@@ -178,7 +178,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     #    rank holds the whole of it. Not for converters (NF4 and the adapters' initialisation
     #    need real weights), FSDP2's offload, or weights loaded from a folder.
     meta = (layout.fsdp_enabled and recipe.finetune == "none" and not layout.host_optimizer
-            and not (cfg.model.source and hf.loads_weights(cfg.model)))
+            and not hf.loads_weights(cfg.model))
     model = build_model(cfg.model, device="meta", attention=cfg.attention) if meta else None
     # The global batch, built the same on every rank; data parallelism takes each rank's slice.
     step = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,
@@ -191,8 +191,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     # 2. the model converters, before any parallelism (torchtitan applies its converters before
     #    `parallelize`): NF4 from the weights in their training dtype, which is what they
     #    dequantize to; the adapters in the base's dtype; everything else frozen.
-    transforms.apply_finetune(step, recipe.finetune, rank=recipe.lora_rank, alpha=recipe.lora_alpha,
-                              targets=planner.parse_lora_targets(recipe.lora_targets))
+    apply_converters(step, recipe)
     # 3. tensor parallel on the plain modules: its plan names the linear layers, which a
     #    checkpoint or compile wrapper would hide.
     if layout.tp_enabled:
@@ -220,6 +219,19 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     # 9. the optimizer last, over the final parameters: their dtype, device and shard.
     step.build_optimizer()
     return step
+
+
+def converters(recipe: Recipe) -> Recipe:
+    """The recipe's model converters alone: what trains, without how."""
+    return Recipe(finetune=recipe.finetune, lora_rank=recipe.lora_rank, lora_alpha=recipe.lora_alpha,
+                  lora_targets=recipe.lora_targets)
+
+
+def apply_converters(step: Trainer, recipe: Recipe) -> Trainer:
+    """The recipe's model converters on the step's model (`transforms.apply_finetune`)."""
+    return transforms.apply_finetune(step, recipe.finetune, rank=recipe.lora_rank,
+                                     alpha=recipe.lora_alpha,
+                                     targets=planner.parse_lora_targets(recipe.lora_targets))
 
 
 def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict | None, str]:

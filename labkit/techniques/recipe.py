@@ -52,8 +52,7 @@ from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_sc
 from labkit.blocks.recipe import Recipe, compose
 from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference
 from labkit.blocks.sharded import check_tp_shape, full_tensor
-from labkit.blocks.transforms import (FINETUNE, PRECISION_TOLERANCE, apply_finetune, checkpointed_blocks,
-                                     compute_dtype)
+from labkit.blocks.transforms import FINETUNE, PRECISION_TOLERANCE, checkpointed_blocks, compute_dtype
 from labkit.config import ConfigError, knob
 from labkit.measure.comm import CommCounter
 from labkit.measure.memory import ActivationMeter, LiveTensorTracker, storage_bytes
@@ -162,8 +161,7 @@ def plain_step(cfg: Config) -> Trainer:
     """The plain fp32 step on the whole global batch (replicas x batch_size), on every rank,
     with the recipe's model converters (they say what trains: the reference trains the same)."""
     step = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg), optimizer=False)
-    apply_finetune(step, cfg.finetune, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
-                   targets=planner.parse_lora_targets(cfg.lora_targets))
+    recipes.apply_converters(step, recipe_of(cfg))
     step.build_optimizer()
     return step
 
@@ -307,9 +305,7 @@ def planned(cfg: Config) -> planner.MemoryPlan | None:
     n = cfg.nproc or 2
     if cfg.variant == REFERENCE:
         whole = dataclasses.replace(cfg, batch_size=cfg.batch_size * (n // cfg.tensor_parallel))
-        only = Recipe(finetune=cfg.finetune, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                      lora_targets=cfg.lora_targets)  # the converters alone, on one process
-        return recipes.planned_memory(whole, only)
+        return recipes.planned_memory(whole, recipes.converters(recipe_of(cfg)))  # on one process
     micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
     try:
         return recipes.planned_memory(micro, recipe_of(cfg), n)
@@ -355,7 +351,7 @@ def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int | None:
         return whole
     if cfg.zero_stage <= 1:
         return 2 * whole
-    if cfg.model.source and hf.loads_weights(cfg.model):
+    if hf.loads_weights(cfg.model):
         return None
     largest = 4 * max(planner.stage_tensors(cfg.model))
     return plan.param_bytes + largest + largest // dp
