@@ -4,6 +4,7 @@ every figure here is exact on any machine."""
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 
@@ -53,6 +54,24 @@ def test_a_pace_handed_down_as_json_is_the_same_pace(monkeypatch):
     pace_module.measure_pace.cache_clear()
     assert pace_module.measure_pace() == given and given.slowdown == pytest.approx(3.0)
     pace_module.measure_pace.cache_clear()
+
+
+def test_the_processes_a_report_starts_get_its_pace_and_the_environment_is_restored(monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.delenv(pace_module.PACE_ENV, raising=False)
+    ours = slower(4.0)
+    monkeypatch.setattr(pace_module, "measure_pace", lambda: ours)
+    child = [sys.executable, "-c", "from labkit.measure.pace import measure_pace; "
+                                   "print(measure_pace().to_json())"]
+    with pace_module.handed_down():
+        seen = Pace(**json.loads(subprocess.run(child, capture_output=True, text=True, check=True).stdout))
+    assert seen == ours and pace_module.PACE_ENV not in os.environ
+    given = slower(2.0)
+    monkeypatch.setenv(pace_module.PACE_ENV, given.to_json())
+    with pace_module.handed_down():  # a pace the caller gave stands
+        assert Pace(**json.loads(os.environ[pace_module.PACE_ENV])) == given
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))

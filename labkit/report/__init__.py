@@ -41,6 +41,7 @@ it runs to its share of the report's seconds target, from this CPU's measured pa
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import sys
@@ -195,6 +196,8 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
     others still run (see `Report.failed`)."""
     import papermill
 
+    from labkit.measure.pace import handed_down
+
     out = Path(out).resolve()
     runs_dir = Path(runs_dir or out / "runs").resolve()
     found = find_notebooks(notebooks_dir)
@@ -218,8 +221,9 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
         return report
     out.mkdir(parents=True, exist_ok=True)
     started, t0 = now(), time.perf_counter()
-    jobs_done = execute_all({s: found[s] for s in stems}, params,
-                            {r.stem: r.ranks for r in report.notebooks}, out, cores, progress)
+    with handed_down() if _on_cpu(device) else contextlib.nullcontext():
+        jobs_done = execute_all({s: found[s] for s in stems}, params,
+                                {r.stem: r.ranks for r in report.notebooks}, out, cores, progress)
     for run in report.notebooks:
         run.status, run.error, run.seconds = jobs_done[run.stem]
     report.seconds = time.perf_counter() - t0

@@ -4,9 +4,10 @@ reference CPU before the first cell, five times that on a CPU five times slower;
 33 notebooks, the exercises 58).
 
 Between two notebooks the kernel forgets the first one's names (`%reset -f` keeping `__spec__`,
-which multiprocessing reads; then a garbage collection, and on a GPU the caching allocator's
-blocks are handed back, since two kernels share the card) and goes back to `cwd`; imported modules
-stay, as they would in a person's session. A kernel that died or timed out is replaced by a
+which multiprocessing reads; then a garbage collection that leaves what survives it out of later
+ones, `freeze_survivors`; and on a GPU the caching allocator's blocks are handed back, since two
+kernels share the card) and goes back to `cwd`; imported modules stay, as they would in a
+person's session. A kernel that died or timed out is replaced by a
 fresh one for the next notebook. The kernel's stderr (and that of the ranks it starts) goes to
 `log`, each notebook's part headed by its name.
 """
@@ -36,10 +37,11 @@ def _manager() -> Any:
 
 RESET = """
 def _labkit_reset(spec=__spec__):  # what %reset -f does, keeping __spec__ for multiprocessing
-    import gc, os, sys
+    import os, sys
+    from labkit.measure.memory import freeze_survivors
     get_ipython().reset(new_session=False)
     get_ipython().user_ns["__spec__"] = spec
-    gc.collect()
+    freeze_survivors()  # what is left (modules, the kernel) lives on: later collections skip it
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # the GPU memory the last notebook cached, for the other kernel
