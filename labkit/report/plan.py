@@ -39,7 +39,11 @@ NOTEBOOK_RUNGS: dict[str, tuple[dict[str, Any], ...]] = {
     # the worked example's ladder on 8 x 64 tokens per rank through one block, not 8 x 128
     # through two: a quarter of the work, and the story holds (every rung at the whole batch
     # predicted over the budget, the accumulated one under it, each by 6%)
-    "08_memory_planner": ({"measured": {"seq_len": 64, "num_layers": 1}},),
+    "08_memory_planner": ({"measured": {"seq_len": 64, "num_layers": 1}},
+                          # then one timed step a rung (the ladder's story is memory), and the
+                          # planner's check at 2 x 32 tokens, not 4 x 64
+                          {"measured": {"seq_len": 64, "num_layers": 1, "timed_steps": 1},
+                           "check_overrides": {"batch_size": 2, "seq_len": 32}}),
     # the frontier's search in steps of 64 tokens, not 16: a quarter of its probes; then in a
     # smaller budget (every variant still fits a longer sequence than the one before it)
     "30_finetune": ({}, {"frontier_seq_step": 64},
@@ -48,6 +52,8 @@ NOTEBOOK_RUNGS: dict[str, tuple[dict[str, Any], ...]] = {
     "18_compile": ({}, {}, {"sweep": {"target": ["decode"]}}),
     # naive attention at 512 tokens, not 1024: a quarter of its costliest point
     "17_attention": ({}, {}, {"sweep": {"seq_len": [128, 512]}}),
+    # the bubble at 1 and 4 micro-batches, not also at 2: its fall with m still shown
+    "13_pipeline_parallel": ({}, {}, {}, {"sweep": {"micro_batches": [1, 4]}}),
     # the Pareto figure at two batch limits, not four
     "29_sla": ({}, {}, {}, {"pareto_batch_sizes": [2, 8]}),
 }

@@ -46,7 +46,8 @@ VARIANTS = ("single", "ddp", "accumulate", "accumulate_no_sync", "fp16_compress"
             "powersgd")
 REFERENCE = "single"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2},
+             {"timed_steps": 2, "seq_len": 32, "num_layers": 1})
 
 HOOKS = {"ddp": default_hooks.allreduce_hook, "accumulate": default_hooks.allreduce_hook,
          "accumulate_no_sync": default_hooks.allreduce_hook,

@@ -52,7 +52,8 @@ CPU_RANKS = 4  # ranks without GPUs (with them: one per GPU): a 2 x 2 mesh
 VARIANTS = ("single", "fsdp", "tp", "fsdp_tp")
 REFERENCE = "single"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2},
+             {"timed_steps": 2, "seq_len": 32, "num_layers": 1})
 
 SIZES = {"tiny": {"num_kv_heads": 4}}  # 4-way tensor parallel splits the kv heads four ways
 

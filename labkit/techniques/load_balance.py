@@ -40,7 +40,8 @@ DISTRIBUTED = True
 VARIANTS = ("even", "proportional")
 REFERENCE = "even"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2},
+             {"timed_steps": 2, "seq_len": 32, "num_layers": 1})
 
 TOLERANCE = 1e-5  # normwise relative gradient difference: fp32 sums in another order
 

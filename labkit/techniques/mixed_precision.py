@@ -34,7 +34,8 @@ from labkit.workload import Comparison, Workload
 VARIANTS = ("fp32", "tf32", "fp16", "bf16", "bf16_weights")
 REFERENCE = "fp32"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"batch_size": 1, "seq_len": 32}, {"batch_size": 1, "seq_len": 16, "num_layers": 2, "steps": 1})
+CPU_RUNGS = ({"batch_size": 1, "seq_len": 32}, {"batch_size": 1, "seq_len": 16, "num_layers": 2, "steps": 1},
+             {"batch_size": 1, "seq_len": 16, "num_layers": 1, "steps": 1})
 
 # fp16 and bf16 steps are emulated (15-70x slower than fp32) on a CPU without AVX-512 FP16/BF16:
 # half the batch keeps the three 16-bit variants to seconds there

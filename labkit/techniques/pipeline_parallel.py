@@ -55,7 +55,8 @@ DISTRIBUTED = True
 VARIANTS = ("single", "gpipe", "1f1b")
 REFERENCE = "single"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2},
+             {"timed_steps": 2, "seq_len": 32, "num_layers": 1})
 
 SIZES = {"tiny": {"batch_size": 8}}  # micro_batches 1, 2, 4 and 8 each split the batch
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

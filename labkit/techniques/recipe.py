@@ -62,7 +62,8 @@ DISTRIBUTED = True
 VARIANTS = ("plain", "composed")
 REFERENCE = "plain"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2},
+             {"timed_steps": 2, "seq_len": 32, "num_layers": 1})
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_weights")
 CHECKPOINTING = ("none", "full", "selective", "every_n")

@@ -52,7 +52,8 @@ DISTRIBUTED = True
 VARIANTS = ("single", "tp", "tp_sp")
 REFERENCE = "single"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2},
+             {"timed_steps": 2, "seq_len": 32, "num_layers": 1})
 
 
 

@@ -55,7 +55,8 @@ DISTRIBUTED = True
 VARIANTS = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 REFERENCE = "zero0"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2})
+CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2},
+             {"timed_steps": 2, "seq_len": 32, "num_layers": 1})
 
 STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 # how `apply_data_parallel` builds each: plain DDP, DDP + ZeroRedundancyOptimizer, or FSDP2
