@@ -181,3 +181,23 @@ def test_tracker_follows_storage_resizes_as_fsdp_frees_and_regathers():
         x.untyped_storage().resize_(8192)
         assert tracker.current_bytes == tracker.peak_bytes == 8192
     assert torch.UntypedStorage.resize_ is original  # restored on exit
+
+
+def test_frozen_survivors_are_left_out_and_a_later_cycle_is_still_freed():
+    """freeze_survivors: what is alive now leaves the collector's walks; a tensor that dies later
+    in a reference cycle is still freed by free_device_memory, and seen freed by the tracker."""
+    from labkit.measure.memory import free_device_memory, freeze_survivors
+
+    try:
+        freeze_survivors()
+        assert gc.get_freeze_count() > 1000  # the modules, classes and functions imported so far
+        with LiveTensorTracker() as tracker:
+            cycle = {"tensor": torch.empty(1024)}
+            cycle["self"] = cycle
+            assert tracker.current_bytes == 4096
+            del cycle
+            assert tracker.current_bytes == 4096  # a cycle: reference counts alone never free it
+            free_device_memory("cpu")
+            assert tracker.current_bytes == 0
+    finally:
+        gc.unfreeze()
