@@ -173,6 +173,20 @@ def test_a_parameter_the_caller_gave_is_never_sized_over(monkeypatch):
         assert p.settings["overrides"] == dict(record("finetune").cpu_rungs[-1])
 
 
+def test_a_level_that_changes_only_a_swept_setting_is_its_size_before_it_not_a_smaller_one(monkeypatch):
+    # attention's first rung changes seq_len, which 17_attention sweeps: that level is level 0
+    # again (at level 0's seconds, never "sized down to" nothing); its second rung's batch_size
+    # and the notebook's smaller sweep are still reached
+    fake_costs(monkeypatch, {"17_attention": {"0": 30.0}}, {"attention": [30.0, 10.0, 8.0]})
+    stem, own = "17_attention", {"overrides": {}, "sweep": {"seq_len": [256, 1024]}}
+    for factor, level in ((1.6, 2), (50.0, 3)):
+        known = {stem: {"sweep": {"default": "{}"}}}
+        (p,) = plan.plan_notebooks({stem: own}, {stem: "attention"}, known, {stem: 1},
+                                   {stem: {"seq_len"}}, slower(factor), cores=2)
+        assert p.level == level and p.settings["overrides"] == {"batch_size": 2}
+        assert ("sweep" in p.settings) == (level == 3) and "to :" not in p.note
+
+
 def test_a_notebook_never_measured_is_unplanned_not_guessed(monkeypatch):
     fake_costs(monkeypatch, {})
     (p,) = plan.plan_notebooks({"25_quiz": {}}, {"25_quiz": None}, {"25_quiz": {}}, {"25_quiz": 1},

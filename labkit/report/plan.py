@@ -153,7 +153,10 @@ def plan_notebooks(params: dict[str, dict[str, Any]], experiments: dict[str, str
         for step, ref in zip(steps, seconds):
             applied = _apply(own, step, given[stem])
             if sized[stem] and _changes(own, applied) == sized[stem][-1][0]:
-                break  # what this level would change is given by hand: no smaller size
+                # what this level would change is given by hand or swept: the size before it,
+                # at its seconds (a smaller level may still change something else)
+                sized[stem].append(sized[stem][-1])
+                continue
             extra = low_precision_s(stem, experiments[stem], applied, known[stem], pace)
             sized[stem].append((_changes(own, applied), pace.slowdown * ref + extra))
     core_s = sum(s[0][1] * min(ranks[t], cores) for t, s in sized.items() if s)
@@ -165,6 +168,8 @@ def plan_notebooks(params: dict[str, dict[str, Any]], experiments: dict[str, str
             share = min(NOTEBOOK_TARGET_S, scale * sized[stem][0][1])
             times = [t for _, t in sized[stem]]
             plan.level = next((i for i, t in enumerate(times) if t <= share), len(times) - 1)
+            while plan.level and sized[stem][plan.level - 1] == sized[stem][plan.level]:
+                plan.level -= 1  # the first level of that size
             plan.settings, plan.predicted_s = sized[stem][plan.level]
             if plan.level:
                 over = "" if plan.predicted_s <= share else "; still over it at its smallest size"
@@ -182,7 +187,8 @@ def _apply(own: dict[str, Any], step: dict[str, Any], given: set[str]) -> dict[s
     for name, value in step.items():
         if name == "overrides":
             kept = {k: v for k, v in value.items() if k not in given}
-            applied["overrides"] = {**(own.get("overrides") or {}), **kept}
+            if kept:
+                applied["overrides"] = {**(own.get("overrides") or {}), **kept}
         elif name not in given:
             applied[name] = value
     return applied
@@ -194,12 +200,14 @@ def _changes(own: dict[str, Any], applied: dict[str, Any]) -> dict[str, Any]:
 
 def _shown(settings: dict[str, Any], own: dict[str, Any], known: dict[str, Any]) -> str:
     """What a level changes, in words: `key=value` for each setting that differs from the
-    notebook's own (a dict parameter: each of its entries that differs)."""
+    notebook's own (a dict parameter: each of its entries that differs, named `param.key`
+    except in `overrides`, the experiment's settings)."""
     parts = []
     for name, value in settings.items():
         if isinstance(value, dict):
             before = own[name] if name in own else _default(known, name)
-            parts += [f"{k}={v}" for k, v in value.items() if before.get(k) != v]
+            head = "" if name == "overrides" else f"{name}."
+            parts += [f"{head}{k}={v}" for k, v in value.items() if before.get(k) != v]
         else:
             parts.append(f"{name}={value}")
     return ", ".join(parts)
