@@ -204,6 +204,9 @@ def test_multi_rank_notebooks_never_share_the_cores_and_the_last_ones_wait():
     last = nb("99_compare", 1, predicted_s=1.0)
     assert plan.schedule_s(singles + [last], cores=2) == 7.0  # after every other notebook
     assert plan.schedule_s([nb("14_h", 4, predicted_s=5.0), nb("13_p", 2, predicted_s=5.0)], cores=2) == 10.0
+    # the longest first: 03 beside 01 then 02 (4 s), not 01 beside 02 then 03 alone (6 s)
+    short_first = [nb("01_e", 1, predicted_s=2.0), nb("02_f", 1, predicted_s=2.0), nb("03_g", 1, predicted_s=4.0)]
+    assert plan.schedule_s(short_first, cores=2) == 4.0
 
 
 def test_report_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):

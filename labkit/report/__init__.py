@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import sys
 import time
@@ -53,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from labkit import hardware
 from labkit.config import ConfigError, usable_threads
-from labkit.report.plan import LAST_FROM, REPORT_TARGET_S, number, plan_notebooks
+from labkit.report.plan import LAST_FROM, REPORT_TARGET_S, number, plan_notebooks, start_order
 from labkit.results import now
 
 if TYPE_CHECKING:
@@ -222,8 +223,8 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
     out.mkdir(parents=True, exist_ok=True)
     started, t0 = now(), time.perf_counter()
     with handed_down() if _on_cpu(device) else contextlib.nullcontext():
-        jobs_done = execute_all({s: found[s] for s in stems}, params,
-                                {r.stem: r.ranks for r in report.notebooks}, out, cores, progress)
+        jobs_done = execute_all({s: found[s] for s in stems}, params, report.notebooks, out,
+                                cores, progress)
     for run in report.notebooks:
         run.status, run.error, run.seconds = jobs_done[run.stem]
     report.seconds = time.perf_counter() - t0
@@ -286,13 +287,14 @@ def _on_cpu(device: str | None) -> bool:
     return resolve_device(device or "auto") == "cpu"
 
 
-def execute_all(paths: dict[str, Path], params: dict[str, dict], ranks: dict[str, int], out: Path,
+def execute_all(paths: dict[str, Path], params: dict[str, dict], runs: list[NotebookRun], out: Path,
                 cores: int, progress: bool) -> dict[str, tuple[str, str, float]]:
     """Run the notebooks on `cores` core slots, each notebook holding one per rank it starts (at
-    most all of them); returns (status, error, seconds) by stem. The multi-process notebooks go
-    first, so that they do not queue up at the end while the cores idle."""
-    pending, running, done = sorted(paths, key=lambda s: ranks[s] < 2), {}, {}
-    need = {s: min(ranks[s], cores) for s in paths}
+    most all of them), in the plan's order (`plan.start_order`); returns (status, error,
+    seconds) by stem."""
+    queue = sorted(runs, key=lambda r: start_order(r.stem, r.ranks, r.predicted_s))
+    pending, running, done = [r.stem for r in queue], {}, {}
+    need = {r.stem: min(r.ranks, cores) for r in runs}
 
     def ready(stem: str) -> bool:
         active = list(running.values())
@@ -375,12 +377,19 @@ def with_plotly_html(nb) -> Any:
 def render_html(path: Path) -> str:
     """The executed notebook at `path` as one page that loads only local files."""
     import nbformat
+
+    body, _ = _exporter().from_notebook_node(with_plotly_html(nbformat.read(path, as_version=4)))
+    return body
+
+
+@functools.lru_cache(maxsize=1)
+def _exporter() -> Any:
+    """One HTML exporter a process: its templates are compiled once, not once a notebook."""
     from nbconvert import HTMLExporter
 
     exporter = HTMLExporter(template_name="lab")
     exporter.raw_template = TEMPLATE
-    body, _ = exporter.from_notebook_node(with_plotly_html(nbformat.read(path, as_version=4)))
-    return body
+    return exporter
 
 
 def notebook_title(path: Path) -> str:

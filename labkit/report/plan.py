@@ -217,7 +217,7 @@ def schedule_s(plans: list[NotebookPlan], cores: int) -> float:
     """The report's predicted wall time: the notebooks started in the report's order on `cores`
     core slots (multi-rank first, then the rest; from `LAST_FROM` on after all others), each
     holding min(ranks, cores) slots for its predicted seconds (0 where unknown)."""
-    order = sorted(plans, key=lambda p: (number(p.stem) >= LAST_FROM, p.ranks < 2))
+    order = sorted(plans, key=lambda p: start_order(p.stem, p.ranks, p.predicted_s))
     running: list[tuple[float, int]] = []  # (end time, slots held), earliest end first
     clock, free = 0.0, cores
     for plan in order:
@@ -228,6 +228,14 @@ def schedule_s(plans: list[NotebookPlan], cores: int) -> float:
         heapq.heappush(running, (clock + (0.0 if math.isnan(plan.predicted_s) else plan.predicted_s), need))
         free -= need
     return max([clock] + [end for end, _ in running])
+
+
+def start_order(stem: str, ranks: int, predicted_s: float) -> tuple[bool, bool, float]:
+    """A notebook's place in the report's queue: the multi-rank ones first (they need every
+    slot, so they do not queue up at the end while the cores idle), then the others, from
+    `LAST_FROM` on after all; within each, the longest predicted first, so that no long one
+    starts last and runs alone (unmeasured ones last)."""
+    return number(stem) >= LAST_FROM, ranks < 2, -(0.0 if math.isnan(predicted_s) else predicted_s)
 
 
 def number(stem: str) -> int:
