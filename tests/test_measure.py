@@ -1,5 +1,6 @@
 import dataclasses
 import gc
+import sys
 import time
 
 import pytest
@@ -199,5 +200,13 @@ def test_frozen_survivors_are_left_out_and_a_later_cycle_is_still_freed():
             assert tracker.current_bytes == 4096  # a cycle: reference counts alone never free it
             free_device_memory("cpu")
             assert tracker.current_bytes == 0
+        # a module imported since (a run's first variant imports peft): the next free freezes it
+        gc.unfreeze()
+        assert gc.get_freeze_count() == 0
+        import types
+        sys.modules["_labkit_just_imported"] = types.ModuleType("_labkit_just_imported")
+        free_device_memory("cpu")
+        assert gc.get_freeze_count() > 1000
     finally:
+        sys.modules.pop("_labkit_just_imported", None)
         gc.unfreeze()

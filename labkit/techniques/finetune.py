@@ -33,7 +33,7 @@ from labkit.blocks.search import find_largest
 from labkit.blocks.training import Trainer, lm_loss
 from labkit.blocks.transforms import apply_checkpointing
 from labkit.config import ConfigError, MODELS, RunConfig, knob, torch_dtype
-from labkit.measure.memory import MemoryMeter, fits_in_memory, freeze_survivors, storage_bytes
+from labkit.measure.memory import MemoryMeter, fits_in_memory, storage_bytes
 from labkit.workload import Comparison, SkipVariant, Workload
 
 VARIANTS = ("full", "lora", "qlora", "lora_ckpt")
@@ -342,10 +342,6 @@ def frontier(cfg: Config, budget_gib: float | None, variants=VARIANTS, *, seq_st
     batch_finder's grow-then-bisect search, beside the longest whose planner peak fits."""
     import pandas as pd
 
-    # Every probe collects garbage (fits_in_memory); what is alive now (peft, torchao and
-    # transformers, imported by the run before) is left out of those walks: in a fresh kernel
-    # they made the search three times slower
-    freeze_survivors()
     budget = None if budget_gib is None else int(budget_gib * 2**30)
     cap = cfg.model.max_seq_len // seq_step
     limit = budget if budget is not None else hardware.ceilings(cfg.device).memory_bytes
