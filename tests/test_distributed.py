@@ -71,6 +71,11 @@ class SocketWatch:
 
     def __call__(self, new_rows: list) -> None:
         self.rows.extend(new_rows)
+        self.probe()
+
+    def probe(self) -> None:
+        """Also called from the launcher's wait loop: a run shorter than the part files' polling
+        delivers its rows only after the ranks are gone."""
         for p in multiprocessing.active_children():
             try:
                 self.seen.append((p.pid, listening_sockets(p.pid)))
@@ -107,6 +112,9 @@ def collectives(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ranks.tempfile, "mkdtemp", recording_mkdtemp)
+        if LINUX_PROC:
+            sleep = ranks.time.sleep
+            mp.setattr(ranks.time, "sleep", lambda s: (watch.probe(), sleep(s)))
         result = run_experiment("collectives", overrides={**COLLECTIVES, "device": "cpu"},
                                 sweep={"message_bytes": SIZES}, runs_dir=str(runs),
                                 progress=False, on_rows=watch)
