@@ -265,10 +265,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from labkit.harness.budget import RUN_TARGET_S
     from labkit.harness.ranks import RunFailed
     from labkit.harness.experiment import run_experiment
-    from labkit.measure.memory import freeze_survivors
     from labkit.techniques import record
 
-    freeze_survivors()
     overrides = _overrides(args)
     if args.hf_model:
         overrides["model"] = hf_model_config(args.hf_model)

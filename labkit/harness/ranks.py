@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from labkit.blocks.distributed import FAULTS, DistConfig, default_nproc, is_distributed, rank, world_size
 from labkit.config import ConfigError
-from labkit.measure.memory import freeze_survivors
 
 GRACE_S = 3.0  # after one rank fails, how long the others get to report their own error
 
@@ -204,7 +203,6 @@ def _spawn(fn: Callable[..., None], args: tuple, nproc: int, env: dict[str, str]
 def _entry(local_rank: int, fn: Callable[..., None], env: dict[str, str], args: tuple) -> None:
     os.environ.clear()
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    freeze_survivors()
     fn(local_rank, *args)
 
 

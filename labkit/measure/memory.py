@@ -241,26 +241,28 @@ def freeze_survivors() -> None:
     """Collect, then leave every object alive now out of all later collections (`gc.freeze`):
     a process's imported modules, classes and functions are most of its objects, and each full
     collection walks them all (about 0.14 s on the reference CPU with torch, pandas and plotly
-    imported; `free_device_memory` collects after every variant). Called where a process starts
-    its work (a `labkit run`, a rank, a report kernel's next notebook): what is frozen lives on
-    anyway. At exit it is handed back, so that the interpreter's last collection frees it
-    (extensions such as triton's count what was never freed and say so on stderr)."""
+    imported; `free_device_memory` collects after every variant). `free_device_memory` calls
+    it whenever modules were imported since the last call (a process's first variant, or one
+    that imports peft, torchao or transformers), and a report kernel before each notebook: what
+    is frozen then lives on anyway. At exit it is handed back, so that the interpreter's last
+    collection frees it (extensions such as triton's count what was never freed and say so on
+    stderr)."""
+    global _frozen_with
     gc.collect()
     gc.freeze()
-    _frozen_with[0] = len(sys.modules)
+    _frozen_with = len(sys.modules)
     atexit.unregister(gc.unfreeze)  # once, however often this is called
     atexit.register(gc.unfreeze)
 
 
-_frozen_with = [0]  # how many modules were imported at the last freeze_survivors
+_frozen_with = 0  # how many modules were imported at the last freeze_survivors
 
 
 def free_device_memory(device: str) -> None:
     """Drop unreachable tensors (and, on CUDA, the allocator's cached blocks). Where modules
-    were imported since the last `freeze_survivors` (a run's first variant imports peft,
-    torchao or transformers), what survives is frozen with them: in a fresh report kernel,
-    30_finetune's memory search otherwise took three times as long."""
-    if len(sys.modules) != _frozen_with[0]:
+    were imported since the last `freeze_survivors`, what survives is frozen with them: in a
+    fresh report kernel, 30_finetune's memory search otherwise took three times as long."""
+    if len(sys.modules) != _frozen_with:
         freeze_survivors()
     else:
         gc.collect()

@@ -152,13 +152,14 @@ def plan_notebooks(params: dict[str, dict[str, Any]], experiments: dict[str, str
         sized[stem] = []
         for step, ref in zip(steps, seconds):
             applied = _apply(own, step, given[stem])
-            if sized[stem] and _changes(own, applied) == sized[stem][-1][0]:
+            changes = _changes(own, applied)
+            if sized[stem] and changes == sized[stem][-1][0]:
                 # what this level would change is given by hand or swept: the size before it,
                 # at its seconds (a smaller level may still change something else)
                 sized[stem].append(sized[stem][-1])
                 continue
             extra = low_precision_s(stem, experiments[stem], applied, known[stem], pace)
-            sized[stem].append((_changes(own, applied), pace.slowdown * ref + extra))
+            sized[stem].append((changes, pace.slowdown * ref + extra))
     core_s = sum(s[0][1] * min(ranks[t], cores) for t, s in sized.items() if s)
     scale = min(1.0, budget_s * cores / core_s) if core_s else 1.0
     plans = []
