@@ -162,15 +162,14 @@ def test_a_notebook_steps_down_its_experiments_rungs_scaled_as_the_run_scales(mo
 
 
 def test_a_parameter_the_caller_gave_is_never_sized_over(monkeypatch):
-    # 30_finetune's smallest level makes the frontier's budget smaller; the caller gave its own
-    fake_costs(monkeypatch, {"30_finetune": {"0": 100.0}}, {"finetune": [10.0, 8.0, 6.0]})
-    stem, own = "30_finetune", {"overrides": {}, "frontier_cpu_budget_gib": 0.001}
-    for given, smallest in ((set(), {"frontier_seq_step": 64, "frontier_cpu_budget_gib": 0.045}),
-                            ({"frontier_cpu_budget_gib"}, {"frontier_seq_step": 64})):
-        (p,) = plan.plan_notebooks({stem: own}, {stem: "finetune"}, {stem: {}}, {stem: 1},
+    # 29_sla's smallest level draws the Pareto figure at two batch limits; the caller gave its own
+    fake_costs(monkeypatch, {"29_sla": {"0": 100.0}}, {"sla": [10.0, 8.0, 6.0, 5.0]})
+    stem, own = "29_sla", {"overrides": {}, "pareto_batch_sizes": [1, 2]}
+    for given, smallest in ((set(), {"pareto_batch_sizes": [2, 8]}), ({"pareto_batch_sizes"}, {})):
+        (p,) = plan.plan_notebooks({stem: own}, {stem: "sla"}, {stem: {}}, {stem: 1},
                                    {stem: given}, slower(50.0), cores=2)
         assert {k: v for k, v in p.settings.items() if k != "overrides"} == smallest
-        assert p.settings["overrides"] == dict(record("finetune").cpu_rungs[-1])
+        assert p.settings["overrides"] == dict(record("sla").cpu_rungs[-1])
 
 
 def test_a_level_that_changes_only_a_swept_setting_is_its_size_before_it_not_a_smaller_one(monkeypatch):

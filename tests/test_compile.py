@@ -8,6 +8,7 @@ from conftest import FAST, by
 from labkit import hardware
 from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
+from labkit.measure import compiler
 from labkit.blocks.model import build_model
 from labkit.techniques import compiling
 from labkit.blocks.kv_caches import DynamicCache
@@ -54,6 +55,10 @@ def test_cold_compile_rows_exist_and_flops_are_eagers(rows):
     for variant in ("eager", "default"):
         flops = by(rows, variant, "flops")
         assert flops["value"] == flops["predicted"]
+    # on a CPU, Inductor's once-a-process choice of vector instructions is its own row, before
+    # the timed first call: compile_s is the model's compile
+    isa = by(rows, "default", "isa_check_s")
+    assert isa["value"] > 0 and f"({compiler.inductor_cpu_isa()} here)" in isa["message"]
 
 
 def test_compile_rows_are_the_formulas_on_given_times():

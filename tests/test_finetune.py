@@ -2,6 +2,7 @@
 adapters' gradients by hand, NF4's error bound and bytes, trainable parameters against the
 planner, skips without the libraries, and the frontier's ordering."""
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,3 +129,23 @@ def test_frontier_orders_qlora_over_lora_over_full():
     found = front["max_seq_len"]
     assert found["qlora"] >= found["lora"] >= found["full"] > 0
     assert not front["capped"]["full"]
+    # the search starts at the planner's answer: where that is right (and not the cap), two probes
+    right = front[(front["predicted_max_seq_len"] == found) & ~front["capped"]]
+    assert len(right) and (right["num_probes"] == 2).all()
+
+
+@pytest.mark.slow
+def test_frontier_search_finds_the_same_length_from_a_wrong_prediction(monkeypatch):
+    cfg = resolve(finetune.Config, "tiny", {"batch_size": 1, "num_layers": 1, "vocab_size": 256,
+                                            "hidden_size": 64, "ffn_size": 128, "max_seq_len": 256,
+                                            "compute": "fp32"}, experiment="finetune")
+    right = finetune.frontier(cfg, 0.002, ("full",), seq_step=32).set_index("variant")
+    for scale in (0.25, 4.0):  # the planner's peak four times too high, then four times too low
+        plan = finetune.plan
+        monkeypatch.setattr(finetune, "plan", lambda c, n, scale=scale, plan=plan: SimpleNamespace(
+            total_bytes=plan(c, n).total_bytes / scale))
+        wrong = finetune.frontier(cfg, 0.002, ("full",), seq_step=32).set_index("variant")
+        monkeypatch.undo()
+        assert wrong["predicted_max_seq_len"]["full"] != right["max_seq_len"]["full"]
+        assert wrong["max_seq_len"]["full"] == right["max_seq_len"]["full"]
+        assert wrong["num_probes"]["full"] > 2

@@ -44,10 +44,6 @@ NOTEBOOK_RUNGS: dict[str, tuple[dict[str, Any], ...]] = {
                           # planner's check at 2 x 32 tokens, not 4 x 64
                           {"measured": {"seq_len": 64, "num_layers": 1, "timed_steps": 1},
                            "check_overrides": {"batch_size": 2, "seq_len": 32}}),
-    # the frontier's search in steps of 64 tokens, not 16: a quarter of its probes; then in a
-    # smaller budget (every variant still fits a longer sequence than the one before it)
-    "30_finetune": ({}, {"frontier_seq_step": 64},
-                    {"frontier_seq_step": 64, "frontier_cpu_budget_gib": 0.045}),
     # one cold compile, not two: the decode step's, where fusing many small ops pays
     "18_compile": ({}, {}, {"sweep": {"target": ["decode"]}}),
     # naive attention at 512 tokens, not 1024: a quarter of its costliest point

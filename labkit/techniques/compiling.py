@@ -21,7 +21,9 @@ token: Dynamo recompiles, then marks the length dynamic.)
 
 Every compiled variant starts cold (`torch.compiler.reset()`, Inductor's on-disk caches off
 unless `inductor_cache`): its first call is timed in `check()` (`first_call_ms`, `compile_s` =
-first call minus the second), then `decode_steps` more positions (decode) count recompiles;
+first call minus the second). On a CPU, Inductor's once-a-process choice of vector instructions
+comes first, outside that time and with its cache (`isa_check_s`: test programs built once a
+machine, loaded once a process), so that `compile_s` is the model's compile; then `decode_steps` more positions (decode) count recompiles;
 after the harness's timing, eager and compiled calls timed in turns give the break-even:
 compile_s / (eager - compiled) steps, or never when compiled is not faster. The outputs (and
 for `block` the gradients) must equal eager's within the dtype's tolerance before anything is
@@ -203,16 +205,25 @@ def build(cfg: Config) -> Workload:
     compiler.reset()  # a fresh compile: no graph, guard or counter left from another variant
     fn = compile_fn(target.fn, cfg)
     found: dict[str, float] = {}
+    messages = {**notes(cfg), **recompile_notes()}
 
     def check() -> dict:
         # The harness's memory tracker is a TorchDispatchMode, under which Dynamo will not compile
         # (it runs eager); step outside it so the cold call really compiles, and is timed here.
-        with unmetered(), torch.compiler.config.patch(
-                force_disable_caches=not cfg.inductor_cache):
-            runs = []
-            found["first_call_s"] = seconds(lambda: runs.append(target.check(fn, 0)), cfg.device)
-            runs += check_runs(target, fn, start=1)  # the next positions: do they recompile?
-            found["second_call_s"] = seconds(lambda: target.run(fn), cfg.device)
+        with unmetered():
+            if not cfg.device.startswith("cuda"):
+                isa: list[str] = []
+                found["isa_check_s"] = seconds(lambda: isa.append(compiler.inductor_cpu_isa()), "cpu")
+                messages["isa_check_s"] = (
+                    f"Inductor's choice of vector instructions for its C++ kernels ({isa[0]} here), "
+                    "made once a process, before the timed first call and with Inductor's on-disk "
+                    "cache: the first process on a machine builds a test program per ISA, a later "
+                    "one only loads them. Not part of compile_s.")
+            with torch.compiler.config.patch(force_disable_caches=not cfg.inductor_cache):
+                runs = []
+                found["first_call_s"] = seconds(lambda: runs.append(target.check(fn, 0)), cfg.device)
+                runs += check_runs(target, fn, start=1)  # the next positions: do they recompile?
+                found["second_call_s"] = seconds(lambda: target.run(fn), cfg.device)
         return {"runs": runs}
 
     def report() -> dict[str, float]:  # after the harness's timing: both paths are warm by now
@@ -220,7 +231,7 @@ def build(cfg: Config) -> Workload:
         return {**compile_rows(found), **compiler.compile_counts()}
 
     return Workload(step=lambda: target.run(fn), check=check, tokens_per_step=tokens_per_step(cfg),
-                    report=report, notes={**notes(cfg), **recompile_notes()}, compute_dtype=cfg.dtype)
+                    report=report, notes=messages, compute_dtype=cfg.dtype)
 
 
 def check_runs(target: Target, fn: Callable, start: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -241,7 +252,8 @@ def probe(target: Target, fn: Callable, cfg: Config) -> dict[str, float]:
 def compile_rows(found: dict[str, float]) -> dict[str, float | None]:
     compile_s = max(found["first_call_s"] - found["second_call_s"], 0.0)
     saved_s = found["probe_eager_s"] - found["probe_compiled_s"]
-    return {"first_call_ms": 1e3 * found["first_call_s"], "compile_s": compile_s,
+    isa = {"isa_check_s": found["isa_check_s"]} if "isa_check_s" in found else {}
+    return {**isa, "first_call_ms": 1e3 * found["first_call_s"], "compile_s": compile_s,
             "probe_eager_ms": 1e3 * found["probe_eager_s"],
             "probe_compiled_ms": 1e3 * found["probe_compiled_s"],
             # never: infinite, which the harness stores as no value with "measured inf" in its note

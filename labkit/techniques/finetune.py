@@ -17,7 +17,7 @@ LoRA model's logits equal the base's exactly (B = 0); after the steps the frozen
 unchanged; the adapters' gradients equal the low-rank update's computed by hand; the NF4 weights
 stay within the format's error bound; on the `reference` preset, the QLoRA base's perplexity
 against the fp32 base's on held-out text. `frontier()` finds the longest sequence each variant
-fits in a memory budget (batch_finder's grow-then-bisect search).
+fits in a memory budget: batch_finder's grow-then-bisect search, started at the planner's answer.
 """
 from __future__ import annotations
 
@@ -338,8 +338,10 @@ def _run_probe(cfg: Config, budget: int | None) -> bool:
 
 def frontier(cfg: Config, budget_gib: float | None, variants=VARIANTS, *, seq_step: int = SEQ_STEP):
     """A DataFrame, one row per variant: the longest sequence (a multiple of `seq_step`, up to the
-    model's context) whose training steps fit `budget_gib` (None on a GPU: its memory), found by
-    batch_finder's grow-then-bisect search, beside the longest whose planner peak fits."""
+    model's context) whose training steps fit `budget_gib` (None on a GPU: its memory), beside the
+    longest whose planner peak fits. The measured search (batch_finder's grow-then-bisect) starts
+    at the planner's answer: a right prediction costs two probes, the answer (it fits) and one
+    step longer (it does not); a wrong one costs more, and the search still ends on both."""
     import pandas as pd
 
     budget = None if budget_gib is None else int(budget_gib * 2**30)
@@ -350,9 +352,10 @@ def frontier(cfg: Config, budget_gib: float | None, variants=VARIANTS, *, seq_st
         at = dataclasses.replace(cfg, variant=variant)
         if skip_reason(at):
             continue
-        search = find_largest(lambda k: probe(at, k * seq_step, budget), start=1, cap=cap, step=1)
         predicted = find_largest(lambda k: plan(at, k * seq_step).total_bytes <= limit,
                                  start=1, cap=cap, step=1)
+        search = find_largest(lambda k: probe(at, k * seq_step, budget), start=predicted.found,
+                              cap=cap, step=1)
         rows.append({"variant": variant, "max_seq_len": search.found * seq_step,
                      "predicted_max_seq_len": predicted.found * seq_step,
                      "num_probes": len(search.probes), "budget_gib": limit / 2**30,
