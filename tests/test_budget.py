@@ -172,6 +172,26 @@ def test_a_parameter_the_caller_gave_is_never_sized_over(monkeypatch):
         assert p.settings["overrides"] == dict(record("sla").cpu_rungs[-1])
 
 
+def test_a_level_past_the_experiments_rungs_is_scaled_as_its_last_rung(monkeypatch):
+    # 29_sla's level 4 is sla's last rung with the notebook's smaller Pareto figure: at least as
+    # quick as level 3, never back at the report size's seconds (3 s of kernel kept)
+    fake_costs(monkeypatch, {"29_sla": {"0": 100.0}}, {"sla": [10.0, 8.0, 6.0, 5.0]})
+    seconds = plan.reference_s("29_sla", "sla", 5)
+    assert seconds[3] == seconds[4] == pytest.approx(3 + 97 * (5 - 2) / (10 - 2))
+
+
+def test_where_no_level_fits_the_quickest_runs_not_the_smallest(monkeypatch):
+    # a smallest level measured slower than the report size (30_finetune's, once, first in a
+    # fresh kernel beside a compile): level 1, scaled from level 0 as the run scales (3 s of
+    # kernel kept), is the quickest, and runs
+    fake_costs(monkeypatch, {"30_finetune": {"0": 15.0, "2": 42.0}}, {"finetune": [11.0, 9.0, 7.0]})
+    stem = "30_finetune"
+    (p,) = plan.plan_notebooks({stem: {"overrides": {}}}, {stem: "finetune"}, {stem: {}}, {stem: 1},
+                               {stem: set()}, slower(50.0), cores=2)
+    assert p.level == 1 and p.predicted_s == pytest.approx(50 * (3 + 12 * (9 - 2) / (11 - 2)))
+    assert "still over it at its quickest size" in p.note
+
+
 def test_a_level_that_changes_only_a_swept_setting_is_its_size_before_it_not_a_smaller_one(monkeypatch):
     # attention's first rung changes seq_len, which 17_attention sweeps: that level is level 0
     # again (at level 0's seconds, never "sized down to" nothing); its second rung's batch_size

@@ -87,8 +87,8 @@ def report(tmp_path_factory):
 
 
 @pytest.mark.notebook
-def test_the_plan_sized_every_notebook_down_to_its_smallest(report):
-    """Every notebook predicted beside measured; each one sized down at its smallest size (the
+def test_the_plan_sized_every_notebook_down_to_its_quickest(report):
+    """Every notebook predicted beside measured; each one sized down to its quickest size (the
     budget is one second), where its parameters leave a smaller size to take."""
     from labkit.report.plan import levels
     from labkit.techniques import notebook_names
@@ -99,8 +99,8 @@ def test_the_plan_sized_every_notebook_down_to_its_smallest(report):
         count = len(levels(run.stem, names.get(run.stem), known))
         assert run.predicted_s > 0 and run.seconds > 0, run
         assert bool(run.sizing) == (run.level > 0), run
-        if run.level:  # its smallest: a budget of one second fits nothing
-            assert 0 < run.level < count and "still over it at its smallest size" in run.sizing, run
+        if run.level:  # its quickest: a budget of one second fits nothing
+            assert 0 < run.level < count and "still over it at its quickest size" in run.sizing, run
 
 
 def test_every_notebook_is_covered_committed_clean_with_one_parameters_cell():

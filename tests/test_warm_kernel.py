@@ -26,26 +26,29 @@ def printed(path):
 
 
 @pytest.mark.notebook
-def test_names_forgotten_modules_kept_processes_start_and_a_dead_kernel_is_replaced(tmp_path):
+def test_names_forgotten_modules_kept_processes_start_and_a_dead_kernel_is_replaced(tmp_path, monkeypatch):
     import papermill
 
     first = notebook(tmp_path, "first", "import os, sys, torch\nleft = 41\n"
                      "sys.stderr.write('to the log\\n')\nos.write(2, b'fd two\\n')\n"
-                     "print('pid', os.getpid())")
+                     "print('pid', os.getpid(), 'threads', torch.get_num_threads())")
     second = notebook(tmp_path, "second", "import os, multiprocessing as mp\n"
                       "print('left' in globals(), x)\n"
                       "p = mp.get_context('spawn').Process(target=print)\np.start(); p.join()\n"
                       "print('exit', p.exitcode, 'pid', os.getpid())")
     dies = notebook(tmp_path, "dies", "import os\nos._exit(3)")
     log = tmp_path / "logs" / "kernel.log"
-    with WarmKernel(tmp_path, log) as kernel:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with WarmKernel(tmp_path, log, threads=1) as kernel:  # its slot's share of the cores
         kernel.execute(first, tmp_path / "out1.ipynb", {"x": 1})
         kernel.execute(second, tmp_path / "out2.ipynb", {"x": 2})
         with pytest.raises(Exception) as died:
             kernel.execute(dies, tmp_path / "out3.ipynb", {})
         assert not isinstance(died.value, papermill.PapermillExecutionError)
         kernel.execute(second, tmp_path / "out4.ipynb", {"x": 4})
-    pid = printed(tmp_path / "out1.ipynb").split("pid ")[1].split()[0]
+    text = printed(tmp_path / "out1.ipynb")
+    pid, threads = (text.split(f"{name} ")[1].split()[0] for name in ("pid", "threads"))
+    assert threads == "1"  # one thread, on a machine of any number of cores
     assert printed(tmp_path / "out2.ipynb").split() == ["False", "2", "exit", "0", "pid", pid]
     again = printed(tmp_path / "out4.ipynb").split()
     assert again[:4] == ["False", "4", "exit", "0"] and again[5] != pid  # a fresh kernel

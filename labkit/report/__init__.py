@@ -34,7 +34,8 @@ stores no widget state).
 
 Notebooks run in worker processes, each holding its warm kernel, on `jobs` core slots (default: the
 cores this process may use): a notebook takes a slot per rank it starts, at most all of them, so
-two multi-rank notebooks never share two cores; notebooks numbered from `LAST_FROM` on read the
+two multi-rank notebooks never share two cores, and a kernel computes on its slot's share of
+the cores (`labkit.report.kernel`); notebooks numbered from `LAST_FROM` on read the
 store, so they start once every other notebook has finished. On a CPU each notebook is sized before
 it runs to its share of the report's seconds target, from this CPU's measured pace
 (`labkit.report.plan`); the index shows each notebook's predicted seconds beside its measured ones.
@@ -295,6 +296,7 @@ def execute_all(paths: dict[str, Path], params: dict[str, dict], runs: list[Note
     queue = sorted(runs, key=lambda r: start_order(r.stem, r.ranks, r.predicted_s))
     pending, running, done = [r.stem for r in queue], {}, {}
     need = {r.stem: min(r.ranks, cores) for r in runs}
+    threads = max(1, usable_threads() // cores)  # a kernel's own: its slot's share of the cores
 
     def ready(stem: str) -> bool:
         active = list(running.values())
@@ -307,7 +309,7 @@ def execute_all(paths: dict[str, Path], params: dict[str, dict], runs: list[Note
             while (stem := next(filter(ready, pending), None)):
                 pending.remove(stem)  # one at a time: `ready` sees the ones just started
                 running[pool.submit(execute_notebook, str(paths[stem]), str(out / f"{stem}.ipynb"),
-                                    params[stem], str(out))] = stem
+                                    params[stem], str(out), threads)] = stem
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
                 stem = running.pop(future)
@@ -330,10 +332,10 @@ def _last_line(text: str) -> str:
 _KERNEL = None  # this worker process's kernel (labkit.report.kernel): one per core slot
 
 
-def execute_notebook(path: str, output: str, parameters: dict[str, Any],
-                     cwd: str) -> tuple[str, str, float]:
-    """Execute one notebook (in a worker process, in its warm kernel), then render what it holds,
-    finished or not; returns (status, the error's last line, seconds)."""
+def execute_notebook(path: str, output: str, parameters: dict[str, Any], cwd: str,
+                     threads: int | None = None) -> tuple[str, str, float]:
+    """Execute one notebook (in a worker process, in its warm kernel of `threads` threads), then
+    render what it holds, finished or not; returns (status, the error's last line, seconds)."""
     import atexit
 
     import papermill
@@ -342,7 +344,7 @@ def execute_notebook(path: str, output: str, parameters: dict[str, Any],
 
     global _KERNEL
     if _KERNEL is None:
-        _KERNEL = WarmKernel(cwd, pid_log(Path(output).parent / "logs"))
+        _KERNEL = WarmKernel(cwd, pid_log(Path(output).parent / "logs"), threads)
         atexit.register(_KERNEL.shutdown)
     status, error, t0 = "ok", "", time.perf_counter()
     try:

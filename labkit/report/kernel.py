@@ -8,7 +8,12 @@ which multiprocessing reads; then a garbage collection that leaves what survives
 ones, `freeze_survivors`; and on a GPU the caching allocator's blocks are handed back, since two
 kernels share the card) and goes back to `cwd`; imported modules stay, as they would in a
 person's session. A kernel that died or timed out is replaced by a
-fresh one for the next notebook. The kernel's stderr (and that of the ranks it starts) goes to
+fresh one for the next notebook.
+
+A kernel computes on its own core slot: `threads` intra-op threads (`OMP_NUM_THREADS`) and as
+many Inductor compile workers, unless the environment sets them. Two kernels of two threads each
+on two cores oversubscribe them, and an OpenMP barrier then spins waiting for a descheduled
+thread: beside 18_compile, 30_finetune's memory search took 8.6 s instead of 3.0 s. The kernel's stderr (and that of the ranks it starts) goes to
 `log`, each notebook's part headed by its name.
 """
 from __future__ import annotations
@@ -35,6 +40,8 @@ def _manager() -> Any:
     return OneClientAtATime(kernel_name="python3")
 
 
+# the kernel's threads: torch's intra-op threads, and Inductor's compile workers
+THREAD_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
 RESET = """
 def _labkit_reset(spec=__spec__):  # what %reset -f does, keeping __spec__ for multiprocessing
     import os, sys
@@ -51,10 +58,11 @@ _labkit_reset()
 
 
 class WarmKernel:
-    """A python3 kernel started on first use, in `cwd`, writing its stderr to `log`."""
+    """A python3 kernel started on first use, in `cwd`, writing its stderr to `log`, computing on
+    `threads` threads (None: torch's default, all the cores)."""
 
-    def __init__(self, cwd: str | Path, log: str | Path):
-        self.cwd, self.log = str(cwd), Path(log)
+    def __init__(self, cwd: str | Path, log: str | Path, threads: int | None = None):
+        self.cwd, self.log, self.threads = str(cwd), Path(log), threads
         self.km: Any = None
 
     def execute(self, path: str | Path, output: str | Path, parameters: dict[str, Any],
@@ -82,9 +90,16 @@ class WarmKernel:
             f.write(f"--- {stem}\n")
             if self.km is None or not run_sync(self.km.is_alive)():
                 self.km = _manager()
-                run_sync(self.km.start_kernel)(cwd=self.cwd, stderr=f)
+                run_sync(self.km.start_kernel)(cwd=self.cwd, stderr=f, env=self._env())
                 return
         self._run(RESET.format(cwd=self.cwd))
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.threads:
+            for name in THREAD_ENV:
+                env.setdefault(name, str(self.threads))
+        return env
 
     def _run(self, code: str) -> None:
         """Run `code` in the kernel and wait for it (an error in it is an error here)."""

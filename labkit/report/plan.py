@@ -10,7 +10,7 @@ between the two sizes (both measured), the kernel's start kept. On this CPU the 
 multiplied by its pace's `slowdown` (`labkit.measure.pace`), plus what its 16-bit matmuls cost
 beyond that (`labkit.harness.budget.low_precision_s`). Each notebook's share of the budget is its
 part of the whole at level 0, at most `NOTEBOOK_TARGET_S`; a notebook predicted over its share is
-sized down before it runs.
+sized down before it runs, to its first level that fits, or to its quickest where none does.
 
 The notebooks run on `cores` core slots: a notebook takes one slot per rank it starts (at most
 all of them), so two multi-rank notebooks never share two cores; the predicted wall time is that
@@ -104,8 +104,11 @@ def reference_s(stem: str, experiment: str | None, count: int) -> list[float]:
             out.append(measured[level])
             continue
         near = min(measured, key=lambda k: abs(k - level))
-        ratio = (max(0.0, runs[level] - start) / max(1e-9, runs[near] - start)
-                 if len(runs) > max(level, near) else 1.0)
+        ratio = 1.0
+        if runs:  # a level past the experiment's rungs runs its last rung (and smaller own
+            # parameters, which only a report measures)
+            at, near_at = (runs[min(i, len(runs) - 1)] for i in (level, near))
+            ratio = max(0.0, at - start) / max(1e-9, near_at - start)
         kept = min(kernel, measured[near])
         out.append(kept + (measured[near] - kept) * ratio)
     return out
@@ -164,12 +167,13 @@ def plan_notebooks(params: dict[str, dict[str, Any]], experiments: dict[str, str
         if sized[stem]:
             share = min(NOTEBOOK_TARGET_S, scale * sized[stem][0][1])
             times = [t for _, t in sized[stem]]
-            plan.level = next((i for i, t in enumerate(times) if t <= share), len(times) - 1)
+            quickest = min(range(len(times)), key=lambda i: (times[i], -i))  # where none fits
+            plan.level = next((i for i, t in enumerate(times) if t <= share), quickest)
             while plan.level and sized[stem][plan.level - 1] == sized[stem][plan.level]:
                 plan.level -= 1  # the first level of that size
             plan.settings, plan.predicted_s = sized[stem][plan.level]
             if plan.level:
-                over = "" if plan.predicted_s <= share else "; still over it at its smallest size"
+                over = "" if plan.predicted_s <= share else "; still over it at its quickest size"
                 shown = _shown(plan.settings, params[stem], known[stem])
                 plan.note = (f"sized down to {shown}: about {times[0]:.0f} s here at its report size, "
                              f"over its share of {share:.0f} s{over}")
