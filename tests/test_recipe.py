@@ -30,6 +30,10 @@ FP32_ROUNDING = 1e-6  # normwise relative: a sum split differently, about 8 floa
 # The row-wise split of TP sums each matmul's partial products on two ranks, then adds them:
 # every output element's reduction order changes, which measures about 1e-6 here.
 TP_ROUNDING = 5e-6
+# bf16 under FSDP2 is its mixed-precision policy: the whole block in bf16 (autocast, the
+# one-process reference, keeps the norms and the residual adds in fp32), the gradients reduced
+# in fp32: they match autocast's within bf16's rounding (1.6e-2 measured), not fp32's
+BF16_ROUNDING = 3e-2
 
 
 def config(**overrides) -> RunConfig:
@@ -347,11 +351,12 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", DATA_PARALLEL_CASES)
 @pytest.mark.slow
 def test_a_data_parallel_recipe_matches_the_plain_step_of_the_global_batch(ranks, name):
+    sharded = PARALLEL[name][0].zero_stage >= 2
+    policy = sharded and PARALLEL[name][0].precision == "bf16"
     for rank in ranks:
-        assert rank[name]["max_rel"] <= FP32_ROUNDING, (name, rank[name]["max_rel"])
+        assert rank[name]["max_rel"] <= (BF16_ROUNDING if policy else FP32_ROUNDING), (name, rank[name]["max_rel"])
     assert ranks[0][name]["loss"] != ranks[1][name]["loss"]  # each rank trained its own slice
     assert ranks[0][name]["num_micro_batches"] == PARALLEL[name][0].micro_batches
-    sharded = PARALLEL[name][0].zero_stage >= 2
     assert all((rank[name]["num_sharded"] > 0) == sharded for rank in ranks)
 
 

@@ -27,6 +27,8 @@ OFFLOADS = ("none", "activations", "optimizer", "both")
 # TF32 changes no byte.
 PLANNER_PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16_autocast",
                      "fp16": "fp16_autocast", "bf16_weights": "mixed"}
+# ... and under ZeRO-3, where FSDP2's mixed-precision policy replaces autocast (`compose`, step 1)
+PLANNER_PRECISION_FSDP = {**PLANNER_PRECISION, "bf16": "bf16_fsdp"}
 # The recipe's knobs in the order compose applies them (its steps 1 to 8): the ladder's order too
 ORDER = ("precision", "finetune", "tensor_parallel", "checkpointing", "compile", "zero_stage",
          "micro_batches", "offload")
@@ -186,8 +188,12 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
     # compile, then FSDP):
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
-    #    (the shards, the optimizer's states) takes its dtype from them.
-    transforms.apply_precision(step, recipe.precision, loss_scaling=recipe.loss_scaling)
+    #    (the shards, the optimizer's states) takes its dtype from them. Under ZeRO-3, bf16 is
+    #    FSDP2's mixed-precision policy (step 6) in place of autocast: the gathers in bf16.
+    mp_policy = (transforms.fsdp_mixed_precision(recipe.precision, layout.data_parallel)
+                 if layout.fsdp_enabled else None)
+    transforms.apply_precision(step, "fp32" if mp_policy else recipe.precision,
+                               loss_scaling=recipe.loss_scaling)
     # 2. the model converters, before any parallelism (torchtitan applies its converters before
     #    `parallelize`): NF4 from the weights in their training dtype, which is what they
     #    dequantize to; the adapters in the base's dtype; everything else frozen.
@@ -207,7 +213,8 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     #    model built on the meta device gets its weights now, each rank its shards.
     if layout.dp_enabled:
         transforms.apply_data_parallel(step, layout.data_parallel, layout.dp_mesh,
-                                       offload=layout.host_optimizer and layout.fsdp_enabled)
+                                       offload=layout.host_optimizer and layout.fsdp_enabled,
+                                       mp_policy=mp_policy)
     if meta:
         materialize(step.model, cfg.device, seed=cfg.seed)
     # 7. accumulation splits this rank's slice into micro-batches, around whatever the forward
@@ -252,8 +259,9 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
         return None, f"the planner has no case for checkpointing={recipe.checkpointing}"
     layout = Layout.of(recipe, world, cfg.device)
     stage = recipe.zero_stage if layout.dp_enabled else 0
-    return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                precision=PLANNER_PRECISION[recipe.precision], optimizer="adamw",
+    policy = layout.fsdp_enabled and layout.data_parallel == "zero3"
+    precision = (PLANNER_PRECISION_FSDP if policy else PLANNER_PRECISION)[recipe.precision]
+    return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, precision=precision, optimizer="adamw",
                 zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
                 accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=stage >= 2), ""

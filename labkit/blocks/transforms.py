@@ -23,7 +23,7 @@ import functools
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -245,13 +245,28 @@ def zero1_adamw(params, lr: float, process_group=None) -> ZeroRedundancyOptimize
                                    process_group=process_group)
 
 
+def fsdp_mixed_precision(precision: str, kind: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's own mixed precision for a recipe's `precision` under data parallelism `kind`, in
+    place of autocast (torchtitan's `mixed_precision_param`): for bf16 under zero3, each unit
+    gathered in bf16 (for the forward and again for the backward), its forward and backward in
+    bf16, the gradients reduced in fp32 into fp32 shards, which AdamW updates. None for the
+    others: fp16 keeps autocast and its GradScaler; zero2 keeps autocast for now, which the
+    study's recipe exercises and the worked example's ladder teach."""
+    if precision != "bf16" or kind != "zero3":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 def shard_fully(model: torch.nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool | None = True,
-                offload: bool = False) -> torch.nn.Module:
+                offload: bool = False, mp_policy: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
     """FSDP2 in place: one unit per block, then the root (embedding, final norm, head), which
     forms the last unit; each block's unit is gathered and freed on its own, which is what bounds
     the peak. `reshard_after_forward=None` is FSDP2's default: True for the blocks, False for the
-    root. `offload`: the shards, their gradients and the optimizer step on the host."""
+    root. `offload`: the shards, their gradients and the optimizer step on the host. `mp_policy`:
+    the dtypes it gathers and reduces in (`fsdp_mixed_precision`)."""
     kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     for block in model.layers:
@@ -273,12 +288,14 @@ def wrap_ddp(model: torch.nn.Module, device: str, *, bucket_cap_mb: float | None
 
 def apply_data_parallel(step: Trainer, kind: str, mesh: DeviceMesh | None = None, *,
                         offload: bool = False, bucket_cap_mb: float | None = None,
-                        gradient_as_bucket_view: bool = True) -> Trainer:
+                        gradient_as_bucket_view: bool = True,
+                        mp_policy: MixedPrecisionPolicy | None = None) -> Trainer:
     """Data parallelism over `mesh` (default: every rank): the step's batch is the global one, and
     each rank keeps its slice of it. `ddp` and `zero1` wrap the model in DDP over every rank
     (`zero1` with ZeroRedundancyOptimizer; `bucket_cap_mb` and `gradient_as_bucket_view` go to
     `wrap_ddp`); `zero2` and `zero3` shard it with FSDP2, `zero3` also regathering the parameters
-    for the backward; `offload` keeps FSDP2's shards and optimizer on the host."""
+    for the backward; `offload` keeps FSDP2's shards and optimizer on the host, `mp_policy`
+    sets the dtypes it gathers and reduces in."""
     if kind not in DATA_PARALLEL:
         raise ValueError(f"unknown data parallel {kind!r}; valid: {', '.join(DATA_PARALLEL)}")
     if kind == "none":
@@ -291,7 +308,8 @@ def apply_data_parallel(step: Trainer, kind: str, mesh: DeviceMesh | None = None
     step.inputs, step.targets = step.inputs.chunk(n)[r], step.targets.chunk(n)[r]
     step.sizes = [len(step.inputs)]
     if sharded:
-        shard_fully(step.model, mesh, reshard_after_forward=kind == "zero3", offload=offload)
+        shard_fully(step.model, mesh, reshard_after_forward=kind == "zero3", offload=offload,
+                    mp_policy=mp_policy)
         return step
     group = mesh.get_group() if mesh is not None else None  # None: every rank
     step.net = wrap_ddp(step.model, step.cfg.device, bucket_cap_mb=bucket_cap_mb,

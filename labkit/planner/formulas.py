@@ -52,6 +52,12 @@ def _overhead_words(r: _Run, plan: MemoryPlan) -> str:
         return ("backward: the largest of the loss's fp32 gradients (8·b·s·V), the head's "
                 "gradients, a block's backward (its recomputed forward, w2's gradient and the "
                 "MLP's f-wide gradients) + ZeRO working buffers")
+    if plan.peak_phase == "forward":
+        return ("forward: FSDP2's first all-gathers, the root unit's and the first block's, each "
+                "flat output beside the parameters it is copied out to")
+    if plan.peak_phase == "reduce":
+        return ("FSDP2's last reduce-scatter (the root unit's, after the backward): one vocabulary "
+                "matrix's whole gradient and the root's reduce-scatter input in the reduce dtype")
     upcast = "fp32 copy of the gradients (4·Ψ_opt) + " if r.prec.master else ""
     adam = {"single": "2 temporaries per parameter, the largest pair (for-loop Adam)",
             "foreach": "one copy of v (multi-tensor Adam)", "fused": "none (fused Adam)"}[r.impl]

@@ -34,7 +34,8 @@ class MemoryPlan:
     gathered_bytes: int = 0  # FSDP2's ZeRO-2: the whole parameters held beside the shards
     kept_weight_copy_bytes: int = 0  # autocast's casts the backward keeps (saved for it)
     held_at_peak: tuple[str, ...] = ("param", "grad", "optimizer", "activation", "overhead", "kv_cache")
-    peak_phase: str = ""  # where the peak is: "backward" or "step" (the optimizer step)
+    peak_phase: str = ""  # where the peak is: "backward", "step" (the optimizer step), under
+    # FSDP2 also "forward" (its first all-gathers) or "reduce" (its last reduce-scatter)
     phase_bytes: dict = field(default_factory=dict, compare=False)  # each phase's predicted peak
     formulas: dict = field(default_factory=dict, compare=False)  # term -> how it was computed
     stage: str = "all"  # the pipeline stage described: all, first or last

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from labkit.config import check_choice
 
-PRECISIONS = ("fp32", "fp16", "bf16", "mixed", "bf16_autocast", "fp16_autocast")
+PRECISIONS = ("fp32", "fp16", "bf16", "mixed", "bf16_autocast", "fp16_autocast", "bf16_fsdp")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
@@ -20,6 +20,17 @@ class PrecisionBytes:
     master: int  # an fp32 master copy of the weights kept by the optimizer (0: none)
     act: int  # activations (where the model does not upcast on purpose)
     cast: int = 0  # autocast: bytes of its 16-bit compute dtype (0: no autocast)
+    unsharded: int = 0  # FSDP2's gathered weights and unsharded gradients (0: as weight and grad)
+
+    @property
+    def gathered(self) -> int:
+        """The dtype of the weights FSDP2 gathers (and of the gradients it makes whole)."""
+        return self.unsharded or self.weight
+
+    @property
+    def whole_grad(self) -> int:
+        """The dtype of a gradient the backward makes whole, before it is sharded or reduced."""
+        return self.unsharded or self.grad
 
     @property
     def residual(self) -> int:
@@ -42,9 +53,13 @@ PRECISION_BYTES = {
     # 16-bit training.
     "bf16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
     "fp16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), in place of autocast:
+    # fp32 shards, gradient shards and AdamW; each unit gathered in bf16, its forward, backward
+    # and whole gradients in bf16, reduced in fp32. Only with FSDP2 (ZeRO-2/3 over dp > 1).
+    "bf16_fsdp": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, unsharded=2),
 }
 DTYPE_OF = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "mixed": "bfloat16",
-            "bf16_autocast": "bfloat16", "fp16_autocast": "float16"}
+            "bf16_autocast": "bfloat16", "fp16_autocast": "float16", "bf16_fsdp": "bfloat16"}
 
 
 def optimizer_bytes_per_param(precision: str, optimizer: str) -> int:

@@ -19,7 +19,8 @@ from labkit.planner.activations import (_checkpointed_on_stage, _head_bytes, _la
 from labkit.planner.formulas import _formulas
 from labkit.planner.model import LocalShape, StageParams, layer_params, stage_params
 from labkit.planner.plan import MemoryPlan, _resolve, _Run
-from labkit.planner.sharding import _fsdp2_forward_gathers, _zero_buffers, zero_model_state_bytes
+from labkit.planner.sharding import (_fsdp2_forward_gathers, _fsdp2_root_reduce, _zero_buffers,
+                                     zero_model_state_bytes)
 
 
 def training_memory(m: ModelConfig | None = None, *, num_params: int | None = None,
@@ -75,7 +76,7 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     # whole always: `param`, then, is what the step holds between the passes, less the shards).
     gathered = 0
     if r.fsdp2 and r.zero_stage == 2 and r.dp > 1:
-        gathered, param = param, r.prec.weight * -(-sp.total // r.dp)
+        gathered, param = r.prec.gathered * sp.total, r.prec.weight * -(-sp.total // r.dp)
     act, per_layer = _stage_activations(r, sp, first, last) if r.m is not None else (0, 0)
     # Gradients allocated through the whole backward: earlier micro-batches' (accumulation,
     # pipelining), or DDP's all-reduce buckets (stages 0 and 1), which live as long as the model.
@@ -100,14 +101,19 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     at_start = _fsdp2_forward_gathers(r) if r.m is not None and last else 0
     if at_end or at_start:
         phases["forward"] = param + gathered + opt + held_grad + no_sync + max(at_end, at_start)
+    # FSDP2's last reduce-scatter, the root unit's, after the backward
+    reduce = _fsdp2_root_reduce(r, grad) if r.m is not None and last else 0
+    if reduce:
+        phases["reduce"] = param + opt + reduce
     peak = max(phases, key=phases.get)
     starts = peak == "forward" and at_start > at_end
     with_grad = ("grad",) if resident else ()
     held = {"backward": ("param", "gathered", "optimizer", "activation", "weight_copy", "overhead") + with_grad,
             "forward": ("param", "gathered", "optimizer") + (() if starts else ("activation", "weight_copy"))
             + ("overhead",) + with_grad,
-            "step": ("param", "grad", "optimizer", "overhead")}[peak]
-    overhead = {"backward": backward, "step": step,
+            "step": ("param", "grad", "optimizer", "overhead"),
+            "reduce": ("param", "grad", "optimizer", "overhead")}[peak]
+    overhead = {"backward": backward, "step": step, "reduce": reduce - grad,
                 "forward": (at_start if starts else at_end - act - casts) + no_sync}[peak]
     plan = MemoryPlan(num_params=r.num_params, param_bytes=param, grad_bytes=grad,
                       optimizer_bytes=opt, activation_bytes=act,
@@ -162,7 +168,7 @@ def _backward_temporaries(r: _Run, sp: StageParams, last: bool, resident: bool) 
     loss = head = 0
     after_head = p.residual * tokens * s.d  # the residual stream's gradient
     if last:
-        head_grad = 0 if resident else p.grad * s.vocab * s.d
+        head_grad = 0 if resident else p.whole_grad * s.vocab * s.d
         loss = 8 * tokens * s.vocab
         head = head_grad + p.act * tokens * s.d + (p.act - 4) * tokens * s.vocab
         after_head += head_grad - _head_bytes(r)
@@ -187,11 +193,11 @@ def _block_backward(r: _Run, sp: StageParams, resident: bool) -> tuple[int, int]
     kept = tokens * _layer_bytes_per_token(r, r.checkpointing) if k else plain
     recompute = plain - tokens * _recompute_overlap(r) if k else 0
     recompute += p.cast * _matmul_weights(s, r.m.arch) if k else 0  # autocast's casts again
-    w2_grad = 0 if resident else p.grad * s.d * s.f
+    w2_grad = 0 if resident else p.whole_grad * s.d * s.f
     live = (2 if r.m.arch == "llama" else 1) * p.act * tokens * s.f
-    grads = 0 if resident else p.grad * layer_params(r.m, s)[0]
-    if r.fsdp2 and r.zero_stage >= 2 and r.dp > 1:
-        grads = 0 if r.accumulation_steps > 1 else -(-grads // r.dp)
+    grads = 0 if resident else p.whole_grad * layer_params(r.m, s)[0]
+    if r.fsdp2 and r.zero_stage >= 2 and r.dp > 1:  # only the shard, in the reduced dtype
+        grads = 0 if r.accumulation_steps > 1 else p.grad * -(-layer_params(r.m, s)[0] // r.dp)
     held = (k * kept + (sp.num_layers - k) * plain) // sp.num_layers
     return recompute + w2_grad + live, grads - held
 

@@ -362,9 +362,11 @@ def expected(cfg: Config) -> dict[str, float]:
     plan, out = planned(cfg), {"loss_delta": 0.0}
     if cfg.tensor_parallel == 1:  # (tensor parallelism all-gathers its logits too: not predicted)
         stage = cfg.zero_stage if cfg.variant != REFERENCE and replicas(cfg) > 1 else 0
+        # bf16 under ZeRO-3 gathers in bf16 (FSDP2's mixed-precision policy), as bf16_weights does
+        bf16 = cfg.precision == "bf16_weights" or (cfg.precision == "bf16" and stage == 3)
         out["all_gather_bytes"] = planner.fsdp2_all_gather_bytes(
             gathered_params(cfg), zero_stage=stage, micro_batches=cfg.micro_batches,
-            element_bytes=2 if cfg.precision == "bf16_weights" else 4)
+            element_bytes=2 if bf16 else 4)
     if plan is not None:
         out.update(peak_mem_bytes=plan.total_bytes, param_bytes=plan.param_bytes,
                    grad_bytes=plan.grad_bytes, optimizer_bytes=plan.optimizer_bytes,
@@ -398,11 +400,14 @@ def notes(cfg: Config) -> dict[str, str]:
                                "parameter drawn whole in turn and its shard kept (not with "
                                "finetune: NF4 and the adapters start from real weights).",
            "all_gather_bytes": "per step, what this rank's all-gathers delivered (each whole "
-                               "output): FSDP2's parameters, in their own dtype (fp32 under "
-                               "autocast: it casts after the gather)."}
+                               "output): FSDP2's parameters, in bf16 under its mixed-precision "
+                               "policy (precision=bf16 with zero_stage=3), else in their own "
+                               "dtype (fp32 under autocast, which casts after the gather)."}
     if cfg.variant == REFERENCE:
         out["tokens_per_s"] = "every rank computes the whole global batch (as one process would)."
     if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:
         out["saved_weight_copy_bytes"] = ("autocast's cached 16-bit casts of the weights that "
-                                          "the backward keeps (none in checkpointed blocks).")
+                                          "the backward keeps (none in checkpointed blocks); "
+                                          "under FSDP2's bf16 policy (zero_stage=3) no casts, but "
+                                          "the gathered bf16 weights it keeps (not predicted).")
     return out

@@ -82,7 +82,7 @@ def _term_lines(r: dict) -> list[str]:
                    f"{r['formulas'].get(term, '')}")
     if r["model"]:
         out.append(f"{'  one layer':<20}{gib(per_gpu['activation_bytes_per_layer']):>9.3f}")
-    other = {"backward": "step", "step": "backward"}[r["peak_phase"]]
+    other = max((k for k in r["phase_bytes"] if k != r["peak_phase"]), key=r["phase_bytes"].get)
     out.append(f"{'total (peak)':<20}{gib(per_gpu['total_bytes']):>9.2f}  {'':<8} peak at "
                f"{_phase(r['peak_phase'])}; at {_phase(other)}: "
                f"{gib(r['phase_bytes'][other]):.2f} GiB" + _stage_note(r))
@@ -90,7 +90,8 @@ def _term_lines(r: dict) -> list[str]:
 
 
 def _phase(name: str) -> str:
-    return {"backward": "the backward", "step": "the optimizer step"}[name]
+    return {"backward": "the backward", "step": "the optimizer step",
+            "forward": "the forward's first all-gathers", "reduce": "the last reduce-scatter"}[name]
 
 
 def _stage_note(r: dict) -> str:
