@@ -7,14 +7,14 @@ Between two notebooks the kernel forgets the first one's names (`%reset -f` keep
 which multiprocessing reads; then a garbage collection that leaves what survives it out of later
 ones, `freeze_survivors`; and on a GPU the caching allocator's blocks are handed back, since two
 kernels share the card) and goes back to `cwd`; imported modules stay, as they would in a
-person's session. A kernel that died or timed out is replaced by a
-fresh one for the next notebook.
+person's session. A kernel that died or timed out is replaced by a fresh one for the next
+notebook. The kernel's stderr (and that of the ranks it starts) goes to `log`, each notebook's
+part headed by its name.
 
 A kernel computes on its own core slot: `threads` intra-op threads (`OMP_NUM_THREADS`) and as
 many Inductor compile workers, unless the environment sets them. Two kernels of two threads each
 on two cores oversubscribe them, and an OpenMP barrier then spins waiting for a descheduled
-thread: beside 18_compile, 30_finetune's memory search took 8.6 s instead of 3.0 s. The kernel's stderr (and that of the ranks it starts) goes to
-`log`, each notebook's part headed by its name.
+thread: beside 18_compile, 30_finetune's memory search took 8.6 s instead of 3.0 s.
 """
 from __future__ import annotations
 

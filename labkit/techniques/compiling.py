@@ -23,8 +23,8 @@ Every compiled variant starts cold (`torch.compiler.reset()`, Inductor's on-disk
 unless `inductor_cache`): its first call is timed in `check()` (`first_call_ms`, `compile_s` =
 first call minus the second). On a CPU, Inductor's once-a-process choice of vector instructions
 comes first, outside that time and with its cache (`isa_check_s`: test programs built once a
-machine, loaded once a process), so that `compile_s` is the model's compile; then `decode_steps` more positions (decode) count recompiles;
-after the harness's timing, eager and compiled calls timed in turns give the break-even:
+machine, loaded once a process), so that `compile_s` is the model's compile. Then
+`decode_steps` more positions (decode) count recompiles; after the harness's timing, eager and compiled calls timed in turns give the break-even:
 compile_s / (eager - compiled) steps, or never when compiled is not faster. The outputs (and
 for `block` the gradients) must equal eager's within the dtype's tolerance before anything is
 timed.
