@@ -305,9 +305,9 @@ def test_fsdp2_zero3_with_accumulation_peaks_at_its_predicted_bytes(tmp_path):
     for row in peaks:
         assert row["status"] == "ok" and row["value"] == pytest.approx(row["predicted"], rel=0.03), row
     # bf16 under ZeRO-3 is FSDP2's mixed-precision policy: every all-gather delivers bf16, half
-    # of fp32's (the 16-bit activations are not yet the planner's: 1.06 MiB measured against
-    # 1.24 predicted with recomputation, 1.44 against 3.19 without; the peak, at the root's last
-    # reduce-scatter, holds none of them)
+    # of fp32's (activation_bytes is not held here: under ZeRO-3 the meter subtracts the saved
+    # gathered weights that FSDP2 frees when it reshards after the forward; the peak, at the
+    # root's last reduce-scatter, holds no activations)
     gathers = {(r["params"]["sweep"]["precision"], r["params"]["sweep"]["checkpointing"], r["rank"]):
                r["value"] for r in rows if r["metric"] == "all_gather_bytes"}
     whole = 2 * settings["micro_batches"] * planner.num_params(config(**settings).model)  # ZeRO-3: twice
