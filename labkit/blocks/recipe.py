@@ -190,8 +190,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
     #    (the shards, the optimizer's states) takes its dtype from them. Under ZeRO-3, bf16 is
     #    FSDP2's mixed-precision policy (step 6) in place of autocast: the gathers in bf16.
-    mp_policy = (transforms.fsdp_mixed_precision(recipe.precision, layout.data_parallel)
-                 if layout.fsdp_enabled else None)
+    mp_policy = mixed_precision_policy(recipe, layout)
     transforms.apply_precision(step, "fp32" if mp_policy else recipe.precision,
                                loss_scaling=recipe.loss_scaling)
     # 2. the model converters, before any parallelism (torchtitan applies its converters before
@@ -228,6 +227,13 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     return step
 
 
+def mixed_precision_policy(recipe: Recipe, layout: Layout) -> transforms.MixedPrecisionPolicy | None:
+    """FSDP2's mixed-precision policy for the recipe on this layout (compose's step 1), or None:
+    `transforms.fsdp_mixed_precision`, where FSDP2 shards at all."""
+    return (transforms.fsdp_mixed_precision(recipe.precision, layout.data_parallel)
+            if layout.fsdp_enabled else None)
+
+
 def converters(recipe: Recipe) -> Recipe:
     """The recipe's model converters alone: what trains, without how."""
     return Recipe(finetune=recipe.finetune, lora_rank=recipe.lora_rank, lora_alpha=recipe.lora_alpha,
@@ -259,8 +265,8 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
         return None, f"the planner has no case for checkpointing={recipe.checkpointing}"
     layout = Layout.of(recipe, world, cfg.device)
     stage = recipe.zero_stage if layout.dp_enabled else 0
-    policy = layout.fsdp_enabled and layout.data_parallel == "zero3"
-    precision = (PLANNER_PRECISION_FSDP if policy else PLANNER_PRECISION)[recipe.precision]
+    table = PLANNER_PRECISION_FSDP if mixed_precision_policy(recipe, layout) else PLANNER_PRECISION
+    precision = table[recipe.precision]
     return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, precision=precision, optimizer="adamw",
                 zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,

@@ -74,6 +74,11 @@ class _Run:
     stat: int  # bytes of LayerNorm's mean/rstd: fp32 on CUDA, the activation dtype on the CPU
     shape: LocalShape | None
 
+    @property
+    def fsdp2_sharded(self) -> bool:
+        """FSDP2 shards the parameters over data-parallel ranks (ZeRO-2/3, dp > 1)."""
+        return self.fsdp2 and self.zero_stage >= 2 and self.dp > 1
+
 
 def _positive(**values) -> None:
     for name, value in values.items():

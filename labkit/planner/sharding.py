@@ -86,7 +86,7 @@ def _fsdp2_forward_gathers(r: _Run) -> int:
     beside the unsharded parameters it is copied out to, and the same for the first block
     (forward prefetch). The largest moment of the forward when the activations are small
     (recomputation) and the gradient shards of earlier micro-batches are held. 0 elsewhere."""
-    if not (r.fsdp2 and r.zero_stage >= 3 and r.dp > 1 and r.pp == 1):
+    if not (r.fsdp2_sharded and r.zero_stage >= 3 and r.pp == 1):
         return 0
     root, layer = _fsdp2_units(r)
     return 2 * r.prec.gathered * (root + layer)
@@ -100,7 +100,7 @@ def _fsdp2_root_reduce(r: _Run, grad_shards: int) -> int:
     reduce-scatter input in the reduce dtype. 0 outside FSDP2. Measured on gloo ranks at the
     peak (tiny, 2 layers, bf16 under FSDP2's policy and fp32, 2 micro-batches): these
     tensors, byte for byte."""
-    if not (r.fsdp2 and r.zero_stage >= 2 and r.dp > 1 and r.pp == 1):
+    if not (r.fsdp2_sharded and r.pp == 1):
         return 0
     root, _ = _fsdp2_units(r)
     earlier = r.prec.grad * -(-root // r.dp) if r.accumulation_steps > 1 else 0

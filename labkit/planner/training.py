@@ -75,7 +75,7 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     # forward to its backward the whole parameters beside them (the paper's stage 2 keeps them
     # whole always: `param`, then, is what the step holds between the passes, less the shards).
     gathered = 0
-    if r.fsdp2 and r.zero_stage == 2 and r.dp > 1:
+    if r.fsdp2_sharded and r.zero_stage == 2:
         gathered, param = r.prec.gathered * sp.total, r.prec.weight * -(-sp.total // r.dp)
     act, per_layer = _stage_activations(r, sp, first, last) if r.m is not None else (0, 0)
     # Gradients allocated through the whole backward: earlier micro-batches' (accumulation,
@@ -84,7 +84,7 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     held_grad = grad if resident else 0
     # FSDP2 accumulates into the gradient shards: each micro-batch's backward makes every unit's
     # whole gradients anew, as without accumulation, and reduce-scatters them into the shards.
-    fresh = not resident or (r.fsdp2 and r.zero_stage >= 2 and r.dp > 1 and r.pp == 1)
+    fresh = not resident or (r.fsdp2_sharded and r.pp == 1)
     backward = _backward_temporaries(r, sp, last, not fresh) if r.m is not None else 0
     # DDP accumulating under no_sync: the earlier micro-batches' gradients are plain tensors
     # beside the buckets until the last backward copies them in (measured on gloo ranks), through
@@ -196,7 +196,7 @@ def _block_backward(r: _Run, sp: StageParams, resident: bool) -> tuple[int, int]
     w2_grad = 0 if resident else p.whole_grad * s.d * s.f
     live = (2 if r.m.arch == "llama" else 1) * p.act * tokens * s.f
     grads = 0 if resident else p.whole_grad * layer_params(r.m, s)[0]
-    if r.fsdp2 and r.zero_stage >= 2 and r.dp > 1:  # only the shard, in the reduced dtype
+    if r.fsdp2_sharded:  # only the shard, in the reduced dtype
         grads = 0 if r.accumulation_steps > 1 else p.grad * -(-layer_params(r.m, s)[0] // r.dp)
     held = (k * kept + (sp.num_layers - k) * plain) // sp.num_layers
     return recompute + w2_grad + live, grads - held

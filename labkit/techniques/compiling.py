@@ -41,7 +41,7 @@ import torch
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob, torch_dtype
 from labkit.measure import compiler
-from labkit.measure.clock import seconds
+from labkit.measure.clock import clock, seconds
 from labkit.measure.modes import unmetered
 from labkit.blocks.model import Block, build_model, rope_tables
 from labkit.blocks.kv_caches import StaticCache
@@ -212,10 +212,11 @@ def build(cfg: Config) -> Workload:
         # (it runs eager); step outside it so the cold call really compiles, and is timed here.
         with unmetered():
             if not cfg.device.startswith("cuda"):
-                isa: list[str] = []
-                found["isa_check_s"] = seconds(lambda: isa.append(compiler.inductor_cpu_isa()), "cpu")
+                start = clock("cpu")
+                isa = compiler.inductor_cpu_isa()
+                found["isa_check_s"] = clock("cpu") - start
                 messages["isa_check_s"] = (
-                    f"Inductor's choice of vector instructions for its C++ kernels ({isa[0]} here), "
+                    f"Inductor's choice of vector instructions for its C++ kernels ({isa} here), "
                     "made once a process, before the timed first call and with Inductor's on-disk "
                     "cache: the first process on a machine builds a test program per ISA, a later "
                     "one only loads them. Not part of compile_s.")

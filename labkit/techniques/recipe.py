@@ -49,6 +49,7 @@ from labkit.blocks import hf, lora
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
+from labkit.blocks.layout import Layout
 from labkit.blocks.recipe import Recipe, compose
 from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference
 from labkit.blocks.sharded import check_tp_shape, full_tensor
@@ -362,8 +363,10 @@ def expected(cfg: Config) -> dict[str, float]:
     plan, out = planned(cfg), {"loss_delta": 0.0}
     if cfg.tensor_parallel == 1:  # (tensor parallelism all-gathers its logits too: not predicted)
         stage = cfg.zero_stage if cfg.variant != REFERENCE and replicas(cfg) > 1 else 0
-        # bf16 under ZeRO-3 gathers in bf16 (FSDP2's mixed-precision policy), as bf16_weights does
-        bf16 = cfg.precision == "bf16_weights" or (cfg.precision == "bf16" and stage == 3)
+        # bf16 gathers in bf16 where FSDP2's mixed-precision policy applies, as bf16_weights does
+        recipe = recipe_of(cfg)
+        policy = recipes.mixed_precision_policy(recipe, Layout.of(recipe, replicas(cfg), cfg.device))
+        bf16 = cfg.precision == "bf16_weights" or policy is not None
         out["all_gather_bytes"] = planner.fsdp2_all_gather_bytes(
             gathered_params(cfg), zero_stage=stage, micro_batches=cfg.micro_batches,
             element_bytes=2 if bf16 else 4)
