@@ -24,9 +24,13 @@ pytestmark = [pytest.mark.skipif(hardware.inductor_cpu_problem() is not None,
               pytest.mark.slow]  # cold torch.compile builds: seconds each
 
 
-@pytest.fixture(scope="module", params=["block", "decode"])
+# the decode step also with cpp_wrapper: its kernels and their caller in one C++ file (the
+# smallest CPU rung's setting)
+@pytest.fixture(scope="module", params=[{"target": "block"}, {"target": "decode"},
+                                        {"target": "decode", "cpp_wrapper": True}],
+                ids=["block", "decode", "decode-cpp_wrapper"])
 def rows(request, tmp_path_factory):
-    return run_experiment("compile", preset="tiny", overrides={**SIZES, "target": request.param},
+    return run_experiment("compile", preset="tiny", overrides={**SIZES, **request.param},
                           progress=False, runs_dir=str(tmp_path_factory.mktemp("runs"))).rows
 
 
@@ -108,3 +112,19 @@ def test_bad_settings_name_the_valid_choices():
         cfg = resolve(compiling.Config, "tiny", {**SIZES, "target": "decode", "max_cache_len": 5},
                       experiment="compile")
         compiling.validate(cfg)
+
+
+def test_cpp_wrapper_reaches_inductor_and_only_mode_default_takes_it(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    for variant in ("default", "max-autotune-no-cudagraphs"):
+        for wrapper in (False, True):
+            cfg = resolve(compiling.Config, "tiny", {"variant": variant, "cpp_wrapper": wrapper},
+                          experiment="compile")
+            if compiling.skip_reason(cfg) is None:
+                compiling.compile_fn(lambda: None, cfg)
+    assert seen == [{"options": None}, {"options": {"cpp_wrapper": True}}]
+    on_gpu = resolve(compiling.Config, "tiny", {"variant": "reduce-overhead", "cpp_wrapper": True},
+                     experiment="compile")
+    on_gpu.device = "cuda"
+    assert "option of mode default" in compiling.skip_reason(on_gpu)

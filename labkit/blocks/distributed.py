@@ -9,9 +9,6 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
 from labkit import hardware
 from labkit.config import RunConfig, knob
@@ -89,6 +86,8 @@ def link_gbps(cfg: DistConfig) -> tuple[float | None, str]:
 
 def scaled_allreduce_hook(scale: float):
     """DDP's all-reduce (torch's Python twin of it) of this rank's bucket multiplied by `scale`."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     def hook(state, bucket):
         bucket.buffer().mul_(scale)
         return default_hooks.allreduce_hook(state, bucket)
@@ -98,7 +97,11 @@ def scaled_allreduce_hook(scale: float):
 def corrupt_reduction(model: torch.nn.Module, scale: float) -> None:
     """This rank's part of the gradient reduction multiplied by `scale`: DDP's buckets before the
     all-reduce, or FSDP2's reduce-scatter output (this rank's shard of the averaged gradients)
-    after it; a model with neither is left alone (zero, hybrid and recipe inject it so)."""
+    after it; a model with neither is left alone (zero, hybrid and recipe inject it so). (FSDP2
+    is imported here, not with the module: 0.8 s of every process start on the reference CPU.)"""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
     if isinstance(model, DistributedDataParallel):
         model.register_comm_hook(None, scaled_allreduce_hook(scale))
         return

@@ -19,7 +19,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.config import RunConfig
@@ -252,7 +251,10 @@ class Trainer:
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
         """This rank's optimizer states: a CopyAdamW's copies and moments, a
-        ZeroRedundancyOptimizer's shard (its `.optim`), or the optimizer's own."""
+        ZeroRedundancyOptimizer's shard (its `.optim`), or the optimizer's own. (Imported here:
+        torch.distributed.optim brings FSDP, 1 s of every process start on the reference CPU.)"""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         if isinstance(self.optimizer, CopyAdamW):
             return self.optimizer.state_tensors()
         if isinstance(self.optimizer, ZeroRedundancyOptimizer):

@@ -6,7 +6,10 @@ Inductor fuses the pointwise and reduction ops into generated kernels (C++/OpenM
 Triton on GPUs), calling the vendor GEMMs for the matmuls. The first call pays for all of that.
 
 - `eager` (the reference): plain PyTorch, one kernel per op.
-- `default`: `torch.compile` with Inductor's default mode: fusion, no autotuning.
+- `default`: `torch.compile` with Inductor's default mode: fusion, no autotuning. On a CPU each
+  generated kernel is a C++ file built by its own compiler run, about a second each on the
+  reference CPU and most of a cold compile; `cpp_wrapper` puts a graph's kernels and the code
+  that calls them (Python otherwise) in one file: one compiler run a graph.
 - `max-autotune-no-cudagraphs` (GPU): also benchmarks Triton GEMM and conv templates against the
   vendor libraries and keeps the fastest: a longer compile for (sometimes) faster matmuls.
 - `reduce-overhead` (GPU): replays the whole step as a CUDA graph, one launch instead of one per
@@ -49,8 +52,11 @@ from labkit.workload import Comparison, Workload
 
 VARIANTS = ("eager", "default", "max-autotune-no-cudagraphs", "reduce-overhead")
 REFERENCE = "eager"
-# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"probe_calls": 10}, {"probe_calls": 5, "num_layers": 1})
+# smaller sizes of the default CPU run, cheapest last (labkit.harness.budget). The last compiles
+# the smallest graph there is, one 1-layer decode step, with one g++ run: on a CPU five times
+# slower than the reference one, a block's cold compile alone takes over a minute
+CPU_RUNGS = ({"probe_calls": 10}, {"probe_calls": 5, "num_layers": 1},
+             {"probe_calls": 5, "num_layers": 1, "target": "decode", "cpp_wrapper": True})
 
 GPU_ONLY = ("max-autotune-no-cudagraphs", "reduce-overhead")
 # Largest |compiled - eager| / max|eager| over outputs (and gradients) that still counts as equal:
@@ -68,6 +74,8 @@ class Config(RunConfig):
     max_cache_len: int = knob(0, min=0, help="decode: cache length (0: prompt_len + decode_steps)")
     probe_calls: int = knob(20, min=1, help="steady calls of eager and compiled for the break-even")
     inductor_cache: bool = knob(False, help="keep Inductor's on-disk caches (off: every compile cold)")
+    cpp_wrapper: bool = knob(False, help="mode default: Inductor's C++ wrapper, one C++ file (one "
+                                         "compiler run) a graph, not one a kernel")
 
 
 def validate(cfg: Config) -> None:
@@ -82,10 +90,12 @@ def validate(cfg: Config) -> None:
 def skip_reason(cfg: Config) -> str | None:
     if cfg.variant == REFERENCE:
         return None
+    if not cfg.device.startswith("cuda") and cfg.variant in GPU_ONLY:
+        return (f"mode {cfg.variant} is GPU-only here: it tunes Triton kernels or captures "
+                "CUDA graphs; this is a CPU (mode default runs)")
+    if cfg.cpp_wrapper and cfg.variant != "default":
+        return "cpp_wrapper is set, an option of mode default here (eager and default run)"
     if not cfg.device.startswith("cuda"):
-        if cfg.variant in GPU_ONLY:
-            return (f"mode {cfg.variant} is GPU-only here: it tunes Triton kernels or captures "
-                    "CUDA graphs; this is a CPU (mode default runs)")
         return hardware.inductor_cpu_problem()
     missing = "Inductor's GPU backend needs triton, which is not installed"
     return None if hardware.has_triton() else missing
@@ -184,8 +194,10 @@ def clone(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # --- the experiment --------------------------------------------------------------------------------
 
 def compile_fn(fn: Callable, cfg: Config) -> Callable:
-    mode = None if cfg.variant == "default" else cfg.variant
-    compiled = torch.compile(fn, mode=mode)
+    if cfg.variant == "default":
+        compiled = torch.compile(fn, options={"cpp_wrapper": True} if cfg.cpp_wrapper else None)
+    else:
+        compiled = torch.compile(fn, mode=cfg.variant)
     if cfg.variant != "reduce-overhead":
         return compiled
 
