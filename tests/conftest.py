@@ -1,3 +1,4 @@
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,14 @@ def pytest_collection_modifyitems(items):
         if (item.get_closest_marker("multiprocess") or item.get_closest_marker("notebook")
                 or "shared_runs" in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def needs(*packages: str):
+    """A mark that skips a module's tests where one of `packages` is not installed, found
+    without importing it: peft or papermill takes 2 s to import, which every collection would
+    pay (`-m "not slow"` too), where importorskip at module level imports them."""
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"not installed: {', '.join(missing)}")
 
 
 @pytest.fixture(autouse=True)

@@ -29,15 +29,11 @@ import pytest
 
 from labkit.cli import lab_command, main
 
-playwright_api = pytest.importorskip("playwright.sync_api")
-papermill_io = pytest.importorskip("papermill.iorw")
-from papermill.parameterize import parameterize_notebook  # noqa: E402
-
-from conftest import FAST  # noqa: E402
+from conftest import FAST, needs
 
 # Slow on purpose (a server, a kernel and a browser; about 30 s each here): the waits below fail
 # first, with what the page showed, well inside this limit.
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow, needs("playwright", "papermill")]
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts" / "browser"
@@ -91,7 +87,9 @@ def browser():
     executable = find_chromium()
     if executable is None:
         pytest.skip("no Chromium: install Debian's `chromium` or set LABKIT_CHROMIUM to a binary")
-    with playwright_api.sync_playwright() as pw:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
         chromium = pw.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
@@ -124,8 +122,11 @@ def free_port() -> int:
 def prepare_notebook(root: Path) -> None:
     """The notebook with its tiny parameters injected by papermill (as a report run does), storing
     its runs under `root`."""
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
     parameters = {"overrides": SETTINGS, "device": "cpu", "runs_dir": str(root / "runs")}
-    nb = parameterize_notebook(papermill_io.load_notebook_node(str(REPO / "notebooks" / NOTEBOOK)),
+    nb = parameterize_notebook(load_notebook_node(str(REPO / "notebooks" / NOTEBOOK)),
                                parameters)
     (root / NOTEBOOK).write_text(json.dumps(nb, indent=1))
 
@@ -202,6 +203,8 @@ def screenshot(page, name: str, full_page: bool = False) -> Path:
 
 
 def test_notebook_panel_in_jupyterlab_gains_points_on_run(browser, lab):
+    from playwright.sync_api import expect
+
     base, token = lab
     page, refused, errors = offline_page(browser, (base,))
     try:
@@ -226,7 +229,7 @@ def test_notebook_panel_in_jupyterlab_gains_points_on_run(browser, lab):
             timeout=PANEL_RUN_S * 1000)
         assert page.evaluate(DRAWN_JS) >= 3  # the panel's two and the static comparison figure
         # the button comes back once the last draw and the tables are in (just after "done:")
-        playwright_api.expect(run).to_be_enabled(timeout=PANEL_RUN_S * 1000)
+        expect(run).to_be_enabled(timeout=PANEL_RUN_S * 1000)
         legends = page.evaluate(LEGEND_CLEAR_JS)
     finally:
         screenshot(page, Path(NOTEBOOK).stem)
@@ -238,6 +241,8 @@ def test_notebook_panel_in_jupyterlab_gains_points_on_run(browser, lab):
 
 
 def test_report_page_renders_its_plots_with_the_network_blocked(browser, tmp_path):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     out = tmp_path / "report"
     argv = ["report", "--preset", "tiny", "--only", "matmul", "--out", str(out), "--device", "cpu"]
     assert main(argv + [f"--set={k}={v}" for k, v in SETTINGS.items()]) == 0
@@ -252,7 +257,7 @@ def test_report_page_renders_its_plots_with_the_network_blocked(browser, tmp_pat
         page.goto((out / f"{stem}.html").as_uri())
         try:
             page.wait_for_function(f"() => ({DRAWN_JS})() >= {num_plots}")
-        except playwright_api.TimeoutError:
+        except PlaywrightTimeout:
             pytest.fail(f"{num_plots} plots not drawn; refused requests: {refused}; errors: {errors}")
         traces = page.evaluate("() => [...document.querySelectorAll('div.js-plotly-plot')]"
                                ".map(gd => gd.data.length)")

@@ -56,6 +56,7 @@ def test_a_pace_handed_down_as_json_is_the_same_pace(monkeypatch):
     pace_module.measure_pace.cache_clear()
 
 
+@pytest.mark.slow
 def test_the_processes_a_report_starts_get_its_pace_and_the_environment_is_restored(monkeypatch):
     import subprocess
     import sys
@@ -103,6 +104,7 @@ def test_a_run_keeps_its_defaults_where_they_fit_and_steps_down_where_they_do_no
     assert hopeless.settings == budget.ladder(exp)[-1] and "still over it" in hopeless.note
 
 
+@pytest.mark.slow
 def test_emulated_bf16_adds_its_matmuls_at_the_measured_rate():
     exp = record("mixed_precision")
     cfg = resolve(exp.Config, "tiny", {"device": "cpu"}, experiment="mixed_precision")
@@ -116,6 +118,7 @@ def test_emulated_bf16_adds_its_matmuls_at_the_measured_rate():
     assert both == pytest.approx(2 * expected)  # bf16_weights' matmuls are bf16 too; fp32 adds nothing
 
 
+@pytest.mark.slow
 def test_a_sized_run_says_so_in_its_rows_and_keeps_checking_against_its_reference(monkeypatch, tmp_path):
     from labkit.harness.experiment import run_experiment
 
@@ -228,6 +231,7 @@ def test_multi_rank_notebooks_never_share_the_cores_and_the_last_ones_wait():
     assert plan.schedule_s(short_first, cores=2) == 4.0
 
 
+@pytest.mark.slow
 def test_report_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
     from labkit.cli import main
 
@@ -283,6 +287,7 @@ def test_the_costs_hold_every_notebook_at_its_report_size():
     assert json.loads(budget.COSTS_PATH.read_text())["reference"] == REFERENCE.source
 
 
+@pytest.mark.slow
 def test_the_worked_examples_smaller_size_keeps_its_story():
     """08_memory_planner's smaller ladder: every rung at the whole batch is predicted over the
     budget the notebook computes, the accumulated one under it (as at its report size)."""

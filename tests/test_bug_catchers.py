@@ -38,6 +38,7 @@ def host_grads(step: Trainer) -> dict:
 
 # --- 1. fp16: the GradScaler and accumulation -----------------------------------------------------
 
+@pytest.mark.slow
 def test_fp16_accumulation_scales_every_micro_batch_loss():
     """Bug: with a GradScaler and accumulation > 1, only the last micro-batch's loss is scaled.
     Unscaling then divides the other micro-batches' gradients by the scale (2**16), so the
@@ -57,6 +58,7 @@ def test_fp16_accumulation_scales_every_micro_batch_loss():
 
 # --- 2. LoRA's scale ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_lora_adapters_are_scaled_by_the_configured_alpha_over_rank():
     """Bug: LoRA built with alpha = rank (scale 1) instead of the configured alpha. With rank 4
     and alpha 8 every adapter's scale is 2, and a targeted layer's output (B made non-zero) is

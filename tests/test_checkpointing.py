@@ -39,6 +39,7 @@ def test_recomputation_gives_bitwise_equal_gradients(variant):
     assert gradient_difference(reference["grads"], got["grads"]) == (0.0, 0.0)
 
 
+@pytest.mark.slow
 def test_counted_recomputation_flops_are_one_forward_of_each_block_less_its_down_projection():
     plain = count_flops(trained(config())[0].step)
     for variant, every in [("full", 2), ("every_n", 2), ("selective", 2), ("every_n", 3)]:
@@ -69,6 +70,7 @@ def test_experiment_rows_bytes_held_and_gradients_against_the_reference():
     assert "No budget" in by(rows, "budget", "num_checkpointed_blocks")["message"]
 
 
+@pytest.mark.slow
 def test_the_measured_table_frees_what_the_planner_says_and_leaks_nothing():
     cfg = config("budget", **ACTIVATION_BOUND)
     trainer = Trainer(cfg)
@@ -94,6 +96,7 @@ def test_greedy_choice_takes_the_most_bytes_per_second_first_then_earlier_blocks
     assert ckpt.choose_blocks(costs, 10**6) == (0, 1, 2, 3)
 
 
+@pytest.mark.slow
 def test_budget_checkpoints_the_fewest_blocks_that_fit_an_activation_budget():
     sizes = ACTIVATION_BOUND
     cfg = config("budget", **sizes)
@@ -108,6 +111,7 @@ def test_budget_checkpoints_the_fewest_blocks_that_fit_an_activation_budget():
         assert ckpt.planned_blocks(cfg) == k
 
 
+@pytest.mark.slow
 def test_budget_fits_under_a_memory_budget_that_none_exceeds():
     cfg = config(**ACTIVATION_BOUND)
     none, full = ckpt.plan_memory(cfg).total_bytes, ckpt.plan_memory(cfg, "full").total_bytes

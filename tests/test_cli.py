@@ -134,6 +134,7 @@ def test_run_json_stdout_is_only_rows_of_the_schema(kv_run):
     assert variants == sorted(variants, key=lambda v: v != "none")  # reference first
 
 
+@pytest.mark.slow
 def test_run_json_measures_what_the_napkin_math_predicts(kv_run):
     rows = json_lines(kv_run["out"])
     by = {(r["variant"], r["metric"]): r for r in rows}
@@ -151,6 +152,7 @@ def test_run_json_measures_what_the_napkin_math_predicts(kv_run):
         assert r["params"]["device"] == "cpu" and r["params"]["preset"] == "tiny"
 
 
+@pytest.mark.slow
 def test_run_is_stored_in_the_runs_dir(kv_run):
     rows = json_lines(kv_run["out"])
     run_id = rows[0]["run_id"]
@@ -162,6 +164,7 @@ def test_run_is_stored_in_the_runs_dir(kv_run):
     assert [p.name for p in kv_run["runs"].iterdir()] == [path.name]  # no temporary files
 
 
+@pytest.mark.slow
 def test_results_lists_a_stored_run(kv_run):
     rows = json_lines(kv_run["out"])
     run_id, runs = rows[0]["run_id"], str(kv_run["runs"])
@@ -195,6 +198,7 @@ def test_results_json_is_strict_json(kv_run):
         strict_json(line)
 
 
+@pytest.mark.slow
 def test_run_human_output_has_a_table_and_the_stored_path(tmp_path):
     runs = tmp_path / "runs"
     rc, out, err = call(["run", "mixed_precision", *MP_TINY, "--variant", "fp32",
@@ -211,6 +215,7 @@ def test_run_human_output_has_a_table_and_the_stored_path(tmp_path):
     assert json.loads(path.read_text())["experiment"] == "mixed_precision"
 
 
+@pytest.mark.slow
 def test_sweep_gives_rows_for_every_point_reference_first(tmp_path):
     rc, out, err = call(["run", "kv_cache", *KV_TINY, "--sweep", "batch_size=1,2",
                          "--variant", "dynamic", "--runs-dir", str(tmp_path), "--json"])
@@ -442,6 +447,7 @@ CPU_OOM = RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. {CPU_ALLO
     ("none", SkipVariant("not here"), 0, "skipped"),
     ("dynamic", RuntimeError("boom"), 0, "error"),  # a variant's error is a result
 ])
+@pytest.mark.slow
 def test_run_exits_1_only_when_the_reference_row_is_an_error(failing, raised, code, status,
                                                             tmp_path, monkeypatch):
     real_build = kv_cache.build
@@ -483,6 +489,7 @@ def test_calibrate_stores_ceilings_the_roofline_then_prefers(tmp_path, monkeypat
     assert rc == 2 and err.count("\n") == 1 and "give integers" in err
 
 
+@pytest.mark.slow
 def test_profile_any_experiment_prints_findings_operators_and_writes_a_trace(tmp_path):
     trace = tmp_path / "trace.json"
     rc, out, _ = call(["profile", "kv_cache", *KV_TINY, "--variant", "static", "--trace", str(trace)])

@@ -93,6 +93,7 @@ def private_torch_users(root: Path) -> dict[str, list[str]]:
     return found
 
 
+@pytest.mark.slow
 def test_no_module_outside_measure_and_hardware_uses_a_private_torch_name():
     users = private_torch_users(LABKIT)
     outside = {path: [n for n in names if (path, n) not in PRIVATE_TORCH_ALLOWED]

@@ -213,6 +213,7 @@ def bumping_build(monkeypatch, pkg: Path, uj_per_call: int) -> None:
     monkeypatch.setattr(kv_cache, "build", build)
 
 
+@pytest.mark.slow
 def test_energy_is_divided_by_exactly_the_calls_timed(tree, tmp_path, monkeypatch):
     """1 J per call and nothing while idle: joules_per_token is 1 J / one call's tokens only when
     the window's calls are counted exactly (warm-up and calibration included)."""
@@ -232,6 +233,7 @@ def test_energy_is_divided_by_exactly_the_calls_timed(tree, tmp_path, monkeypatc
         assert above["value"] == pytest.approx(jpt["value"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_counter_failing_after_timing_keeps_the_timing(tree, tmp_path, monkeypatch):
     root, _ = tree
     monkeypatch.setenv(energy.POWERCAP_ENV, str(root))

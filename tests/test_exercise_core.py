@@ -48,6 +48,7 @@ def test_describe_names_the_level_and_the_hint_does_not_give_the_answer():
     assert hint(key).startswith("Hint: ") and len(hint(key)) > len("Hint: ")
 
 
+@pytest.mark.slow
 def test_an_attempt_is_stored_with_its_person_team_and_verdict(tmp_path, monkeypatch):
     monkeypatch.setenv("LABKIT_PARTICIPANT", "ana")
     runs = str(tmp_path / "runs")

@@ -9,12 +9,13 @@ import copy
 
 import pytest
 
+from conftest import needs
+
 from labkit.study.exercises import RUNS, Rows, Setup, grade
 from labkit.study.exercises import finetune as ft
 from labkit.study.exercises.core import measure_setup
 
-pytest.importorskip("peft")
-pytest.importorskip("torchao")
+pytestmark = needs("peft", "torchao")
 
 RUN = RUNS["finetune"]
 DEVICES = ("cpu", "cuda")
@@ -141,6 +142,7 @@ def rows(tmp_path_factory):
     return measure_setup(setup("cpu"), str(tmp_path_factory.mktemp("runs")), reuse=False)
 
 
+@pytest.mark.slow
 def test_the_measurement_supports_every_answer(rows):
     s = setup()
     for key, ex in EXERCISES.items():
@@ -166,6 +168,7 @@ def doctored(rows, variant, metric, factor):
     ("qlora_base_bytes", "qlora", "linear_weight_bytes", 8),
     ("lora_long_context", "lora", "activation_bytes", 0.01),
 ])
+@pytest.mark.slow
 def test_doctored_rows_are_not_taken_as_support(rows, key, variant, metric, factor):
     message = EXERCISES[key].supports(doctored(rows, variant, metric, factor), setup())
     assert isinstance(message, str) and message

@@ -86,6 +86,7 @@ def test_oom_under_the_virtual_budget_is_a_row_memory_is_freed_and_the_sweep_goe
     assert by(result.rows, "fp32", "peak_mem_bytes", {"batch_size": 2})["value"] < 0.1 * 2**30
 
 
+@pytest.mark.slow
 def test_a_cpu_allocation_failure_is_an_oom_row_its_memory_freed_and_the_sweep_goes_on(monkeypatch):
     """torch's CPU allocator raises a RuntimeError, not torch.OutOfMemoryError: still an `oom`."""
     real_build, held = kv_cache.build, []
@@ -109,6 +110,7 @@ def test_a_cpu_allocation_failure_is_an_oom_row_its_memory_freed_and_the_sweep_g
     assert {r["status"] for r in measured(rows) if r["variant"] == "none"} == {"ok"}
 
 
+@pytest.mark.slow
 def test_a_variant_that_disagrees_with_the_reference_is_an_error_and_is_not_timed(monkeypatch):
     monkeypatch.setitem(mixed_precision.TOLERANCE, "bf16", 0.0)
     rows = run_experiment("mixed_precision", preset="tiny", overrides={**TINY_TRAIN, "device": "cpu"},
@@ -150,6 +152,7 @@ def test_bad_input_fails_before_anything_runs(tmp_path):
         run_experiment("kv_cache", overrides={"device": "cpu"}, runs_dir=str(tmp_path / "a-file"))
 
 
+@pytest.mark.slow
 def test_rows_are_stored_after_every_point_even_when_the_run_is_interrupted(monkeypatch):
     real_build = kv_cache.build
     calls = []
@@ -169,12 +172,14 @@ def test_rows_are_stored_after_every_point_even_when_the_run_is_interrupted(monk
     assert (frame[~metric_skipped(frame)]["status"] == "ok").all()
 
 
+@pytest.mark.slow
 def test_lab_plan_says_what_will_be_skipped_here():
     plan = {(p["experiment"], p["variant"]): p for p in lab_plan("cpu")}
     assert not plan[("mixed_precision", "tf32")]["runs"]
     assert plan[("kv_cache", "dynamic")]["runs"] and plan[("kv_cache", "dynamic")]["preset"] == "tiny"
 
 
+@pytest.mark.slow
 def test_a_variant_whose_reference_did_not_run_says_it_is_unchecked():
     # a budget between the peaks of no checkpointing (the reference) and full checkpointing
     rows = run_experiment("checkpointing", preset="tiny", variants=["full"], progress=False,

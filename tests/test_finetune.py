@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import needs
+
 from labkit import planner
 from labkit.blocks import lora
 from labkit.blocks.model import build_model
@@ -14,8 +16,7 @@ from labkit.config import ConfigError, resolve
 from labkit.measure.memory import storage_bytes
 from labkit.techniques import finetune
 
-pytest.importorskip("peft")
-pytest.importorskip("torchao")
+pytestmark = needs("peft", "torchao")
 
 SMALL = {"batch_size": 1, "seq_len": 16, "steps": 2, "num_layers": 2, "compute": "fp32"}
 
@@ -25,6 +26,7 @@ def config(variant: str, **kw):
 
 
 @pytest.mark.parametrize("variant", ["lora", "qlora", "lora_ckpt"])
+@pytest.mark.slow
 def test_checks_pass_in_fp32_with_exact_init_and_frozen_base(variant):
     cfg = config(variant)
     out = finetune.build(cfg).check()

@@ -65,6 +65,7 @@ KERNEL_CHECK = """
 """
 
 
+@pytest.mark.slow
 def test_triton_kernel_matches_eager_under_the_interpreter_in_fp32_and_fp16():
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
     result = json.loads(run_python(KERNEL_CHECK, TRITON_INTERPRET="1"))

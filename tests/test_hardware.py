@@ -96,6 +96,7 @@ def test_available_devices_lists_each_gpu(fake_cuda):
     assert hardware.default_device() == "cuda"
 
 
+@pytest.mark.slow
 def test_importing_touches_neither_nvml_nor_cuda():
     code = (
         "import pynvml, torch\n"

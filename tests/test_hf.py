@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import measured
+from conftest import measured, needs
 
 from labkit import cli, planner
 from labkit.blocks import hf
@@ -19,7 +19,7 @@ from labkit.config import MODELS, ConfigError, resolve
 from labkit.reference import load_reference
 from labkit.techniques.kv_cache import Config as KVConfig, generate_cached
 
-transformers = pytest.importorskip("transformers")
+pytestmark = needs("transformers")
 
 TOL = 1e-5  # fp32 rounding: the same operations, at most in another order
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -54,6 +54,8 @@ def write_folder(folder, config: dict):
 def hf_model(folder, seed: int = 0):
     """transformers' own model for the folder's config, every weight perturbed (so zero biases
     and unit norms are not the only values a mapping is checked on)."""
+    import transformers
+
     torch.manual_seed(seed)
     config = transformers.AutoConfig.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -167,6 +169,8 @@ def test_config_dict_is_the_inverse(tmp_path):
 def test_reference_weights_in_llama_for_causal_lm(tmp_path):
     """labkit's own trained decoder, loaded into transformers' LlamaForCausalLM: same logits, and
     its caches' greedy tokens are transformers' greedy tokens."""
+    import transformers
+
     ours = load_reference()
     folder = write_folder(tmp_path / "reference", hf.config_dict(MODELS["reference"]))
     model = transformers.AutoModelForCausalLM.from_config(
@@ -255,6 +259,7 @@ def test_plan_json_counts_what_transformers_holds(tmp_path, capsys):
     assert cli.main(["plan", "--hf-model", str(folder), "--model", "tiny"]) == cli.EXIT_BAD_INPUT
 
 
+@pytest.mark.slow
 def test_run_kv_cache_on_a_shrunk_qwen2(tmp_path, capsys):
     folder = write_folder(tmp_path / "qwen2", {**CONFIGS["qwen2"], "num_hidden_layers": 4})
     code = cli.main(["run", "kv_cache", "--preset", "tiny", "--hf-model", str(folder), "--set",

@@ -19,6 +19,7 @@ from labkit.techniques import kv_cache
 MIB = 2**20
 
 
+@pytest.mark.slow
 def test_timer_runs_warmup_then_at_least_the_repeats_and_measures_the_step():
     calls = []
 
@@ -184,6 +185,7 @@ def test_tracker_follows_storage_resizes_as_fsdp_frees_and_regathers():
     assert torch.UntypedStorage.resize_ is original  # restored on exit
 
 
+@pytest.mark.slow
 def test_frozen_survivors_are_left_out_and_a_later_cycle_is_still_freed():
     """freeze_survivors: what is alive now leaves the collector's walks; a tensor that dies later
     in a reference cycle is still freed by free_device_memory, and seen freed by the tracker."""

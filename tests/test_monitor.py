@@ -137,6 +137,7 @@ def test_prometheus_text_of_a_gpu_sample():
         'labkit_monitor_samples{participant="a\\"b"}': 7.0}
 
 
+@pytest.mark.slow
 def test_the_metrics_endpoint_serves_parseable_text(nvml):
     nvml()
     monitor = DeviceMonitor("cuda:0", interval_s=0.01)

@@ -8,12 +8,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import FAST, TINY_DECODE, TINY_DIST, TINY_TRAIN
+from conftest import FAST, TINY_DECODE, TINY_DIST, TINY_TRAIN, needs
 
-papermill = pytest.importorskip("papermill")
-pytest.importorskip("nbconvert")
+from labkit.report import find_notebooks, run_report
 
-from labkit.report import find_notebooks, run_report  # noqa: E402
+pytestmark = needs("papermill", "nbconvert")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 # Each notebook's own parameters on top of report mode: sizes that finish in seconds. What they
@@ -90,6 +89,8 @@ def report(tmp_path_factory):
 def test_the_plan_sized_every_notebook_down_to_its_quickest(report):
     """Every notebook predicted beside measured; each one sized down to its quickest size (the
     budget is one second), where its parameters leave a smaller size to take."""
+    import papermill
+
     from labkit.report.plan import levels
     from labkit.techniques import notebook_names
 
@@ -206,6 +207,7 @@ def _built(names: dict) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("folder", ["", "exercises"])
+@pytest.mark.slow
 def test_committed_notebooks_are_what_their_builder_writes(folder, monkeypatch):
     """Every notebook regenerated in memory equals the committed file (cells' source and
     metadata, ids, the notebook's metadata): the cells live in the builders and the prose in

@@ -28,6 +28,7 @@ def value(rows, variant, metric):
     return hits[0]
 
 
+@pytest.mark.slow
 def test_offload_on_the_cpu_runs_the_reference_and_skips_the_rest_with_the_reason():
     rows = run_experiment("offload", preset="tiny", overrides={**TINY_TRAIN, "device": "cpu"},
                           progress=False).rows
@@ -81,6 +82,7 @@ def test_offloaded_training_gives_the_reference_numbers():
     assert state == 12 * params  # fp32 weights + two moments, in host memory
 
 
+@pytest.mark.slow
 def test_memory_pool_on_the_cpu_runs_the_reference_and_skips_the_rest_with_the_reason():
     rows = run_experiment("memory_pool", preset="tiny", overrides=POOL_SIZES, progress=False).rows
     assert {r["status"] for r in rows_of(rows, "default")} == {"ok"}

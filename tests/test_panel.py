@@ -98,6 +98,7 @@ def test_a_run_that_raises_shows_its_error_in_the_panel_and_gives_the_buttons_ba
     assert not panel.run_button.disabled and not list(tmp_path.glob("*.json"))
 
 
+@pytest.mark.slow
 def test_stop_ends_a_sweep_early_and_keeps_the_finished_points(tmp_path):
     panel = Panel("kv_cache", device="cpu", overrides=SIZES, runs_dir=str(tmp_path), min_interval_s=0)
     panel.variants.value = ("dynamic",)

@@ -194,6 +194,7 @@ PEAK_CASES = [  # (batch, seq, checkpointing, precision, layers, vocab): each mo
 
 
 @pytest.mark.parametrize("batch,seq,mode,precision,layers,vocab", PEAK_CASES)
+@pytest.mark.slow
 def test_predicted_peak_is_within_10_percent_of_the_measured_one(batch, seq, mode, precision, layers,
                                                                   vocab):
     overrides = {"batch_size": batch, "seq_len": seq, "num_layers": layers, "vocab_size": vocab}

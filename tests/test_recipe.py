@@ -228,6 +228,7 @@ GRID = {"precision": ["fp32", "bf16", "fp16", "bf16_weights"], "checkpointing": 
         "offload": ["none", "activations", "optimizer", "both"]}
 
 
+@pytest.mark.slow
 def test_every_single_process_combination_refusal_allows_runs_and_the_rest_are_refused():
     refused = set()
     for values in itertools.product(*GRID.values()):
@@ -349,7 +350,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", DATA_PARALLEL_CASES)
-@pytest.mark.slow
+@pytest.mark.multiprocess  # the module's one launch of 2 gloo ranks (`ranks`)
 def test_a_data_parallel_recipe_matches_the_plain_step_of_the_global_batch(ranks, name):
     sharded = PARALLEL[name][0].zero_stage >= 2
     policy = sharded and PARALLEL[name][0].precision == "bf16"
@@ -361,6 +362,7 @@ def test_a_data_parallel_recipe_matches_the_plain_step_of_the_global_batch(ranks
 
 
 @pytest.mark.parametrize("name", [n for n in PARALLEL if n.startswith("tensor")])
+@pytest.mark.multiprocess  # the module's one launch of 2 gloo ranks (`ranks`)
 def test_a_tensor_parallel_recipe_matches_the_plain_step(ranks, name):
     for rank in ranks:
         assert rank[name]["max_rel"] <= TP_ROUNDING, (name, rank[name]["max_rel"])
@@ -370,6 +372,7 @@ def test_a_tensor_parallel_recipe_matches_the_plain_step(ranks, name):
 
 @pytest.mark.parametrize("ddp, accumulated", [("ddp", "ddp_accumulation2"),
                                               ("zero1", "zero1_accumulation2")])
+@pytest.mark.multiprocess
 def test_ddp_all_reduces_once_per_step_not_once_per_micro_batch(ranks, ddp, accumulated):
     for rank in ranks:
         once, calls = rank[ddp]["all_reduce_micro_batches"], rank[accumulated]["all_reduce_micro_batches"]
@@ -378,6 +381,7 @@ def test_ddp_all_reduces_once_per_step_not_once_per_micro_batch(ranks, ddp, accu
         assert len(calls) == len(once) and set(calls) == {1}
 
 
+@pytest.mark.multiprocess
 def test_a_layout_that_cannot_run_is_refused_on_the_ranks(ranks):
     for rank in ranks:
         for name, recipe in REFUSED_ON_RANKS.items():

@@ -42,6 +42,7 @@ def _short_run(tmp_path, seed: int, name: str) -> str:
     return write_reference(model, stats, tmp_path / name)["sha256"]
 
 
+@pytest.mark.slow
 def test_training_is_reproducible(tmp_path):
     first = _short_run(tmp_path, 0, "a")
     assert _short_run(tmp_path, 0, "b") == first
@@ -100,6 +101,7 @@ def test_shipped_reference_loads_with_its_checksum():
     assert load_reference(dtype=torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_shipped_reference_is_far_better_than_random():
     """The recorded held-out perplexity is reproduced here, and is < 1/10 of a random model's."""
     record = reference_record()

@@ -148,6 +148,7 @@ def test_write_json_atomic_creates_missing_folders(tmp_path):
 
 # ---- concurrency ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_concurrent_writers_lose_nothing_and_readers_never_see_half_a_file(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(N_PROCS + 1)  # the writers and this process (the reader)

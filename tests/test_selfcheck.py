@@ -90,6 +90,7 @@ def _fake_family(monkeypatch, scripts: dict[str, str]):
                         lambda family, *_: [sys.executable, "-c", scripts[family]])
 
 
+@pytest.mark.slow
 def test_stopped_at_its_share_skipped_crashed_failed_left_out_skipped(monkeypatch, tmp_path):
     mark = selfcheck.ERROR_MARK + json.dumps({"experiment": "matmul", "error": "RuntimeError: no bf16"})
     _fake_family(monkeypatch, {

@@ -154,6 +154,7 @@ def test_schedulers_that_do_not_page_ignore_both_knobs_and_say_so(variant):
     assert "prefix_hit_rate" not in batching.expected(cfg)
 
 
+@pytest.mark.slow
 def test_the_prefix_exercises_grade_the_formula_against_the_replay(tmp_path):
     from labkit.study.exercises import serving
     from labkit.study.exercises.core import Setup, grade, measure

@@ -138,6 +138,7 @@ def frame(tmp_path_factory):
                           progress=False, runs_dir=str(tmp_path_factory.mktemp("runs"))).frame()
 
 
+@pytest.mark.slow
 def test_experiment_rows_and_exact_predictions(frame):
     ok = frame[frame.metric.notna() & (frame.status == "ok")]
     assert set(ok.variant) == {"sequential", "continuous"}
@@ -155,6 +156,7 @@ def test_experiment_rows_and_exact_predictions(frame):
     assert value(frame, "sequential", "ttft_slo_ms") == value(frame, "continuous", "ttft_slo_ms")
 
 
+@pytest.mark.slow
 def test_a_hopeless_slo_stops_every_replay_and_finds_no_rate(tmp_path):
     frame = run_experiment("sla", preset="tiny", overrides={**SIZES, "ttft_slo_ms": 1e-3},
                            variants=["sequential"], progress=False, runs_dir=str(tmp_path)).frame()

@@ -97,6 +97,7 @@ def wide(frame, recipe: str):
                                                                        "predicted_peak_bytes"]])
 
 
+@pytest.mark.slow
 def test_the_categories_add_up_to_the_trackers_total_at_every_sample(frame):
     for recipe in ("plain", "checkpointing=full"):
         samples = wide(frame, recipe)
@@ -104,6 +105,7 @@ def test_the_categories_add_up_to_the_trackers_total_at_every_sample(frame):
         assert (samples[list(CATEGORIES)].sum(axis=1) == samples["total_bytes"]).all()
 
 
+@pytest.mark.slow
 def test_the_step_starts_with_the_weights_and_adamws_state(frame):
     cfg = config()
     num_tensors = len(list(build_model(cfg.model, device="meta").parameters()))

@@ -3,13 +3,16 @@ one's names, multiprocessing still starts processes after the reset, the kernel'
 logged under each notebook's name, and a notebook that kills its kernel fails alone."""
 import pytest
 
-pytest.importorskip("papermill")
-nbformat = pytest.importorskip("nbformat")
+from conftest import needs
 
-from labkit.report.kernel import WarmKernel  # noqa: E402
+from labkit.report.kernel import WarmKernel
+
+pytestmark = needs("papermill", "nbformat")
 
 
 def notebook(folder, name, *sources):
+    import nbformat
+
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("x = 0", metadata={"tags": ["parameters"]})]
     nb.cells += [nbformat.v4.new_code_cell(s) for s in sources]
@@ -21,6 +24,8 @@ def notebook(folder, name, *sources):
 
 
 def printed(path):
+    import nbformat
+
     nb = nbformat.read(path, as_version=4)
     return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
 

@@ -126,6 +126,7 @@ def test_bad_knobs_are_refused_naming_the_choices():
             resolve(weight_quant.Config, "tiny", {field: value}, experiment="weight_quant")
 
 
+@pytest.mark.slow
 def test_weight_bytes_measured_equal_the_formula_for_every_variant(rows):
     fp32 = by(rows, "none", "weight_bytes")["value"]
     for variant in ("none", "int8", "int4"):
@@ -138,6 +139,7 @@ def test_weight_bytes_measured_equal_the_formula_for_every_variant(rows):
     assert "688" in by(rows, "int4", "packed_layers")["message"]
 
 
+@pytest.mark.slow
 def test_fp8_is_skipped_on_the_cpu_with_the_reason(rows):
     fp8 = [r for r in rows if r["variant"] == "fp8"]
     assert len(fp8) == 1 and fp8[0]["status"] == "skipped" and "compute capability" in fp8[0]["message"]
@@ -171,6 +173,7 @@ def test_reference_goals_hold_in_the_formula():
     assert ratio["int8"] <= 0.27 and ratio["int4"] <= 0.16
 
 
+@pytest.mark.slow
 def test_exercises_grade_the_formula_and_the_measurement_supports_them(tmp_path):
     from labkit.study.exercises import quantization
     from labkit.study.exercises.core import Rows, Setup, grade

@@ -76,6 +76,7 @@ def _store(folder: Path, run_id: str, experiment: str = "kv_cache", participant:
 
 # ---- a shared folder, many writers ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_many_processes_write_one_shared_folder_then_a_bundle_carries_the_same_table(tmp_path):
     shared, go = tmp_path / "shared", tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
