@@ -152,7 +152,10 @@ def local_env(nproc: int, store: str) -> dict[str, str]:
     return env
 
 
-RANK_PRELOAD = ["labkit.harness.experiment"]  # what the fork server imports: torch and labkit
+# what the fork server imports once, for every rank it forks: torch and labkit, and the
+# torch.distributed APIs the parallel transforms use (FSDP2, DTensor, tensor parallelism), which
+# labkit's process start leaves out (about 1 s a rank on the reference CPU)
+RANK_PRELOAD = ["labkit.harness.experiment", "labkit.blocks.transforms"]
 
 
 def spawn(fn: Callable[..., None], args: tuple, nproc: int, *, poll: Callable[[], None] | None = None
