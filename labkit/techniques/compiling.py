@@ -90,12 +90,13 @@ def validate(cfg: Config) -> None:
 def skip_reason(cfg: Config) -> str | None:
     if cfg.variant == REFERENCE:
         return None
-    if not cfg.device.startswith("cuda") and cfg.variant in GPU_ONLY:
+    on_cpu = not cfg.device.startswith("cuda")
+    if on_cpu and cfg.variant in GPU_ONLY:
         return (f"mode {cfg.variant} is GPU-only here: it tunes Triton kernels or captures "
                 "CUDA graphs; this is a CPU (mode default runs)")
     if cfg.cpp_wrapper and cfg.variant != "default":
         return "cpp_wrapper is set, an option of mode default here (eager and default run)"
-    if not cfg.device.startswith("cuda"):
+    if on_cpu:
         return hardware.inductor_cpu_problem()
     missing = "Inductor's GPU backend needs triton, which is not installed"
     return None if hardware.has_triton() else missing
