@@ -152,10 +152,12 @@ def local_env(nproc: int, store: str) -> dict[str, str]:
     return env
 
 
-# what the fork server imports once, for every rank it forks: torch and labkit, and the
+# what the fork server imports once, for every rank it forks: torch and labkit, the
 # torch.distributed APIs the parallel transforms use (FSDP2, DTensor, tensor parallelism), which
-# labkit's process start leaves out (about 1 s a rank on the reference CPU)
-RANK_PRELOAD = ["labkit.harness.experiment", "labkit.blocks.transforms"]
+# labkit's process start leaves out (about 1 s a rank on the reference CPU), and TorchDynamo,
+# which torch imports on the first call of any function it guards with `_disable_dynamo` (an
+# optimizer's step among them): 0.7 s a rank, a quarter of a tiny run's rank
+RANK_PRELOAD = ["labkit.harness.experiment", "labkit.blocks.transforms", "torch._dynamo"]
 
 
 def spawn(fn: Callable[..., None], args: tuple, nproc: int, *, poll: Callable[[], None] | None = None

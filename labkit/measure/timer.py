@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-from torch.utils import benchmark
 
 MAX_REPEATS = 1000
 
@@ -56,6 +55,8 @@ def time_step(step: Callable[[], object], *, device: str = "cpu", warmup: int = 
         for _ in range(warmup):
             step()
         return Timing(_time_cuda(step, min_run_time_s, min_repeats), warmup)
+    from torch.utils import benchmark  # imported here: it pulls in setuptools (0.14 s)
+
     timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=num_threads)
     if warmup:
         timer.timeit(warmup)

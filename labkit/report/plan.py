@@ -52,6 +52,10 @@ NOTEBOOK_RUNGS: dict[str, tuple[dict[str, Any], ...]] = {
     "13_pipeline_parallel": ({}, {}, {}, {"sweep": {"micro_batches": [1, 4]}}),
     # the Pareto figure at two batch limits, not four
     "29_sla": ({}, {}, {}, {"pareto_batch_sizes": [2, 8]}),
+    # one fresh process (OMP_NUM_THREADS read at its start), not three: each imports torch anew,
+    # about 2 s of its 10 on the reference CPU; a knob set in the process and one read at its start
+    # still stand side by side
+    "24_threads": ({}, {}, {"variants": "set_num_threads,omp_env"}),
 }
 # Notebooks whose recipe ladder runs rungs in bf16 autocast: the parameter holding the ladder's
 # sizes, and how many of its rungs run in bf16 (every rung from `+ bf16` on)
