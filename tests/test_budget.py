@@ -231,6 +231,14 @@ def test_multi_rank_notebooks_never_share_the_cores_and_the_last_ones_wait():
     assert plan.schedule_s(short_first, cores=2) == 4.0
 
 
+def test_the_threads_notebook_holds_every_core_slot():
+    """24_threads times its work on every core: no notebook may run beside it."""
+    from labkit.report import notebook_ranks
+
+    assert notebook_ranks("24_threads", {}, {}, cores=3) == 3
+    assert notebook_ranks("20_matmul", {}, {}, cores=3) == 1
+
+
 @pytest.mark.slow
 def test_report_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
     from labkit.cli import main

@@ -246,11 +246,20 @@ def describe_report(report: Report, budget_s: float = REPORT_TARGET_S) -> str:
     return describe(plans, report.cores, measure_pace(), budget_s)
 
 
+# Notebooks whose work runs on every core in one process (24_threads: its variants ask for
+# os.cpu_count() threads): they hold every core slot, so that no notebook runs beside them, which
+# would take a core from their threads and spoil the speed-ups they measure
+EVERY_CORE = ("24_threads",)
+
+
 def notebook_ranks(stem: str, params: dict[str, Any], known: dict[str, Any], cores: int) -> int:
-    """The processes a notebook keeps busy: its `nproc` when given, else its experiment's CPU
-    rank count; a notebook without that parameter runs in its kernel alone."""
+    """The core slots a notebook keeps busy: every one for EVERY_CORE, else its `nproc` when
+    given, else its experiment's CPU rank count; a notebook without that parameter runs in its
+    kernel alone."""
     from labkit.techniques import notebook_names, record
 
+    if stem in EVERY_CORE:
+        return cores
     if "nproc" not in known:
         return 1
     if params.get("nproc"):
