@@ -40,7 +40,7 @@ from labkit.planner.plan import CHECKPOINTING, OPTIMIZER_IMPLS, ZERO_STAGES, Mem
 from labkit.planner.precision import (DTYPE_OF, OPTIMIZERS, PRECISION_BYTES, PRECISIONS,
                                       PrecisionBytes, optimizer_bytes_per_param)
 from labkit.planner.report import GIB, plan_report
-from labkit.planner.search import Recommendation, recommend
+from labkit.planner.search import SEARCH, Recommendation, recommend
 from labkit.planner.sharding import fsdp2_all_gather_bytes, zero_model_state_bytes
 from labkit.planner.training import training_memory
 
@@ -54,7 +54,7 @@ __all__ = ["CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_CHECKPOINTING",
            "FINETUNE_METHODS", "GIB", "LORA_MODULES", "LORA_TARGET_ALIASES", "LORA_TARGET_NAMES",
            "LocalShape", "MemoryPlan", "NF4_BLOCK_SIZE", "NF4_SCALER_BLOCKS", "OPTIMIZERS",
            "OPTIMIZER_IMPLS", "PRECISIONS", "PRECISION_BYTES", "PRESETS", "PrecisionBytes",
-           "Recommendation", "StageParams", "ZERO_STAGES", "adamw_state_bytes", "attention_flops",
+           "Recommendation", "SEARCH", "StageParams", "ZERO_STAGES", "adamw_state_bytes", "attention_flops",
            "block_linear_params", "block_tensors", "check_tp", "finetune_compute_dtype",
            "finetune_frontier", "finetune_memory", "forward_flops", "fsdp2_all_gather_bytes",
            "generate_flops",

@@ -12,8 +12,8 @@ from labkit.planner.training import training_memory
 # Tried in order, cheapest first. ZeRO stages 1-2 move the same bytes as plain data parallelism
 # (2Ψ per step, the ZeRO paper's section 7), so they come before any recomputation; stage 3 moves
 # 1.5x that on every step, so it comes last; selective recomputation (elementwise ops again) comes
-# before full (a whole extra forward).
-_SEARCH = tuple((ckpt, zero) for ckpt in CHECKPOINTING for zero in (0, 1, 2)) + \
+# before full (a whole extra forward). The recipe panel's search takes the same order.
+SEARCH = tuple((ckpt, zero) for ckpt in CHECKPOINTING for zero in (0, 1, 2)) + \
     tuple((ckpt, 3) for ckpt in CHECKPOINTING)
 # mixed first (fp32 master weights: the standard recipe); pure bf16 halves the optimizer state
 # at some cost in accuracy, so it is the fallback.
@@ -42,7 +42,7 @@ def recommend(m: ModelConfig | None = None, *, num_params: int | None = None,
               tp: int = 1, pp: int = 1, optimizer: str = "adamw", device: str | None = "cuda",
               optimizer_impl: str | None = None) -> Recommendation:
     """The first plan that fits, trying precisions, then (checkpointing, ZeRO stage) pairs in the
-    order of `_SEARCH`, each at the largest micro-batch that divides the batch per rank."""
+    order of `SEARCH`, each at the largest micro-batch that divides the batch per rank."""
     _positive(effective_batch=effective_batch, gpu_mem_bytes=gpu_mem_bytes, gpus=gpus, tp=tp, pp=pp)
     dp = gpus // (tp * pp) or 1
     if effective_batch % dp:
@@ -53,7 +53,7 @@ def recommend(m: ModelConfig | None = None, *, num_params: int | None = None,
               gpus=gpus, device=device, optimizer_impl=optimizer_impl)
     smallest = None
     for precision in _RECOMMENDED_PRECISIONS:
-        for ckpt, zero in _SEARCH:
+        for ckpt, zero in SEARCH:
             if zero and dp == 1 or ckpt != "none" and m is None:
                 continue  # ZeRO needs data parallelism; recomputation needs a shape
             plan, micro = _largest_micro_batch(m, per_rank, gpu_mem_bytes, precision=precision,

@@ -49,12 +49,6 @@ TERMS = ("param", "gathered", "grad", "optimizer", "activation", "weight_copy", 
 LABELS = {"param": "parameters", "gathered": "gathered parameters (FSDP2)", "grad": "gradients",
           "optimizer": "optimizer states", "activation": "activations",
           "weight_copy": "autocast weight casts", "overhead": "temporaries"}
-# The recommendation's search, cheapest first: (checkpointing, ZeRO stage) pairs in
-# planner.recommend's order (ZeRO 1-2 move the bytes DDP moves, so before any recomputation;
-# selective recomputes elementwise ops, full a whole forward; ZeRO-3 gathers weights in both
-# passes, so last), each at the fewest micro-batches that fit (accumulation adds no FLOPs).
-SEARCH = tuple((c, z) for c in planner.CHECKPOINTING for z in (0, 1, 2)) + \
-    tuple((c, 3) for c in planner.CHECKPOINTING)
 # After the chosen precision: bf16 autocast (fp32 weights and AdamW, 16-bit matmuls), then bf16
 # weights with fp32 master copies (no cached casts, 16-bit gradients).
 FALLBACK_PRECISIONS = ("bf16", "bf16_weights")
@@ -253,14 +247,15 @@ def terms_frame(plan: planner.MemoryPlan) -> pd.DataFrame:
 def recommend(cfg: experiment.Config, memory_bytes: int) -> Recommended:
     """The cheapest recipe the experiment runs that fits `memory_bytes` per GPU, at the same
     batch per GPU, sequence and GPUs (offload and compile off: the planner models neither):
-    the chosen precision first, then FALLBACK_PRECISIONS; in each, SEARCH's pairs at the fewest
-    micro-batches that fit. When none fits, planner.recommend's answer, which also tries pure
-    bf16 (16-bit AdamW states), a training the recipe experiment does not run."""
+    the chosen precision first, then FALLBACK_PRECISIONS; in each, the (checkpointing, ZeRO stage)
+    pairs in planner.recommend's order (`planner.SEARCH`), each at the fewest micro-batches that
+    fit (accumulation adds no FLOPs). When none fits, planner.recommend's answer, which also
+    tries pure bf16 (16-bit AdamW states), a training the recipe experiment does not run."""
     precisions = dict.fromkeys((cfg.precision,) + FALLBACK_PRECISIONS)
     splits = [k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % k == 0]
     tried = 0
     for precision in precisions:
-        for ckpt, zero in SEARCH:
+        for ckpt, zero in planner.SEARCH:
             for k in splits:
                 candidate = dataclasses.replace(cfg, precision=precision, checkpointing=ckpt,
                                                 zero_stage=zero, micro_batches=k, offload="none",
