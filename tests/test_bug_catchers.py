@@ -32,8 +32,8 @@ def train_config(**overrides) -> RunConfig:
     return resolve(RunConfig, "tiny", {**CPU, **overrides})
 
 
-def host_grads(step: Trainer) -> dict:
-    return {n: p.grad.detach().float().numpy().copy() for n, p in step.model.named_parameters()}
+def host_grads(trainer: Trainer) -> dict:
+    return {n: p.grad.detach().float().numpy().copy() for n, p in trainer.model.named_parameters()}
 
 
 # --- 1. fp16: the GradScaler and accumulation -----------------------------------------------------
@@ -44,12 +44,12 @@ def test_fp16_accumulation_scales_every_micro_batch_loss():
     Unscaling then divides the other micro-batches' gradients by the scale (2**16), so the
     step's gradient is nearly the last micro-batch's alone. The unscaled gradients at the update
     must be the plain fp32 step's on the same two sequences, within fp16's tolerance."""
-    step = compose(train_config(), Recipe(precision="fp16", micro_batches=2))
-    assert step.sizes == [1, 1] and step.scaler.get_scale() > 1  # two micro-batches, scaled
+    trainer = compose(train_config(), Recipe(precision="fp16", micro_batches=2))
+    assert trainer.sizes == [1, 1] and trainer.scaler.get_scale() > 1  # two micro-batches, scaled
     unscaled = []
-    step.grad_hooks.append(lambda s: unscaled.append(host_grads(s)))
-    step.step()
-    assert step.skipped_steps == 0 and len(unscaled) == 1
+    trainer.grad_hooks.append(lambda s: unscaled.append(host_grads(s)))
+    trainer.step()
+    assert trainer.skipped_steps == 0 and len(unscaled) == 1
     plain = Trainer(train_config(), batch_size=2)  # the same two sequences in one batch
     plain.accumulate()
     max_abs, max_rel = gradient_difference(host_grads(plain), unscaled[0])
@@ -71,14 +71,14 @@ def test_lora_adapters_are_scaled_by_the_configured_alpha_over_rank():
                                             "compute": "fp32", "device": "cpu", "variant": "lora",
                                             "lora_rank": 4, "lora_alpha": 8.0},
                   experiment="finetune")
-    step, _ = finetune.finetune_step(cfg)
-    found = list(lora.adapters(step.model))
+    trainer, _ = finetune.finetune_step(cfg)
+    found = list(lora.adapters(trainer.model))
     assert len(found) == 2 * cfg.model.num_layers  # q and v of each block
     assert {s for *_, s in found} == {cfg.lora_alpha / cfg.lora_rank} == {2.0}
     base, A, B, _ = found[0]
     with torch.no_grad():
         B.weight.normal_(generator=torch.Generator().manual_seed(0))  # B != 0: the update shows
-    layer = step.model.layers[0].attn.wq
+    layer = trainer.model.layers[0].attn.wq
     x = torch.randn(3, base.in_features, generator=torch.Generator().manual_seed(1))
     by_hand = x @ (base.weight + cfg.lora_alpha / cfg.lora_rank * B.weight @ A.weight).T
     torch.testing.assert_close(layer(x), by_hand, rtol=1e-5, atol=1e-6)

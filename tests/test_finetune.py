@@ -59,11 +59,11 @@ def test_lora_forward_is_the_base_plus_the_scaled_low_rank_update_by_hand():
 
 def test_adapter_gradients_match_autograd_on_a_hand_built_weight():
     cfg = config("lora", steps=1)
-    step, _ = finetune.finetune_step(cfg)
-    step.step()  # B moves off zero
-    diff = finetune.adapter_grad_difference(step)
+    trainer, _ = finetune.finetune_step(cfg)
+    trainer.step()  # B moves off zero
+    diff = finetune.adapter_grad_difference(trainer)
     assert diff <= 1e-5
-    assert all(p.grad is None for p in step.model.parameters())  # dropped afterwards
+    assert all(p.grad is None for p in trainer.model.parameters())  # dropped afterwards
 
 
 def test_nf4_error_stays_within_the_bound_and_the_bound_is_tight():
@@ -91,16 +91,16 @@ def test_nf4_bytes_are_the_inner_tensors_storage_and_match_the_planner():
                                              ("qlora", "attn")])
 def test_trainable_params_equal_the_planner(variant, targets):
     cfg = config(variant, lora_targets=targets)
-    step, _ = finetune.finetune_step(cfg)
-    counted = finetune.counts(step.model)["trainable_params"]
+    trainer, _ = finetune.finetune_step(cfg)
+    counted = finetune.counts(trainer.model)["trainable_params"]
     assert counted == planner.trainable_params(cfg.model, finetune.method(variant), lora_rank=cfg.lora_rank,
                                                lora_targets=finetune.targets(cfg))
 
 
 def test_qlora_linear_weights_are_about_four_bits():
     cfg = config("qlora")
-    step, _ = finetune.finetune_step(cfg)
-    weights = lora.linear_weights(step.model)
+    trainer, _ = finetune.finetune_step(cfg)
+    weights = lora.linear_weights(trainer.model)
     num = sum(w.numel() for w in weights)
     bits = 8 * storage_bytes(weights) / num
     assert 4.0 < bits < 4.145 * 1.01  # 4 bits + int8 scalers per 64 + factors (+ a LUT per weight)

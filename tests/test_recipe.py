@@ -40,17 +40,17 @@ def config(**overrides) -> RunConfig:
     return resolve(RunConfig, "tiny", {**CPU, **overrides})
 
 
-def whole_grads(step: Trainer) -> dict:
+def whole_grads(trainer: Trainer) -> dict:
     """fp32 host copies of the whole gradients now in `.grad` (DTensors gathered: a collective)."""
     return {n: full_tensor(p.grad, "cpu").float().numpy().copy()
-            for n, p in step.model.named_parameters()}
+            for n, p in trainer.model.named_parameters()}
 
 
-def one_step(step: Trainer) -> dict:
+def one_step(trainer: Trainer) -> dict:
     """One step: its loss and the gradients it applied (bf16 ones upcast, which is exact)."""
-    loss = step.accumulate()
-    grads = whole_grads(step)
-    step.update()
+    loss = trainer.accumulate()
+    grads = whole_grads(trainer)
+    trainer.update()
     return {"loss": loss, "grads": grads}
 
 
@@ -73,29 +73,29 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, lambda t: t)
 
 
-def saved_bytes(step: Trainer) -> tuple[dict, int]:
-    hooks = SavedActivations(step.model.parameters())
-    step.contexts.append(lambda: hooks)
-    return one_step(step), hooks.num_bytes
+def saved_bytes(trainer: Trainer) -> tuple[dict, int]:
+    hooks = SavedActivations(trainer.model.parameters())
+    trainer.contexts.append(lambda: hooks)
+    return one_step(trainer), hooks.num_bytes
 
 
 # --- single process: each transform against the plain step ---------------------------------------
 
 def test_the_empty_recipe_is_bitwise_the_plain_trainer():
-    ref_step, step = Trainer(config()), compose(config(), Recipe())
-    ref, got = step_with_gradients(ref_step), step_with_gradients(step)
+    ref_trainer, trainer = Trainer(config()), compose(config(), Recipe())
+    ref, got = step_with_gradients(ref_trainer), step_with_gradients(trainer)
     assert got["loss"] == ref["loss"] and gradient_difference(ref["grads"], got["grads"]) == (0.0, 0.0)
-    assert type(step.optimizer) is torch.optim.AdamW and step.scaler is None and not step.contexts
-    for a, b in zip(ref_step.model.parameters(), step.model.parameters()):
+    assert type(trainer.optimizer) is torch.optim.AdamW and trainer.scaler is None and not trainer.contexts
+    for a, b in zip(ref_trainer.model.parameters(), trainer.model.parameters()):
         assert torch.equal(a, b)  # the same update too
 
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_accumulating_k_micro_batches_is_one_batch_of_k_times_b(k):
     cfg = config(batch_size=2)
-    step = compose(cfg, Recipe(micro_batches=k))
-    assert step.sizes == [2] * k and len(step.inputs) == 2 * k
-    got, ref = one_step(step), one_step(Trainer(cfg, batch_size=2 * k))
+    trainer = compose(cfg, Recipe(micro_batches=k))
+    assert trainer.sizes == [2] * k and len(trainer.inputs) == 2 * k
+    got, ref = one_step(trainer), one_step(Trainer(cfg, batch_size=2 * k))
     max_abs, max_rel = gradient_difference(ref["grads"], got["grads"])
     assert max_rel <= FP32_ROUNDING and got["loss"] == pytest.approx(ref["loss"], rel=FP32_ROUNDING)
 
@@ -107,18 +107,18 @@ def test_accumulation_of_one_is_bitwise_the_plain_step():
 
 @pytest.mark.parametrize("mode, wrapped", [("full", [0, 1]), ("selective", [0, 1]), ("every_n", [0])])
 def test_checkpointing_recomputes_and_is_bitwise_the_plain_step(mode, wrapped):
-    step = compose(config(), Recipe(checkpointing=mode, checkpoint_every=2))
-    assert [i for i, b in enumerate(step.model.layers) if hasattr(b.forward, "__wrapped__")] == wrapped
-    (got, kept), (ref, kept_plain) = saved_bytes(step), saved_bytes(Trainer(config()))
+    trainer = compose(config(), Recipe(checkpointing=mode, checkpoint_every=2))
+    assert [i for i, b in enumerate(trainer.model.layers) if hasattr(b.forward, "__wrapped__")] == wrapped
+    (got, kept), (ref, kept_plain) = saved_bytes(trainer), saved_bytes(Trainer(config()))
     assert gradient_difference(ref["grads"], got["grads"]) == (0.0, 0.0)
     assert kept < kept_plain  # the wrapped blocks' activations are recomputed, not kept
 
 
 def test_activation_offload_is_bitwise_and_sends_the_activations_to_the_host():
-    step = compose(config(), Recipe(offload="activations"))
-    got, ref = one_step(step), plain(1)
+    trainer = compose(config(), Recipe(offload="activations"))
+    got, ref = one_step(trainer), plain(1)
     assert gradient_difference(ref["grads"], got["grads"]) == (0.0, 0.0)
-    assert step.host_hooks.bytes_to_host > 0  # the hooks ran (on a CPU the copy is the tensor)
+    assert trainer.host_hooks.bytes_to_host > 0  # the hooks ran (on a CPU the copy is the tensor)
 
 
 # --- precision ------------------------------------------------------------------------------------
@@ -135,26 +135,26 @@ def test_bf16_checkpointing_and_accumulation_stay_within_bf16_tolerance_of_fp32(
 
 def test_bf16_weights_build_fp32_master_copies_of_the_bf16_weights():
     # precision before the optimizer: the copies are fp32 images of the already-rounded weights
-    step = compose(config(), Recipe(precision="bf16_weights"))
-    params = list(step.model.parameters())
+    trainer = compose(config(), Recipe(precision="bf16_weights"))
+    params = list(trainer.model.parameters())
     assert {p.dtype for p in params} == {torch.bfloat16}
-    assert isinstance(step.optimizer, CopyAdamW)
+    assert isinstance(trainer.optimizer, CopyAdamW)
     assert all(c.dtype == torch.float32 and torch.equal(c, p.float())
-               for c, p in zip(step.optimizer.copies, params))
-    got = one_step(step)
+               for c, p in zip(trainer.optimizer.copies, params))
+    got = one_step(trainer)
     assert abs(got["loss"] - plain(1)["loss"]) / plain(1)["loss"] <= TOLERANCE["bf16_weights"]
-    assert all(torch.equal(p, c.to(torch.bfloat16)) for c, p in zip(step.optimizer.copies, params))
+    assert all(torch.equal(p, c.to(torch.bfloat16)) for c, p in zip(trainer.optimizer.copies, params))
 
 
 def test_fp16_builds_a_grad_scaler_that_unscales_exactly_before_the_update():
-    step = compose(config(), Recipe(precision="fp16"))
-    assert isinstance(step.scaler, torch.amp.GradScaler)
-    scale = step.scaler.get_scale()
+    trainer = compose(config(), Recipe(precision="fp16"))
+    assert isinstance(trainer.scaler, torch.amp.GradScaler)
+    scale = trainer.scaler.get_scale()
     unscaled = []
-    step.grad_hooks.append(lambda s: unscaled.append(whole_grads(s)))
-    step.accumulate()
-    scaled = whole_grads(step)
-    step.update()
+    trainer.grad_hooks.append(lambda s: unscaled.append(whole_grads(s)))
+    trainer.accumulate()
+    scaled = whole_grads(trainer)
+    trainer.update()
     # a power-of-two scale: unscaling is exact, so the gradients are the scaled ones / scale
     assert gradient_difference(unscaled[0], {n: g / scale for n, g in scaled.items()}) == (0.0, 0.0)
     assert gradient_difference(plain(1)["grads"], unscaled[0])[1] <= TOLERANCE["fp16"]
@@ -236,8 +236,8 @@ def test_every_single_process_combination_refusal_allows_runs_and_the_rest_are_r
         if refusal(r, "cpu"):
             refused.add((r.precision, r.offload))
             continue
-        step = compose(config(), r)
-        assert all(math.isfinite(step.step()) for _ in range(2)), r
+        trainer = compose(config(), r)
+        assert all(math.isfinite(trainer.step()) for _ in range(2)), r
     assert refused == {(p, o) for p in ("fp16", "bf16_weights") for o in ("optimizer", "both")}
     for precision, offload in refused:  # each refused one does crash or change the recipe
         with pytest.raises(ConfigError):
@@ -276,31 +276,31 @@ def reference_grads(reference) -> dict:
     return one_step(compose(config(), reference))["grads"]
 
 
-def count_all_reduces(step: Trainer) -> list[int]:
+def count_all_reduces(trainer: Trainer) -> list[int]:
     """Under DDP, the micro-batch (0-based) of every bucket all-reduce: a comm hook that counts
     and then does DDP's own all-reduce (the sum over ranks divided by their count)."""
     calls: list[int] = []
-    if not isinstance(step.net, torch.nn.parallel.DistributedDataParallel):
+    if not isinstance(trainer.net, torch.nn.parallel.DistributedDataParallel):
         return calls
     forwards = [0]
-    step.model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    trainer.model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
 
     def hook(state, bucket):
         calls.append(forwards[0] - 1)
         return allreduce_hook(None, bucket)
 
-    step.net.register_comm_hook(None, hook)
+    trainer.net.register_comm_hook(None, hook)
     return calls
 
 
 def check_on_rank(recipe: Recipe, reference: dict) -> dict:
-    step = compose(config(), recipe)
-    calls = count_all_reduces(step)
-    got = one_step(step)
+    trainer = compose(config(), recipe)
+    calls = count_all_reduces(trainer)
+    got = one_step(trainer)
     return {"max_rel": gradient_difference(reference, got["grads"])[1], "loss": got["loss"],
-            "all_reduce_micro_batches": calls, "num_micro_batches": len(step.sizes),
+            "all_reduce_micro_batches": calls, "num_micro_batches": len(trainer.sizes),
             "num_sharded": sum(isinstance(p, torch.distributed.tensor.DTensor)
-                               for p in step.model.parameters())}
+                               for p in trainer.model.parameters())}
 
 
 def refused_on_rank(recipe: Recipe) -> str:

@@ -209,8 +209,8 @@ def run_config(model, batch_size, seq_len) -> RunConfig:
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_autocast_activations_and_weight_copies_are_what_the_forward_keeps(model, mode):
     torch.manual_seed(0)
-    step = compose(run_config(model, 1, 32), Recipe(precision="bf16", checkpointing=mode))
-    kept = ActivationMeter(step.model.parameters()).measure(step.forward)
+    trainer = compose(run_config(model, 1, 32), Recipe(precision="bf16", checkpointing=mode))
+    kept = ActivationMeter(trainer.model.parameters()).measure(trainer.forward)
     plan = planner.training_memory(model, batch_size=1, seq_len=32, precision="bf16_autocast",
                                    checkpointing=mode, device="cpu")
     assert plan.activation_bytes == pytest.approx(kept.total_bytes, rel=0.01)
@@ -231,10 +231,10 @@ def test_autocast_is_a_case_of_its_own_not_pure_bf16():
 def measured_peak(cfg: RunConfig, r: Recipe) -> int:
     """Peak bytes of the second step of the composed recipe (the first makes AdamW's state)."""
     with MemoryMeter("cpu") as meter:
-        step = compose(cfg, r)
-        step.step()
+        trainer = compose(cfg, r)
+        trainer.step()
         meter.reset_peak()
-        step.step()
+        trainer.step()
         return meter.peak_bytes
 
 

@@ -3,7 +3,7 @@
 
     layout = Layout.of(recipe, world, device)
     if layout.tp_enabled:
-        apply_tensor_parallel(step, layout.tp_mesh)
+        apply_tensor_parallel(trainer, layout.tp_mesh)
 
 The rank product is checked once, where the layout is made (`of`); the device mesh is built once,
 on first use, by the one `init_device_mesh` call in labkit. Tensor parallelism is the inner

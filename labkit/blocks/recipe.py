@@ -1,9 +1,9 @@
 """A recipe: the step-side techniques one training run combines, and the one place that composes
 them (`compose`), in a fixed order, refusing up front the combinations that cannot work.
 
-    step = compose(cfg, Recipe(precision="bf16", checkpointing="full", micro_batches=4,
-                               zero_stage=2))
-    step.step()
+    trainer = compose(cfg, Recipe(precision="bf16", checkpointing="full", micro_batches=4,
+                                  zero_stage=2))
+    trainer.step()
 
 The single-technique experiments apply the same transforms (`labkit.blocks.transforms`); a
 recipe of one technique is that experiment's variant.
@@ -183,48 +183,48 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
             and not hf.loads_weights(cfg.model))
     model = build_model(cfg.model, device="meta", attention=cfg.attention) if meta else None
     # The global batch, built the same on every rank; data parallelism takes each rank's slice.
-    step = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,
-                   batch_size=cfg.batch_size * recipe.micro_batches * layout.dp, model=model)
+    trainer = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,
+                      batch_size=cfg.batch_size * recipe.micro_batches * layout.dp, model=model)
     # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
     # compile, then FSDP):
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
     #    (the shards, the optimizer's states) takes its dtype from them. Under ZeRO-3, bf16 is
     #    FSDP2's mixed-precision policy (step 6) in place of autocast: the gathers in bf16.
     mp_policy = mixed_precision_policy(recipe, layout)
-    transforms.apply_precision(step, "fp32" if mp_policy else recipe.precision,
+    transforms.apply_precision(trainer, "fp32" if mp_policy else recipe.precision,
                                loss_scaling=recipe.loss_scaling)
     # 2. the model converters, before any parallelism (torchtitan applies its converters before
     #    `parallelize`): NF4 from the weights in their training dtype, which is what they
     #    dequantize to; the adapters in the base's dtype; everything else frozen.
-    apply_converters(step, recipe)
+    apply_converters(trainer, recipe)
     # 3. tensor parallel on the plain modules: its plan names the linear layers, which a
     #    checkpoint or compile wrapper would hide.
     if layout.tp_enabled:
-        transforms.apply_tensor_parallel(step, layout.tp_mesh)
+        transforms.apply_tensor_parallel(trainer, layout.tp_mesh)
     # 4. checkpointing wraps whole (possibly sharded) blocks, before compile, so the compiled
     #    block is the one that recomputes.
-    transforms.apply_checkpointing(step, recipe.checkpointing, every=recipe.checkpoint_every)
+    transforms.apply_checkpointing(trainer, recipe.checkpointing, every=recipe.checkpoint_every)
     # 5. compile each block, before data parallelism: FSDP2's gathers and DDP's bucket hooks
     #    run between the blocks, outside the compiled graphs.
     if recipe.compile:
-        transforms.apply_compile(step)
+        transforms.apply_compile(trainer)
     # 6. data parallelism wraps (or shards) the finished model and keeps this rank's slice; a
     #    model built on the meta device gets its weights now, each rank its shards.
     if layout.dp_enabled:
-        transforms.apply_data_parallel(step, layout.data_parallel, layout.dp_mesh,
+        transforms.apply_data_parallel(trainer, layout.data_parallel, layout.dp_mesh,
                                        offload=layout.host_optimizer and layout.fsdp_enabled,
                                        mp_policy=mp_policy)
     if meta:
-        materialize(step.model, cfg.device, seed=cfg.seed)
+        materialize(trainer.model, cfg.device, seed=cfg.seed)
     # 7. accumulation splits this rank's slice into micro-batches, around whatever the forward
     #    has become (under DDP only the last micro-batch all-reduces).
-    transforms.apply_accumulation(step, [cfg.batch_size] * recipe.micro_batches)
+    transforms.apply_accumulation(trainer, [cfg.batch_size] * recipe.micro_batches)
     # 8. offload: activation hooks around the forward; the host optimizer unless FSDP2 offloads.
-    transforms.apply_offload(step, activations=recipe.offload in ("activations", "both"),
+    transforms.apply_offload(trainer, activations=recipe.offload in ("activations", "both"),
                              optimizer=layout.host_optimizer and not layout.fsdp_enabled)
     # 9. the optimizer last, over the final parameters: their dtype, device and shard.
-    step.build_optimizer()
-    return step
+    trainer.build_optimizer()
+    return trainer
 
 
 def mixed_precision_policy(recipe: Recipe, layout: Layout) -> transforms.MixedPrecisionPolicy | None:
@@ -240,9 +240,9 @@ def converters(recipe: Recipe) -> Recipe:
                   lora_targets=recipe.lora_targets)
 
 
-def apply_converters(step: Trainer, recipe: Recipe) -> Trainer:
+def apply_converters(trainer: Trainer, recipe: Recipe) -> Trainer:
     """The recipe's model converters on the step's model (`transforms.apply_finetune`)."""
-    return transforms.apply_finetune(step, recipe.finetune, rank=recipe.lora_rank,
+    return transforms.apply_finetune(trainer, recipe.finetune, rank=recipe.lora_rank,
                                      alpha=recipe.lora_alpha,
                                      targets=planner.parse_lora_targets(recipe.lora_targets))
 

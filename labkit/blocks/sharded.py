@@ -64,31 +64,31 @@ def build_sharded_step(cfg: DistConfig, apply: Callable[[Trainer], Trainer] | No
     that it sees the sharded parameters. Each step drops the previous step's gradients first, so
     its own stay at rest after it (where `grad_bytes` is measured: local shards); no gradient
     norm (on DTensors it would add collectives to the step)."""
-    step = Trainer(cfg, optimizer=False)
+    trainer = Trainer(cfg, optimizer=False)
     if apply is not None:
-        apply(step)
-    step.inputs, step.targets = step.inputs[rows], step.targets[rows]  # (b, T) of this rank
-    step.sizes = [len(step.inputs)]
-    step.grads_at_rest, step.measure_norm = True, False
-    step.build_optimizer()
-    return step
+        apply(trainer)
+    trainer.inputs, trainer.targets = trainer.inputs[rows], trainer.targets[rows]  # (b, T) of this rank
+    trainer.sizes = [len(trainer.inputs)]
+    trainer.grads_at_rest, trainer.measure_norm = True, False
+    trainer.build_optimizer()
+    return trainer
 
 
-def train_step(step: Trainer) -> float:
-    """One step of a step `build_sharded_step` made (its gradients kept at rest, laid out as
+def train_step(trainer: Trainer) -> float:
+    """One step of a trainer `build_sharded_step` made (its gradients kept at rest, laid out as
     their parameters, no norm): `Trainer.step` with those options."""
-    return step.step()
+    return trainer.step()
 
 
-def backward(step: Trainer, loss: torch.Tensor) -> None:
+def backward(trainer: Trainer, loss: torch.Tensor) -> None:
     """The step's backward, then every gradient laid out as its parameter (at once, for a check
     that counts the collectives of the backward)."""
-    step.backward(loss)
-    match_grad_placements(step.model)
+    trainer.backward(loss)
+    match_grad_placements(trainer.model)
 
 
-def grads(step: Trainer) -> list[torch.Tensor]:
-    return [p.grad for p in step.model.parameters() if p.grad is not None]
+def grads(trainer: Trainer) -> list[torch.Tensor]:
+    return [p.grad for p in trainer.model.parameters() if p.grad is not None]
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, np.ndarray]:

@@ -111,7 +111,7 @@ class Trainer:
       loss is weighted by its share, so the gradient is the batch's mean (one piece: the plain
       step, unweighted);
     - `loss_weight` and `scaler` (a GradScaler): the backward of `loss * loss_weight`, scaled;
-    - `grad_hooks`: called with the step on the final (unscaled) gradients, before the update;
+    - `grad_hooks`: called with the trainer on the final (unscaled) gradients, before the update;
     - `optimizer_factory(params, lr)`: how the optimizer is built, once, after the transforms
       (`build_optimizer`, over the parameters that train), since its states take their dtype,
       device and shard from the weights.

@@ -1,6 +1,6 @@
 """The step-side techniques as transforms of a training step (`labkit.blocks.training.Trainer`):
 each `apply_*` changes one part of the step (the model, what the forward runs under, the
-micro-batches, the optimizer it will build) and returns the step. `compose` (in
+micro-batches, the optimizer it will build) and returns the trainer. `compose` (in
 `labkit.blocks.recipe`) applies a recipe's transforms in one fixed order; the single-technique
 experiments apply the same functions, so every technique has one implementation.
 
@@ -70,23 +70,23 @@ def compute_dtype(precision: str) -> str:
             "tf32": "tf32"}.get(precision, "float32")
 
 
-def apply_precision(step: Trainer, precision: str, *, loss_scaling: bool = True) -> Trainer:
+def apply_precision(trainer: Trainer, precision: str, *, loss_scaling: bool = True) -> Trainer:
     """The forward under the precision's autocast (or TF32 matmuls); `bf16_weights` casts the
     weights and makes the optimizer keep fp32 master copies; fp16 scales the loss (GradScaler)
     unless `loss_scaling` is off."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
-    device_type = torch.device(step.cfg.device).type
+    device_type = torch.device(trainer.cfg.device).type
     if precision in AUTOCAST:
-        step.contexts.append(functools.partial(torch.autocast, device_type, dtype=AUTOCAST[precision]))
+        trainer.contexts.append(functools.partial(torch.autocast, device_type, dtype=AUTOCAST[precision]))
     elif precision == "tf32":
-        step.contexts.append(tf32_matmuls)
+        trainer.contexts.append(tf32_matmuls)
     elif precision == "bf16_weights":
-        step.model.to(torch.bfloat16)
-        step.optimizer_factory = master_adamw
+        trainer.model.to(torch.bfloat16)
+        trainer.optimizer_factory = master_adamw
     if precision == "fp16" and loss_scaling:
-        step.scaler = torch.amp.GradScaler(device_type)
-    return step
+        trainer.scaler = torch.amp.GradScaler(device_type)
+    return trainer
 
 
 # --- model converters: what trains, and how the base is stored -----------------------------------
@@ -94,7 +94,7 @@ def apply_precision(step: Trainer, precision: str, *, loss_scaling: bool = True)
 FINETUNE = ("none", "lora", "qlora")
 
 
-def apply_finetune(step: Trainer, method: str, *, rank: int = 8, alpha: float = 16.0,
+def apply_finetune(trainer: Trainer, method: str, *, rank: int = 8, alpha: float = 16.0,
                    targets: tuple[str, ...] = ("q", "v")) -> Trainer:
     """The model converted in place (torchtitan's model converters): `lora` freezes the base and
     puts rank-`rank` adapters on the `targets` linears (PEFT); `qlora` first stores the base's
@@ -104,13 +104,13 @@ def apply_finetune(step: Trainer, method: str, *, rank: int = 8, alpha: float = 
     if method not in FINETUNE:
         raise ValueError(f"unknown finetune {method!r}; valid: {', '.join(FINETUNE)}")
     if method == "none":
-        return step
+        return trainer
     from labkit.blocks import lora  # PEFT and torchao: the finetune extra
 
     if method == "qlora":
-        lora.apply_nf4(step.model)
-    lora.apply_lora(step.model, targets, rank=rank, alpha=alpha)
-    return step
+        lora.apply_nf4(trainer.model)
+    lora.apply_lora(trainer.model, targets, rank=rank, alpha=alpha)
+    return trainer
 
 
 # --- tensor parallel ------------------------------------------------------------------------------
@@ -150,12 +150,12 @@ def apply_tp(model: torch.nn.Module, mesh: DeviceMesh, *, sequence_parallel: boo
     return model
 
 
-def apply_tensor_parallel(step: Trainer, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Trainer:
+def apply_tensor_parallel(trainer: Trainer, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Trainer:
     """The step's model sharded over `mesh`; every rank of it runs the same batch. Before each
     update every gradient is laid out as its parameter (`match_grad_placements`)."""
-    apply_tp(step.model, mesh, sequence_parallel=sequence_parallel)
-    step.grad_hooks.append(lambda s: match_grad_placements(s.model))
-    return step
+    apply_tp(trainer.model, mesh, sequence_parallel=sequence_parallel)
+    trainer.grad_hooks.append(lambda s: match_grad_placements(s.model))
+    return trainer
 
 
 def match_grad_placements(model: torch.nn.Module) -> None:
@@ -224,14 +224,14 @@ def _checkpointed(forward, context_fn):
 
 # --- compile --------------------------------------------------------------------------------------
 
-def apply_compile(step: Trainer, mode: str | None = None) -> Trainer:
+def apply_compile(trainer: Trainer, mode: str | None = None) -> Trainer:
     """Each block compiled in place (`nn.Module.compile`: the module and its parameter names stay,
     unlike a `torch.compile` wrapper). Per block, as torchtitan does: the blocks are alike, so one
     graph serves them all, and data-parallel hooks between blocks stay outside the graphs. The
     compilation itself happens at the first forward."""
-    for block in step.model.layers:
+    for block in trainer.model.layers:
         block.compile(mode=mode)
-    return step
+    return trainer
 
 
 # --- data parallel and ZeRO -----------------------------------------------------------------------
@@ -286,7 +286,7 @@ def wrap_ddp(model: torch.nn.Module, device: str, *, bucket_cap_mb: float | None
                                    process_group=process_group)
 
 
-def apply_data_parallel(step: Trainer, kind: str, mesh: DeviceMesh | None = None, *,
+def apply_data_parallel(trainer: Trainer, kind: str, mesh: DeviceMesh | None = None, *,
                         offload: bool = False, bucket_cap_mb: float | None = None,
                         gradient_as_bucket_view: bool = True,
                         mp_policy: MixedPrecisionPolicy | None = None) -> Trainer:
@@ -299,35 +299,35 @@ def apply_data_parallel(step: Trainer, kind: str, mesh: DeviceMesh | None = None
     if kind not in DATA_PARALLEL:
         raise ValueError(f"unknown data parallel {kind!r}; valid: {', '.join(DATA_PARALLEL)}")
     if kind == "none":
-        return step
+        return trainer
     sharded = kind in ("zero2", "zero3")
     if mesh is None and sharded:  # DDP needs no mesh: it runs on the default process group
-        mesh = Layout(dist.get_world_size(), 1, kind, step.cfg.device, always=("dp",)).dp_mesh
+        mesh = Layout(dist.get_world_size(), 1, kind, trainer.cfg.device, always=("dp",)).dp_mesh
     n, r = ((mesh.size(), mesh.get_local_rank()) if mesh is not None
             else (dist.get_world_size(), dist.get_rank()))
-    step.inputs, step.targets = step.inputs.chunk(n)[r], step.targets.chunk(n)[r]
-    step.sizes = [len(step.inputs)]
+    trainer.inputs, trainer.targets = trainer.inputs.chunk(n)[r], trainer.targets.chunk(n)[r]
+    trainer.sizes = [len(trainer.inputs)]
     if sharded:
-        shard_fully(step.model, mesh, reshard_after_forward=kind == "zero3", offload=offload,
+        shard_fully(trainer.model, mesh, reshard_after_forward=kind == "zero3", offload=offload,
                     mp_policy=mp_policy)
-        return step
+        return trainer
     group = mesh.get_group() if mesh is not None else None  # None: every rank
-    step.net = wrap_ddp(step.model, step.cfg.device, bucket_cap_mb=bucket_cap_mb,
-                        gradient_as_bucket_view=gradient_as_bucket_view, process_group=group)
+    trainer.net = wrap_ddp(trainer.model, trainer.cfg.device, bucket_cap_mb=bucket_cap_mb,
+                           gradient_as_bucket_view=gradient_as_bucket_view, process_group=group)
     if kind == "zero1":
-        step.optimizer_factory = functools.partial(zero1_adamw, process_group=group)
-    return step
+        trainer.optimizer_factory = functools.partial(zero1_adamw, process_group=group)
+    return trainer
 
 
 # --- accumulation and offload ---------------------------------------------------------------------
 
-def apply_accumulation(step: Trainer, sizes: list[int]) -> Trainer:
+def apply_accumulation(trainer: Trainer, sizes: list[int]) -> Trainer:
     """One optimizer step over micro-batches of `sizes` sequences, consecutive rows of the step's
     batch: each micro-batch's activations are freed by its backward, its gradients add up."""
-    if sum(sizes) != len(step.inputs) or min(sizes) < 1:
-        raise ValueError(f"micro-batches {sizes} do not split the batch of {len(step.inputs)}")
-    step.sizes = list(sizes)
-    return step
+    if sum(sizes) != len(trainer.inputs) or min(sizes) < 1:
+        raise ValueError(f"micro-batches {sizes} do not split the batch of {len(trainer.inputs)}")
+    trainer.sizes = list(sizes)
+    return trainer
 
 
 class save_activations_on_host(torch.autograd.graph.saved_tensors_hooks):
@@ -363,12 +363,12 @@ def host_adamw(params, lr: float) -> CopyAdamW:
     return CopyAdamW(params, lr, device="cpu", pin_memory=torch.cuda.is_available())
 
 
-def apply_offload(step: Trainer, *, activations: bool = False, optimizer: bool = False) -> Trainer:
+def apply_offload(trainer: Trainer, *, activations: bool = False, optimizer: bool = False) -> Trainer:
     """Saved activations sent to host memory in the forward and back in the backward; the
     optimizer's states and update on the host."""
     if activations:
-        step.host_hooks = save_activations_on_host(step.model.parameters())
-        step.contexts.append(step.host_hooks.counted)
+        trainer.host_hooks = save_activations_on_host(trainer.model.parameters())
+        trainer.contexts.append(trainer.host_hooks.counted)
     if optimizer:
-        step.optimizer_factory = host_adamw
-    return step
+        trainer.optimizer_factory = host_adamw
+    return trainer

@@ -58,27 +58,27 @@ class _ForwardMarks:
         self.recorder.mark("backward")
 
 
-def record_step(step: Trainer) -> Timeline:
-    """Record one `step.step()` by category, marking each forward, backward and the optimizer
+def record_step(trainer: Trainer) -> Timeline:
+    """Record one `trainer.step()` by category, marking each forward, backward and the optimizer
     (where the gradients are named). The trainer is left as it was."""
-    recorder = make_recorder(step.cfg.device)
+    recorder = make_recorder(trainer.cfg.device)
     marks = _ForwardMarks(recorder)
 
     def optimizer_mark(s: Trainer) -> None:
         recorder.mark("optimizer", gradients=[p.grad for p in s.model.parameters()])
 
     context = lambda: marks  # noqa: E731
-    step.contexts.append(context)
-    step.grad_hooks.append(optimizer_mark)
+    trainer.contexts.append(context)
+    trainer.grad_hooks.append(optimizer_mark)
     try:
-        with recorder.recording(parameters=list(step.model.parameters()),
-                                optimizer_state=step.optimizer_tensors(),
-                                batch=[step.inputs, step.targets]):
-            step.step()
+        with recorder.recording(parameters=list(trainer.model.parameters()),
+                                optimizer_state=trainer.optimizer_tensors(),
+                                batch=[trainer.inputs, trainer.targets]):
+            trainer.step()
             recorder.mark("end")
     finally:
-        step.contexts.remove(context)
-        step.grad_hooks.remove(optimizer_mark)
+        trainer.contexts.remove(context)
+        trainer.grad_hooks.remove(optimizer_mark)
     return recorder.timeline()
 
 
@@ -88,10 +88,10 @@ def step_timeline(cfg: RunConfig, recipe: Recipe | None = None) -> StepTimeline:
     planner's prediction for the same recipe: its precision's case, checkpointing and
     micro-batches (`micro_batches`: `cfg.batch_size` rows each, as `compose` splits them)."""
     recipe = recipe or Recipe()
-    step = compose(cfg, recipe)
-    step.step()
-    timeline = record_step(step)
-    del step
+    trainer = compose(cfg, recipe)
+    trainer.step()
+    timeline = record_step(trainer)
+    del trainer
     free_device_memory(cfg.device)
     kwargs, note = planner_kwargs(cfg, recipe)
     plan = planner.training_memory(cfg.model, **kwargs) if kwargs else None

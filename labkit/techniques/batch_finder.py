@@ -69,14 +69,14 @@ def frontier_step(cfg: Config, sizes: list[int] | None = None) -> Trainer:
     """The variant's recipe composed on a batch of `sizes` micro-batches (consecutive rows of
     one fixed batch of their total), one optimizer step over them."""
     sizes = list(sizes or [cfg.batch_size])
-    step = compose(dataclasses.replace(cfg, batch_size=sum(sizes)), recipe(cfg.variant), lr=cfg.lr)
-    return apply_accumulation(step, sizes)
+    trainer = compose(dataclasses.replace(cfg, batch_size=sum(sizes)), recipe(cfg.variant), lr=cfg.lr)
+    return apply_accumulation(trainer, sizes)
 
 
-def micro_forward(step: Trainer) -> torch.Tensor:
+def micro_forward(trainer: Trainer) -> torch.Tensor:
     """The first micro-batch's loss (what one forward holds at a time)."""
-    inputs, targets, _ = next(step.micro_batches())
-    return step.forward(inputs, targets)
+    inputs, targets, _ = next(trainer.micro_batches())
+    return trainer.forward(inputs, targets)
 
 
 def micro_batches(effective: int, micro: int) -> list[int]:

@@ -1,7 +1,8 @@
 """Activation checkpointing: keep fewer activations for backward and recompute the rest.
 
-`apply_checkpointing(step, mode, ...)` (`labkit.blocks.transforms`) wraps chosen decoder blocks in non-reentrant
-`torch.utils.checkpoint`; the model itself stays unchanged (a transform from outside).
+`apply_checkpointing(trainer, mode, ...)` (`labkit.blocks.transforms`) wraps chosen decoder blocks
+in non-reentrant `torch.utils.checkpoint`; the model itself stays unchanged (a transform from
+outside).
 - `full`: every block saves only its input; its forward runs again in backward.
 - `every_n`: every n-th block, a middle ground.
 - `selective`: every block, but the outputs of matmul-type ops are kept (they are costly to

@@ -135,20 +135,20 @@ def build_step(cfg: Config) -> tuple[Trainer, CommLog | None]:
     the gradients in their own tensors, not bucket views) with the variant's comm hook wrapped in
     a CommLog; k micro-batches of b when accumulating. Then the optimizer."""
     n, k, b = world_size(), cfg.micro_batches, cfg.batch_size
-    step = Trainer(cfg, batch_size=n * k * b, optimizer=False)
+    trainer = Trainer(cfg, batch_size=n * k * b, optimizer=False)
     log = None
     if is_ddp(cfg.variant):
-        apply_data_parallel(step, "ddp", bucket_cap_mb=bucket_cap_mb(cfg),
+        apply_data_parallel(trainer, "ddp", bucket_cap_mb=bucket_cap_mb(cfg),
                             gradient_as_bucket_view=False)
-        log = attach_comm_log(step.net, cfg)
+        log = attach_comm_log(trainer.net, cfg)
     pieces = pieces_per_rank(cfg)  # k micro-batches of b, or one piece
     if pieces > 1:
-        apply_accumulation(step, [len(step.inputs) // pieces] * pieces)
+        apply_accumulation(trainer, [len(trainer.inputs) // pieces] * pieces)
     # `accumulate` all-reduces in every micro-batch's backward; no gradient norm (nothing
     # beyond DDP's communication)
-    step.sync_each_micro_batch, step.measure_norm = cfg.variant == "accumulate", False
-    step.build_optimizer()
-    return step, log
+    trainer.sync_each_micro_batch, trainer.measure_norm = cfg.variant == "accumulate", False
+    trainer.build_optimizer()
+    return trainer, log
 
 
 def attach_comm_log(net: torch.nn.Module, cfg: Config) -> CommLog:
@@ -162,52 +162,52 @@ def attach_comm_log(net: torch.nn.Module, cfg: Config) -> CommLog:
     return log
 
 
-def train_step(step: Trainer, log: CommLog | None) -> float:
+def train_step(trainer: Trainer, log: CommLog | None) -> float:
     if log:
         log.reset()
-    return step.step()
+    return trainer.step()
 
 
-def check(step: Trainer) -> dict:
+def check(trainer: Trainer) -> dict:
     """`steps` steps; every step's global loss, and the first step's averaged gradients."""
-    cfg = step.cfg
+    cfg = trainer.cfg
     for _ in range(POWERSGD_START_ITER if cfg.variant == "powersgd" else 0):
-        step.accumulate()
-        step.drop_grads()
+        trainer.accumulate()
+        trainer.drop_grads()
     losses, grads = [], None
     for _ in range(cfg.steps):
-        losses.append(global_mean(step.accumulate(), cfg))
+        losses.append(global_mean(trainer.accumulate(), cfg))
         if grads is None:  # host copies, outside the memory meter (see training.py)
             grads = {n: p.grad.detach().cpu().numpy().copy()
-                     for n, p in step.model.named_parameters()}
-        step.update()
+                     for n, p in trainer.model.named_parameters()}
+        trainer.update()
     return {"losses": losses, "grads": grads}
 
 
-def side_by_side(step: Trainer, repeats: int) -> dict[str, float]:
+def side_by_side(trainer: Trainer, repeats: int) -> dict[str, float]:
     """The same step with the gradients synchronised and under no_sync, alternately, ranks lined
     up by a barrier before each: the difference is the communication the backward did not hide
     (the all-reduce, the bucket copies, waiting for the slowest rank)."""
-    device, full, synced, local = step.cfg.device, [], [], []
+    device, full, synced, local = trainer.cfg.device, [], [], []
     for _ in range(repeats):
         t0 = lined_up(device)
-        step.accumulate(sync=True)
+        trainer.accumulate(sync=True)
         t1 = clock(device)
-        step.update()
+        trainer.update()
         full.append(clock(device) - t0)
         synced.append(t1 - t0)
         t2 = lined_up(device)
-        step.accumulate(sync=False)
+        trainer.accumulate(sync=False)
         local.append(clock(device) - t2)
-        step.drop_grads()  # no update: the ranks' weights stay equal
+        trainer.drop_grads()  # no update: the ranks' weights stay equal
     return comm_times(synced, local, full)
 
 
-def report(step: Trainer, log: CommLog | None) -> dict[str, float]:
+def report(trainer: Trainer, log: CommLog | None) -> dict[str, float]:
     if log is None:  # `single`: no collective at all
         return {"comm_bytes": 0.0, "comm_ms": 0.0, "comm_fraction": 0.0}
     out = {"comm_bytes": float(log.bytes), "num_buckets": float(len(log.buckets))}
-    return {**out, **side_by_side(step, step.cfg.timed_steps)}
+    return {**out, **side_by_side(trainer, trainer.cfg.timed_steps)}
 
 
 def comm_times(synced: list[float], local: list[float], full: list[float]) -> dict[str, float]:
@@ -231,13 +231,13 @@ def global_mean(local_loss: float, cfg: Config) -> float:
 
 
 def build(cfg: Config) -> Workload:
-    step, log = build_step(cfg)
+    trainer, log = build_step(cfg)
     sequences = cfg.batch_size * cfg.micro_batches * (1 if is_ddp(cfg.variant) else world_size())
     return Workload(
-        step=functools.partial(train_step, step, log), check=functools.partial(check, step),
+        step=functools.partial(train_step, trainer, log), check=functools.partial(check, trainer),
         tokens_per_step=sequences * cfg.seq_len,
-        tensors={"param_bytes": step.model.parameters, "optimizer_bytes": step.optimizer_tensors},
-        report=functools.partial(report, step, log), notes=notes(cfg), count_flops=False,
+        tensors={"param_bytes": trainer.model.parameters, "optimizer_bytes": trainer.optimizer_tensors},
+        report=functools.partial(report, trainer, log), notes=notes(cfg), count_flops=False,
         compute_dtype=cfg.dtype)
 
 

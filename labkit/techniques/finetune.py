@@ -116,19 +116,19 @@ def finetune_step(cfg: Config, before_adapters=None) -> tuple[Trainer, float]:
     base logits), then the adapters on the (quantized) linears, then checkpointing around the
     blocks, then the optimizer over what trains."""
     dtype = torch_dtype(compute_dtype(cfg))
-    step = Trainer(cfg, weights=dtype, lr=cfg.lr, optimizer=False)
+    trainer = Trainer(cfg, weights=dtype, lr=cfg.lr, optimizer=False)
     loaded = base_model(cfg, dtype)
     if loaded is not None:
-        step.model = step.net = loaded
-    nf4_ratio = lora.apply_nf4(step.model) if cfg.variant == "qlora" else math.nan
+        trainer.model = trainer.net = loaded
+    nf4_ratio = lora.apply_nf4(trainer.model) if cfg.variant == "qlora" else math.nan
     if before_adapters is not None:
-        before_adapters(step.model)
+        before_adapters(trainer.model)
     if cfg.variant != "full":
-        lora.apply_lora(step.model, targets(cfg), rank=cfg.lora_rank, alpha=cfg.lora_alpha)
+        lora.apply_lora(trainer.model, targets(cfg), rank=cfg.lora_rank, alpha=cfg.lora_alpha)
     if cfg.variant == "lora_ckpt":
-        apply_checkpointing(step, "full")
-    step.build_optimizer()  # over what trains: the adapters (or, for full, everything)
-    return step, nf4_ratio
+        apply_checkpointing(trainer, "full")
+    trainer.build_optimizer()  # over what trains: the adapters (or, for full, everything)
+    return trainer, nf4_ratio
 
 
 # --- the checks -------------------------------------------------------------------------------------
@@ -139,12 +139,12 @@ def logits_of(model: torch.nn.Module, inputs: torch.Tensor) -> bytes:
     return model(inputs).float().cpu().numpy().tobytes()
 
 
-def adapter_grad_difference(step: Trainer) -> float:
+def adapter_grad_difference(trainer: Trainer) -> float:
     """One forward and backward; the normwise relative difference of the first adapter's
     gradients from the low-rank update's by hand: with X (N, in) its input, G (N, out) the
     loss's gradient at its output and s = alpha / r, dL/dB = s G^T (X A^T) and
     dL/dA = s (G B)^T X. The gradients are dropped afterwards."""
-    layer = next(m for m in step.model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    layer = next(m for m in trainer.model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
     seen = {}
 
     def capture(module, args, out):
@@ -153,7 +153,7 @@ def adapter_grad_difference(step: Trainer) -> float:
 
     hook = layer.register_forward_hook(capture)
     try:
-        step.forward().backward()
+        trainer.forward().backward()
     finally:
         hook.remove()
     A, B, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
@@ -161,7 +161,7 @@ def adapter_grad_difference(step: Trainer) -> float:
     with torch.no_grad():
         hand = {"B": s * G.T @ (X @ A.float().T), "A": s * (G @ B.float()).T @ X}
     got = {"A": A.grad.float(), "B": B.grad.float()}
-    step.drop_grads()
+    trainer.drop_grads()
     return max(float((got[k] - hand[k]).norm() / hand[k].norm().clamp_min(1e-30)) for k in hand)
 
 
@@ -192,29 +192,29 @@ def build(cfg: Config) -> Workload:
         init["logits"] = logits_of(model, step_inputs(cfg))
         init.update(base_perplexities(cfg, model) if cfg.variant == "qlora" else {})
 
-    step, nf4_ratio = finetune_step(cfg, before_adapters)
-    model, grads = step.model, {}
+    trainer, nf4_ratio = finetune_step(cfg, before_adapters)
+    model, grads = trainer.model, {}
     if cfg.variant != "full":  # B = 0: the adapters add exact zeros
-        init["init_logits_equal"] = float(logits_of(model, step.inputs) == init["logits"])
-    step.grad_hooks.append(lambda s: grads.update(bytes=storage_bytes(
+        init["init_logits_equal"] = float(logits_of(model, trainer.inputs) == init["logits"])
+    trainer.grad_hooks.append(lambda s: grads.update(bytes=storage_bytes(
         p.grad for p in s.model.parameters() if p.grad is not None)))
 
     def check() -> dict:
         frozen = lora.digest(lora.base_tensors(model))
-        out = step.train(cfg.steps)
+        out = trainer.train(cfg.steps)
         out.update(loss=out["losses"][-1], nf4_error_ratio=nf4_ratio,
                    **{k: v for k, v in init.items() if k != "logits"})
         if cfg.variant != "full":
             out["base_unchanged"] = float(lora.digest(lora.base_tensors(model)) == frozen)
-            out["adapter_grad_rel_diff"] = adapter_grad_difference(step)
+            out["adapter_grad_rel_diff"] = adapter_grad_difference(trainer)
         return out
 
     return Workload(
-        step=step.step, check=check, tokens_per_step=cfg.batch_size * cfg.seq_len,
+        step=trainer.step, check=check, tokens_per_step=cfg.batch_size * cfg.seq_len,
         tensors={"param_bytes": lambda: lora.base_tensors(model) + adapter_params(model),
                  "linear_weight_bytes": lambda: lora.linear_weights(model),
-                 "optimizer_bytes": step.optimizer_tensors},
-        forward=step.forward, resident=lambda: [*model.parameters(), *model.buffers()],
+                 "optimizer_bytes": trainer.optimizer_tensors},
+        forward=trainer.forward, resident=lambda: [*model.parameters(), *model.buffers()],
         report=lambda: {"grad_bytes": grads.get("bytes", 0), **counts(model)},
         notes=notes(cfg), compute_dtype=compute_dtype(cfg))
 
@@ -325,14 +325,14 @@ def probe(cfg: Config, seq_len: int, budget: int | None) -> bool:
 def _run_probe(cfg: Config, budget: int | None) -> bool:
     # Built before the meter: quantizing to NF4 holds (chunk, 16) distance temporaries, a
     # load-time cost; the weights it leaves are counted from storage instead.
-    step, _ = finetune_step(cfg)
-    resident = storage_bytes([*step.model.parameters(), *step.model.buffers()])
+    trainer, _ = finetune_step(cfg)
+    resident = storage_bytes([*trainer.model.parameters(), *trainer.model.buffers()])
     left = None if budget is None else budget - resident
     if left is not None and left <= 0:
         return False
     with MemoryMeter(cfg.device, left):  # counts what is allocated past its entry
         for _ in range(2):  # the first allocates AdamW's state; the second runs with it
-            step.step()
+            trainer.step()
     return True
 
 

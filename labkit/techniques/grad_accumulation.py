@@ -44,10 +44,10 @@ def accumulation_step(cfg: Config) -> Trainer:
     """The plain training step over a batch of k*b sequences, in one piece or, accumulating, in k
     micro-batches of b (`apply_accumulation`): views of the one batch, the same sequences as the
     reference, in order. The k*b sequences of token ids stay on the device (8 bytes a token)."""
-    step = Trainer(cfg, batch_size=cfg.batch_size * cfg.micro_batches)  # (k*b, T)
+    trainer = Trainer(cfg, batch_size=cfg.batch_size * cfg.micro_batches)  # (k*b, T)
     if cfg.variant == "accumulate":
-        apply_accumulation(step, [cfg.batch_size] * cfg.micro_batches)
-    return step
+        apply_accumulation(trainer, [cfg.batch_size] * cfg.micro_batches)
+    return trainer
 
 
 def build(cfg: Config) -> Workload:

@@ -106,16 +106,16 @@ def make_layout(cfg: Config) -> tuple[Callable[[Trainer], Trainer] | None, Layou
     if cfg.variant == "single":
         return None, lay
 
-    def apply(step: Trainer) -> Trainer:
+    def apply(trainer: Trainer) -> Trainer:
         # TP first, FSDP second (torchtitan's order): fully_shard re-shards TP's DTensors along
         # dp (2-D DTensors on the (dp, tp) mesh, each all-gather fetching a TP shard), while
         # parallelize_module cannot split parameters FSDP has already sharded. The optimizer is
         # made after both.
         if lay.tp_enabled:
-            apply_tensor_parallel(step, lay.tp_mesh)
+            apply_tensor_parallel(trainer, lay.tp_mesh)
         if lay.dp_enabled:
-            apply_data_parallel(step, "zero3", lay.dp_mesh)
-        return step
+            apply_data_parallel(trainer, "zero3", lay.dp_mesh)
+        return trainer
     return apply, lay
 
 
@@ -129,12 +129,12 @@ def with_fault(cfg: Config, apply: Callable[[Trainer], Trainer] | None):
     if scale is None or apply is None:
         return apply
 
-    def faulty(step: Trainer) -> Trainer:
+    def faulty(trainer: Trainer) -> Trainer:
         if layout(cfg)[1] > 1:
-            corrupt_row_outputs(step.model, scale)
-        apply(step)
-        corrupt_reduction(step.model, scale)  # no FSDP2 units (tp): nothing
-        return step
+            corrupt_row_outputs(trainer.model, scale)
+        apply(trainer)
+        corrupt_reduction(trainer.model, scale)  # no FSDP2 units (tp): nothing
+        return trainer
     return faulty
 
 
@@ -152,23 +152,23 @@ def mean_over(loss: torch.Tensor, dp_mesh: DeviceMesh | None) -> float:
 def build(cfg: Config) -> Workload:
     apply, lay = make_layout(cfg)
     dp_mesh = lay.dp_mesh
-    step = build_sharded_step(cfg, with_fault(cfg, apply))
-    return Workload(step=functools.partial(train_step, step),
-                    check=functools.partial(check, step, dp_mesh),
+    trainer = build_sharded_step(cfg, with_fault(cfg, apply))
+    return Workload(step=functools.partial(train_step, trainer),
+                    check=functools.partial(check, trainer, dp_mesh),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,  # the global batch: all ranks together
-                    tensors={"param_bytes": step.model.parameters,
-                             "grad_bytes": functools.partial(grads, step),
-                             "optimizer_bytes": lambda: optimizer_state(step.optimizer)},
+                    tensors={"param_bytes": trainer.model.parameters,
+                             "grad_bytes": functools.partial(grads, trainer),
+                             "optimizer_bytes": lambda: optimizer_state(trainer.optimizer)},
                     notes=notes(cfg), count_flops=False, compute_dtype=cfg.dtype)
 
 
-def check(step: Trainer, dp_mesh: DeviceMesh | None) -> dict:
+def check(trainer: Trainer, dp_mesh: DeviceMesh | None) -> dict:
     """One training step: the global loss and every gradient, gathered whole."""
-    step.drop_grads()
-    loss = lm_loss(step.model(step.inputs), step.targets)
-    backward(step, loss)
-    out = {"loss": mean_over(loss, dp_mesh), "grads": full_grads(step.model)}
-    step.update()
+    trainer.drop_grads()
+    loss = lm_loss(trainer.model(trainer.inputs), trainer.targets)
+    backward(trainer, loss)
+    out = {"loss": mean_over(loss, dp_mesh), "grads": full_grads(trainer.model)}
+    trainer.update()
     return out
 
 

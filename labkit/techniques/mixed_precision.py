@@ -68,39 +68,39 @@ def validate(cfg: Config) -> None:
 def precision_step(cfg: Config) -> Trainer:
     """The plain training step with the variant's precision (`apply_precision`), and the faults'
     knobs: the loss weighted, the MLP's output weights scaled (before the optimizer copies them)."""
-    step = Trainer(cfg, weights=weights_dtype(cfg.variant), lr=cfg.lr, optimizer=False)
-    apply_precision(step, cfg.variant, loss_scaling=cfg.loss_scaling)
-    step.loss_weight, step.zero_grad_pct = cfg.loss_weight, math.nan
-    step.grad_hooks.append(record_zero_grads)
+    trainer = Trainer(cfg, weights=weights_dtype(cfg.variant), lr=cfg.lr, optimizer=False)
+    apply_precision(trainer, cfg.variant, loss_scaling=cfg.loss_scaling)
+    trainer.loss_weight, trainer.zero_grad_pct = cfg.loss_weight, math.nan
+    trainer.grad_hooks.append(record_zero_grads)
     if cfg.mlp_scale != 1.0:
         with torch.no_grad():
-            for block in step.model.layers:
+            for block in trainer.model.layers:
                 block.mlp.w2.weight.mul_(cfg.mlp_scale)
-    step.build_optimizer()
-    return step
+    trainer.build_optimizer()
+    return trainer
 
 
-def record_zero_grads(step: Trainer) -> None:
-    """The share of gradient elements that are exactly zero (%), kept on the step."""
-    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
+def record_zero_grads(trainer: Trainer) -> None:
+    """The share of gradient elements that are exactly zero (%), kept on the trainer."""
+    grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
     total = sum(g.numel() for g in grads)
-    step.zero_grad_pct = 100 * sum(int((g == 0).sum()) for g in grads) / total if total else math.nan
+    trainer.zero_grad_pct = 100 * sum(int((g == 0).sum()) for g in grads) / total if total else math.nan
 
 
-def report(step: Trainer) -> dict[str, float]:
-    out = {"grad_norm": step.grad_norm}
-    if step.scaler is not None:
-        out.update(loss_scale=step.scaler.get_scale(), skipped_steps=step.skipped_steps)
+def report(trainer: Trainer) -> dict[str, float]:
+    out = {"grad_norm": trainer.grad_norm}
+    if trainer.scaler is not None:
+        out.update(loss_scale=trainer.scaler.get_scale(), skipped_steps=trainer.skipped_steps)
     return out
 
 
-def train(step: Trainer, steps: int) -> dict[str, object]:
+def train(trainer: Trainer, steps: int) -> dict[str, object]:
     """The plain losses and gradient norm, and what they show of the precision: losses that are
     inf or nan, the last step's zero gradient elements (%), steps GradScaler skipped."""
-    out = step.train(steps)
-    nonfinite = sum(not math.isfinite(x) for x in step.losses)
-    return {**out, "nonfinite_losses": nonfinite, "zero_grad_pct": step.zero_grad_pct,
-            "loss_first": step.losses[0], "skipped_steps": step.skipped_steps}
+    out = trainer.train(steps)
+    nonfinite = sum(not math.isfinite(x) for x in trainer.losses)
+    return {**out, "nonfinite_losses": nonfinite, "zero_grad_pct": trainer.zero_grad_pct,
+            "loss_first": trainer.losses[0], "skipped_steps": trainer.skipped_steps}
 
 
 def skip_reason(cfg: Config) -> str | None:

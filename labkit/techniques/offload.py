@@ -58,17 +58,17 @@ def offload_step(cfg: Config) -> Trainer:
     """The plain training step with the variant's activations and optimizer state on the host
     (`apply_offload`)."""
     activations, optimizer = offloads(cfg.variant)
-    step = Trainer(cfg, lr=cfg.lr, optimizer=False)
-    apply_offload(step, activations=activations, optimizer=optimizer)
-    step.build_optimizer()
-    return step
+    trainer = Trainer(cfg, lr=cfg.lr, optimizer=False)
+    apply_offload(trainer, activations=activations, optimizer=optimizer)
+    trainer.build_optimizer()
+    return trainer
 
 
-def transfer_bytes(step: Trainer) -> int:
+def transfer_bytes(trainer: Trainer) -> int:
     """Bytes over the host link per step: saved tensors down and back up, then the optimizer's
     gradients down and weights up."""
-    acts = 2 * step.host_hooks.bytes_to_host if step.host_hooks is not None else 0
-    return acts + (step.optimizer.bytes_per_step if isinstance(step.optimizer, CopyAdamW) else 0)
+    acts = 2 * trainer.host_hooks.bytes_to_host if trainer.host_hooks is not None else 0
+    return acts + (trainer.optimizer.bytes_per_step if isinstance(trainer.optimizer, CopyAdamW) else 0)
 
 
 @functools.lru_cache(maxsize=None)

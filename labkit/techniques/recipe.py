@@ -162,10 +162,10 @@ def skip_reason(cfg: Config) -> str | None:
 def plain_step(cfg: Config) -> Trainer:
     """The plain fp32 step on the whole global batch (replicas x batch_size), on every rank,
     with the recipe's model converters (they say what trains: the reference trains the same)."""
-    step = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg), optimizer=False)
-    recipes.apply_converters(step, recipe_of(cfg))
-    step.build_optimizer()
-    return step
+    trainer = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg), optimizer=False)
+    recipes.apply_converters(trainer, recipe_of(cfg))
+    trainer.build_optimizer()
+    return trainer
 
 
 def composed_step(cfg: Config) -> Trainer:
@@ -173,17 +173,17 @@ def composed_step(cfg: Config) -> Trainer:
     batch as plain's, each rank's slice of it split into micro_batches; with the fault's hook on
     its data parallelism (fault=corrupt_reduction, on fault_rank)."""
     micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
-    step = compose(micro, recipe_of(cfg), lr=LR)
+    trainer = compose(micro, recipe_of(cfg), lr=LR)
     scale = corrupt_scale(cfg)
     if scale is not None:  # before the first backward, which DDP's comm hook must precede
-        corrupt_reduction(step.net, scale)
-    return step
+        corrupt_reduction(trainer.net, scale)
+    return trainer
 
 
-def global_loss(loss: float, step: Trainer) -> float:
+def global_loss(loss: float, trainer: Trainer) -> float:
     """The global batch's mean loss: the mean of the ranks' (equal slices; the ranks of a
     tensor-parallel group share theirs), or this one."""
-    if step.cfg.variant == REFERENCE or world_size() == 1:
+    if trainer.cfg.variant == REFERENCE or world_size() == 1:
         return loss
     t = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(t)  # gloo and NCCL: a CPU tensor goes through gloo's default group too
@@ -201,22 +201,22 @@ class Observed:
         self.all_gather_bytes, self.build_peak_bytes = 0.0, 0
         self.tracker = LiveTensorTracker()
 
-    def record_grads(self, step: Trainer) -> None:
-        self.grad_bytes = storage_bytes(p.grad for p in step.model.parameters() if p.grad is not None)
+    def record_grads(self, trainer: Trainer) -> None:
+        self.grad_bytes = storage_bytes(p.grad for p in trainer.model.parameters() if p.grad is not None)
 
 
-def observed_forward(step: Trainer, seen: Observed):
-    """Step.forward measuring, once, what the first micro-batch's forward leaves allocated
+def observed_forward(trainer: Trainer, seen: Observed):
+    """`Trainer.forward` measuring, once, what the first micro-batch's forward leaves allocated
     (`ActivationMeter`: every storage made in it and alive at its end, less the loss and the
     parameters); the copies of parameters that autocast cached and the backward keeps, and
     FSDP2's gathered ones, counted apart."""
-    forward = step.forward
+    forward = trainer.forward
 
     def measured(inputs=None, targets=None):
         if seen.activation_bytes is not None:
             return forward(inputs, targets)
         out = []
-        meter = ActivationMeter(step.model.parameters(), gathered=step.model.parameters).measure(
+        meter = ActivationMeter(trainer.model.parameters(), gathered=trainer.model.parameters).measure(
             lambda: out.append(forward(inputs, targets)) or out[0])
         seen.activation_bytes, seen.weight_copy_bytes = meter.total_bytes, meter.weight_copy_bytes
         return out[0]
@@ -224,17 +224,17 @@ def observed_forward(step: Trainer, seen: Observed):
     return measured
 
 
-def check(step: Trainer, seen: Observed, budget: int | None, cfg: Config) -> dict:
+def check(trainer: Trainer, seen: Observed, budget: int | None, cfg: Config) -> dict:
     """`steps` steps: the global losses, then the whole weights (host copies, gathered from
     shards: collectives in the same order on every rank); the budget judged on every rank.
-    `cfg`: the experiment's (the step's holds one micro-batch)."""
+    `cfg`: the experiment's (the trainer's holds one micro-batch)."""
     with seen.tracker, CommCounter() as comm:
-        losses = [global_loss(step.step(), step) for _ in range(cfg.steps)]
+        losses = [global_loss(trainer.step(), trainer) for _ in range(cfg.steps)]
     seen.all_gather_bytes = comm.bytes["all_gather"] / cfg.steps
     if budget is not None:
         over_budget(seen, budget, cfg)
     weights = {n: full_tensor(p, cfg.device).float().cpu().numpy().copy()
-               for n, p in step.model.named_parameters()}
+               for n, p in trainer.model.named_parameters()}
     return {"losses": losses, "weights": weights}
 
 
@@ -255,15 +255,15 @@ def build(cfg: Config) -> Workload:
     seen = Observed()
     budget = int(cfg.budget_gib * 2**30) if cfg.budget_gib and cfg.variant != REFERENCE else None
     with seen.tracker:  # the budget's measure starts with the build
-        step = plain_step(cfg) if cfg.variant == REFERENCE else composed_step(cfg)
+        trainer = plain_step(cfg) if cfg.variant == REFERENCE else composed_step(cfg)
     seen.build_peak_bytes = seen.tracker.peak_bytes
-    step.grad_hooks.append(seen.record_grads)
-    step.forward = observed_forward(step, seen)
-    sequences = len(step.inputs)  # this rank's: the global batch for plain, its slice otherwise
-    return Workload(step=step.step, check=lambda: check(step, seen, budget, cfg),
+    trainer.grad_hooks.append(seen.record_grads)
+    trainer.forward = observed_forward(trainer, seen)
+    sequences = len(trainer.inputs)  # this rank's: the global batch for plain, its slice otherwise
+    return Workload(step=trainer.step, check=lambda: check(trainer, seen, budget, cfg),
                     tokens_per_step=sequences * cfg.seq_len,
-                    tensors={"param_bytes": lambda: [*step.model.parameters(), *step.model.buffers()],
-                             "optimizer_bytes": step.optimizer_tensors},
+                    tensors={"param_bytes": lambda: [*trainer.model.parameters(), *trainer.model.buffers()],
+                             "optimizer_bytes": trainer.optimizer_tensors},
                     report=lambda: report(seen), notes=notes(cfg), count_flops=False,
                     compute_dtype=compute_dtype(cfg.precision if cfg.variant != REFERENCE else "fp32"))
 

@@ -17,7 +17,7 @@ summed across ranks). The embedding is split by vocabulary rows and the head by 
   outside the matmuls shrink by n. The norm weights stay replicated; their gradients, each rank's
   over its own tokens, are summed once after backward (Megatron does the same).
 
-The transform comes from outside, gpt-fast style: `transforms.apply_tensor_parallel(step, mesh)`
+The transform comes from outside, gpt-fast style: `transforms.apply_tensor_parallel(trainer, mesh)`
 rewrites the plain decoder's parameters into DTensor shards; `Attention` views its projections as
 (B, T, -1, hd), so it runs unchanged on its local heads. The order (`build_sharded_step`, in
 `labkit.blocks.sharded` with the rest of the sharded step hybrid shares): the plain step with its
@@ -106,20 +106,20 @@ def _comm_rows(counts: dict[str, int], total: float, bus: float) -> dict[str, fl
 # --- the experiment ---------------------------------------------------------------------------
 
 
-def check_step(step: Trainer, measured: dict[str, float]) -> dict:
+def check_step(trainer: Trainer, measured: dict[str, float]) -> dict:
     """One training step: logits, loss and whole gradients; the collectives of its forward and
     backward counted into `measured` (AdamW on local shards communicates nothing)."""
-    step.drop_grads()
+    trainer.drop_grads()
     with CommCounter() as counter, warnings.catch_warnings():
         # CommDebugMode's module tracker hooks the embedding, whose token ids need no grad
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        logits = step.model(step.inputs)  # (B, T, V), replicated on every rank
-        loss = lm_loss(logits, step.targets)
-        backward(step, loss)
+        logits = trainer.model(trainer.inputs)  # (B, T, V), replicated on every rank
+        loss = lm_loss(logits, trainer.targets)
+        backward(trainer, loss)
     measured.update(counter.metrics())
     out = {"loss": loss.item(), "logits": logits.detach().cpu().numpy().copy(),
-           "grads": full_grads(step.model)}
-    step.update()
+           "grads": full_grads(trainer.model)}
+    trainer.update()
     return out
 
 
@@ -130,24 +130,24 @@ def sharding(cfg: Config, n: int) -> Callable[[Trainer], Trainer]:
     mesh = Layout(tp=n, device=cfg.device, always=("tp",)).tp_mesh
     scale = corrupt_scale(cfg)
 
-    def apply(step: Trainer) -> Trainer:
+    def apply(trainer: Trainer) -> Trainer:
         if scale is not None:
-            corrupt_row_outputs(step.model, scale)
-        return apply_tensor_parallel(step, mesh, sequence_parallel=cfg.variant == "tp_sp")
+            corrupt_row_outputs(trainer.model, scale)
+        return apply_tensor_parallel(trainer, mesh, sequence_parallel=cfg.variant == "tp_sp")
     return apply
 
 
 def build(cfg: Config) -> Workload:
     n = world_size()
     check_tp_shape(cfg, n)
-    step = build_sharded_step(cfg, None if cfg.variant == REFERENCE else sharding(cfg, n))
+    trainer = build_sharded_step(cfg, None if cfg.variant == REFERENCE else sharding(cfg, n))
     measured: dict[str, float] = {}  # counted in check(): collectives, gradient bytes
-    return Workload(step=functools.partial(train_step, step),
-                    check=functools.partial(check_step, step, measured),
+    return Workload(step=functools.partial(train_step, trainer),
+                    check=functools.partial(check_step, trainer, measured),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,
-                    tensors={"param_bytes": step.model.parameters,
-                             "grad_bytes": functools.partial(grads, step),
-                             "optimizer_bytes": lambda: optimizer_state(step.optimizer)},
+                    tensors={"param_bytes": trainer.model.parameters,
+                             "grad_bytes": functools.partial(grads, trainer),
+                             "optimizer_bytes": lambda: optimizer_state(trainer.optimizer)},
                     report=lambda: dict(measured), notes=notes(cfg), count_flops=False,
                     compute_dtype=cfg.dtype)
 

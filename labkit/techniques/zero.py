@@ -107,42 +107,42 @@ def build_step(cfg: Config) -> Trainer:
     the fault's hook added, then the optimizer built over the wrapped (sharded) parameters. Each
     step drops the previous step's gradients first (so this one's stay at rest, where
     `grad_bytes` is measured); no gradient norm (on DTensors it would add collectives)."""
-    step = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * world_size(), optimizer=False)
-    apply_data_parallel(step, DATA_PARALLEL[cfg.variant], offload=cfg.variant == "zero3_offload")
-    maybe_corrupt_reduction(step.net, cfg)
-    step.grads_at_rest, step.measure_norm = True, False
-    step.build_optimizer()
-    return step
+    trainer = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * world_size(), optimizer=False)
+    apply_data_parallel(trainer, DATA_PARALLEL[cfg.variant], offload=cfg.variant == "zero3_offload")
+    maybe_corrupt_reduction(trainer.net, cfg)
+    trainer.grads_at_rest, trainer.measure_norm = True, False
+    trainer.build_optimizer()
+    return trainer
 
 
-def check(step: Trainer) -> dict:
+def check(trainer: Trainer) -> dict:
     """CHECK_STEPS steps; the losses, host copies of the whole gradients of the first step (kept
     at rest after it) and of the whole weights after the last."""
-    losses = [step.step()]
-    grads = whole(step, {n: p.grad for n, p in step.model.named_parameters()})
-    losses += [step.step() for _ in range(CHECK_STEPS - 1)]
-    weights = whole(step, dict(step.model.named_parameters()))
+    losses = [trainer.step()]
+    grads = whole(trainer, {n: p.grad for n, p in trainer.model.named_parameters()})
+    losses += [trainer.step() for _ in range(CHECK_STEPS - 1)]
+    weights = whole(trainer, dict(trainer.model.named_parameters()))
     return {"losses": losses, "grads": grads, "weights": weights}
 
 
-def whole(step: Trainer, tensors: dict[str, torch.Tensor]) -> dict:
+def whole(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict:
     """Host copies, gathered whole (collectives, in the same order on every rank)."""
-    return {n: full_tensor(t, step.cfg.device).cpu().numpy().copy() for n, t in tensors.items()}
+    return {n: full_tensor(t, trainer.cfg.device).cpu().numpy().copy() for n, t in tensors.items()}
 
 
-def grads(step: Trainer) -> list[torch.Tensor]:
-    return [p.grad for p in step.model.parameters() if p.grad is not None]
+def grads(trainer: Trainer) -> list[torch.Tensor]:
+    return [p.grad for p in trainer.model.parameters() if p.grad is not None]
 
 
 def build(cfg: Config) -> Workload:
-    step = build_step(cfg)
+    trainer = build_step(cfg)
     # FlopCounterMode under FSDP sees DTensor ops with global shapes: FLOPs are not counted.
-    return Workload(step=step.step, check=lambda: check(step),
+    return Workload(step=trainer.step, check=lambda: check(trainer),
                     tokens_per_step=cfg.batch_size * cfg.seq_len,  # this rank's
                     # DTensors: storage_bytes counts the local shard
-                    tensors={"param_bytes": lambda: list(step.model.parameters()),
-                             "grad_bytes": lambda: grads(step),
-                             "optimizer_bytes": step.optimizer_tensors},
+                    tensors={"param_bytes": lambda: list(trainer.model.parameters()),
+                             "grad_bytes": lambda: grads(trainer),
+                             "optimizer_bytes": trainer.optimizer_tensors},
                     notes=notes(cfg), count_flops=False, compute_dtype=cfg.dtype)
 
 
