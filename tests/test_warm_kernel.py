@@ -31,12 +31,13 @@ def printed(path):
 
 
 @pytest.mark.notebook
-def test_names_forgotten_modules_kept_processes_start_and_a_dead_kernel_is_replaced(tmp_path, monkeypatch):
+def test_warmed_names_forgotten_modules_kept_processes_start_and_a_dead_kernel_is_replaced(tmp_path, monkeypatch):
     import papermill
 
     first = notebook(tmp_path, "first", "import os, sys, torch\nleft = 41\n"
                      "sys.stderr.write('to the log\\n')\nos.write(2, b'fd two\\n')\n"
-                     "print('pid', os.getpid(), 'threads', torch.get_num_threads())")
+                     "print('pid', os.getpid(), 'threads', torch.get_num_threads())\n"
+                     "print('warm', 'labkit.harness.experiment' in sys.modules)")
     second = notebook(tmp_path, "second", "import os, multiprocessing as mp\n"
                       "print('left' in globals(), x)\n"
                       "p = mp.get_context('spawn').Process(target=print)\np.start(); p.join()\n"
@@ -45,6 +46,7 @@ def test_names_forgotten_modules_kept_processes_start_and_a_dead_kernel_is_repla
     log = tmp_path / "logs" / "kernel.log"
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with WarmKernel(tmp_path, log, threads=1) as kernel:  # its slot's share of the cores
+        kernel.warm()  # started, labkit imported: before the first notebook
         kernel.execute(first, tmp_path / "out1.ipynb", {"x": 1})
         kernel.execute(second, tmp_path / "out2.ipynb", {"x": 2})
         with pytest.raises(Exception) as died:
@@ -54,9 +56,10 @@ def test_names_forgotten_modules_kept_processes_start_and_a_dead_kernel_is_repla
     text = printed(tmp_path / "out1.ipynb")
     pid, threads = (text.split(f"{name} ")[1].split()[0] for name in ("pid", "threads"))
     assert threads == "1"  # one thread, on a machine of any number of cores
+    assert "warm True" in text  # imported by warm(), not by the notebook
     assert printed(tmp_path / "out2.ipynb").split() == ["False", "2", "exit", "0", "pid", pid]
     again = printed(tmp_path / "out4.ipynb").split()
     assert again[:4] == ["False", "4", "exit", "0"] and again[5] != pid  # a fresh kernel
     text = log.read_text()
-    assert text.index("--- first") < text.index("fd two") < text.index("--- second")
+    assert text.index("--- (start)") < text.index("--- first") < text.index("fd two") < text.index("--- second")
     assert text.count("--- second") == 2 and "--- dies" in text

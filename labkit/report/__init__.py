@@ -313,7 +313,8 @@ def execute_all(paths: dict[str, Path], params: dict[str, dict], runs: list[Note
             return False
         return not active or sum(need[s] for s in active) + need[stem] <= cores
 
-    with ProcessPoolExecutor(max(1, cores), mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max(1, cores), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=warm_worker, initargs=(str(out), threads)) as pool:
         while pending or running:
             while (stem := next(filter(ready, pending), None)):
                 pending.remove(stem)  # one at a time: `ready` sees the ones just started
@@ -341,23 +342,39 @@ def _last_line(text: str) -> str:
 _KERNEL = None  # this worker process's kernel (labkit.report.kernel): one per core slot
 
 
-def execute_notebook(path: str, output: str, parameters: dict[str, Any], cwd: str,
-                     threads: int | None = None) -> tuple[str, str, float]:
-    """Execute one notebook (in a worker process, in its warm kernel of `threads` threads), then
-    render what it holds, finished or not; returns (status, the error's last line, seconds)."""
+def worker_kernel(cwd: str, threads: int | None) -> Any:
+    """This worker process's kernel, made on first use (started by its first notebook)."""
     import atexit
-
-    import papermill
 
     from labkit.report.kernel import WarmKernel, pid_log
 
     global _KERNEL
     if _KERNEL is None:
-        _KERNEL = WarmKernel(cwd, pid_log(Path(output).parent / "logs"), threads)
+        _KERNEL = WarmKernel(cwd, pid_log(Path(cwd) / "logs"), threads)
         atexit.register(_KERNEL.shutdown)
+    return _KERNEL
+
+
+def warm_worker(cwd: str, threads: int | None) -> None:
+    """A worker process's start: its kernel started and warmed (`WarmKernel.warm`) before its
+    first notebook, whose seconds then hold only its own work."""
+    kernel = worker_kernel(cwd, threads)
+    try:
+        kernel.warm()
+    except Exception:  # the first notebook starts a fresh kernel and reports what fails
+        kernel.shutdown()
+
+
+def execute_notebook(path: str, output: str, parameters: dict[str, Any], cwd: str,
+                     threads: int | None = None) -> tuple[str, str, float]:
+    """Execute one notebook (in a worker process, in its warm kernel of `threads` threads), then
+    render what it holds, finished or not; returns (status, the error's last line, seconds)."""
+    import papermill
+
+    kernel = worker_kernel(cwd, threads)
     status, error, t0 = "ok", "", time.perf_counter()
     try:
-        _KERNEL.execute(path, output, parameters)
+        kernel.execute(path, output, parameters)
     except papermill.PapermillExecutionError as e:
         status, error = "failed", f"{e.ename}: {_last_line(e.evalue)}"
     except Exception as e:  # a dead or timed-out kernel: reported on the index, the others go on
