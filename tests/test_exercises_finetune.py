@@ -137,9 +137,9 @@ def test_the_details_print_the_numbers_the_learner_uses():
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    """One real measurement of the Run on the CPU (small sizes: seconds)."""
-    return measure_setup(setup("cpu"), str(tmp_path_factory.mktemp("runs")), reuse=False)
+def rows(shared_runs):
+    """The Run's one real measurement on the CPU, with every exercise's (conftest)."""
+    return measure_setup(setup("cpu"), shared_runs)
 
 
 @pytest.mark.slow

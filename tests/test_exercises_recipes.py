@@ -3,8 +3,8 @@
 For "cpu" and "cuda" (the Run pins CPU ranks, so a GPU machine answers the same): the careful
 learner's answer, added up here from the rules and numbers the details state (closed forms in Ψ,
 b, s, V, d, N, and the planner's activation bytes, which the details print), is graded right;
-the common mistake, computed here too, equals the exercise's and is graded wrong. One launch of
-the shared Run (8 recipes on two gloo ranks, about 20 s on 2 cores) then shows the mechanisms:
+the common mistake, computed here too, equals the exercise's and is graded wrong. The Run's one
+launch (8 recipes on two gloo ranks, in conftest's `shared_runs`) then shows the mechanisms:
 every rank's peak beside the planner's, the rungs over the budget as oom rows, the first that
 fits measured under it; and a doctored measurement is not taken as support."""
 import pytest
@@ -116,10 +116,10 @@ def test_choices_have_feedback_and_a_level_and_hint():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("recipe-runs"))
-    exercises.measure(exercises.RUNS["recipe"], "cpu", folder, reuse=False)
-    return folder
+def runs(shared_runs):
+    """The folder where every exercise's Run was measured once (conftest), this Run's launch
+    among them: the tests below only read its rows."""
+    return shared_runs
 
 
 def test_the_measurement_supports_both_answers(runs):
