@@ -343,7 +343,7 @@ _KERNEL = None  # this worker process's kernel (labkit.report.kernel): one per c
 
 
 def worker_kernel(cwd: str, threads: int | None) -> Any:
-    """This worker process's kernel, made on first use (started by its first notebook)."""
+    """This worker process's kernel, made on first use (`warm_worker` starts it)."""
     import atexit
 
     from labkit.report.kernel import WarmKernel, pid_log

@@ -56,8 +56,8 @@ NOTEBOOK_RUNGS: dict[str, tuple[dict[str, Any], ...]] = {
     # about 2 s of its 10 on the reference CPU; a knob set in the process and one read at its start
     # still stand side by side
     "24_threads": ({}, {}, {"variants": "set_num_threads,omp_env"}),
-    # LoRA and QLoRA beside the full fine-tune, without LoRA with checkpointing: a quarter of
-    # the run (the frontier still searches all four)
+    # LoRA and QLoRA beside the full fine-tune, without LoRA with checkpointing: three of the
+    # run's four variants (the frontier still searches all four)
     "30_finetune": ({}, {}, {"variants": "lora,qlora"}),
 }
 # Notebooks whose recipe ladder runs rungs in bf16 autocast: the parameter holding the ladder's
