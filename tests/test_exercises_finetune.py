@@ -142,7 +142,6 @@ def rows(shared_runs):
     return measure_setup(setup("cpu"), shared_runs)
 
 
-@pytest.mark.slow
 def test_the_measurement_supports_every_answer(rows):
     s = setup()
     for key, ex in EXERCISES.items():
@@ -168,7 +167,6 @@ def doctored(rows, variant, metric, factor):
     ("qlora_base_bytes", "qlora", "linear_weight_bytes", 8),
     ("lora_long_context", "lora", "activation_bytes", 0.01),
 ])
-@pytest.mark.slow
 def test_doctored_rows_are_not_taken_as_support(rows, key, variant, metric, factor):
     message = EXERCISES[key].supports(doctored(rows, variant, metric, factor), setup())
     assert isinstance(message, str) and message

@@ -4,9 +4,10 @@ For "cpu" and "cuda" (the Run pins CPU ranks, so a GPU machine answers the same)
 learner's answer, added up here from the rules and numbers the details state (closed forms in Ψ,
 b, s, V, d, N, and the planner's activation bytes, which the details print), is graded right;
 the common mistake, computed here too, equals the exercise's and is graded wrong. The Run's one
-launch (8 recipes on two gloo ranks, in conftest's `shared_runs`) then shows the mechanisms:
-every rank's peak beside the planner's, the rungs over the budget as oom rows, the first that
-fits measured under it; and a doctored measurement is not taken as support."""
+launch (8 recipes on two gloo ranks, in conftest's `shared_runs`, which the tests below only
+read) then shows the mechanisms: every rank's peak beside the planner's, the rungs over the
+budget as oom rows, the first that fits measured under it; and a doctored measurement is not
+taken as support."""
 import pytest
 
 from labkit import planner
@@ -115,15 +116,8 @@ def test_choices_have_feedback_and_a_level_and_hint():
     assert set(ladder.feedback) == set(ladder.choices) and all(ladder.feedback.values())
 
 
-@pytest.fixture(scope="module")
-def runs(shared_runs):
-    """The folder where every exercise's Run was measured once (conftest), this Run's launch
-    among them: the tests below only read its rows."""
-    return shared_runs
-
-
-def test_the_measurement_supports_both_answers(runs):
-    s, rows = setup(), exercises.measure(exercises.RUNS["recipe"], "cpu", runs)
+def test_the_measurement_supports_both_answers(shared_runs):
+    s, rows = setup(), exercises.measure(exercises.RUNS["recipe"], "cpu", shared_runs)
     assert "reused" in rows.source
     for key in KEYS:
         assert exercises.get(key).supports(rows, s) is None, key
@@ -135,8 +129,8 @@ def test_the_measurement_supports_both_answers(runs):
         assert rows.get("plain", "peak_mem_bytes", rank=rank, **recipes.TOP) > budget  # no budget on plain
 
 
-def test_a_doctored_measurement_does_not_support_them(runs):
-    rows = exercises.measure(exercises.RUNS["recipe"], "cpu", runs)
+def test_a_doctored_measurement_does_not_support_them(shared_runs):
+    rows = exercises.measure(exercises.RUNS["recipe"], "cpu", shared_runs)
     huge = exercises.Rows([{**r, "value": 1e12 if r["value"] is not None else None} for r in rows.rows], "doctored")
     all_ok = exercises.Rows([{**r, "status": "ok"} for r in rows.rows], "doctored")
     for bad in (huge, all_ok):
@@ -144,14 +138,14 @@ def test_a_doctored_measurement_does_not_support_them(runs):
     assert exercises.get("recipe_peak").supports(huge, setup())
 
 
-def test_check_grades_the_key_right_and_a_wrong_answer_wrong(runs):
+def test_check_grades_the_key_right_and_a_wrong_answer_wrong(shared_runs):
     for key in KEYS:
-        right = exercises.check(key, solution=True, device="cpu", runs_dir=runs)
+        right = exercises.check(key, solution=True, device="cpu", runs_dir=shared_runs)
         report = right.report()
         assert right.correct and "reused" in right.source, report
         assert "{" not in report and "n/a" not in report and "Note:" not in report, report
-    wrong = exercises.check("ladder_fit", "+ 2 micro-batches", device="cpu", runs_dir=runs)
+    wrong = exercises.check("ladder_fit", "+ 2 micro-batches", device="cpu", runs_dir=shared_runs)
     assert not wrong.correct and wrong.mistake and "A common mistake" in wrong.report()
     wrong = exercises.check("recipe_peak", exercises.get("recipe_peak").mistake(setup()), device="cpu",
-                            runs_dir=runs)
+                            runs_dir=shared_runs)
     assert not wrong.correct and wrong.mistake
