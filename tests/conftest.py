@@ -82,6 +82,79 @@ def fault_fixtures(experiment: str, overrides: dict):
     return run, rows, corrupted
 
 
+# Each notebook's own parameters on top of report mode: sizes that finish in seconds. What they
+# leave unset, the report's plan sizes at a budget no notebook fits: the smallest it has, on any CPU.
+TEST_BUDGET_S = 1.0
+PARAMETERS = {
+    "00_environment": {},
+    "01_mixed_precision": {"overrides": {**TINY_TRAIN, "batch_size": 2}, "variants": "bf16_weights"},
+    "02_kv_cache": {"overrides": TINY_DECODE},
+    "03_checkpointing": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2}},
+    "04_grad_accumulation": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2},
+                                   "sweep": {"micro_batches": [1, 2]}},
+    "05_offload": {"overrides": TINY_TRAIN},
+    "06_memory_pool": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 6,
+                                           "batch_size": 1}},
+    "07_batch_finder": {"overrides": {**FAST, "num_layers": 2, "mode": "dynamic"}, "seq_lens": [16, 32],
+                              "cpu_budget_gib": 0.062, "variants": "fp32_ckpt"},
+    "08_memory_planner": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu",
+                          "nproc": 2},  # the measured worked example on 2 ranks, not 4
+    "09_collectives": {"overrides": {**FAST, "timed_steps": 1}, "sweep": {"message_bytes": [4096]},
+                             "variants": "all_gather", "nproc": 2},
+    "10_data_parallel": {"overrides": TINY_DIST, "variants": "ddp", "nproc": 2},
+    "11_zero": {"overrides": TINY_DIST, "variants": "zero3", "nproc": 2},
+    "12_tensor_parallel": {"overrides": TINY_DIST, "variants": "tp", "nproc": 2},
+    "13_pipeline_parallel": {"overrides": TINY_DIST, "sweep": {"micro_batches": [2]},
+                                   "variants": "gpipe", "nproc": 2},
+    "14_hybrid": {"overrides": {**TINY_DIST, "batch_size": 4, "num_layers": 1, "timed_steps": 1},
+                        "variants": "fsdp_tp", "nproc": 4},
+    "15_load_balance": {"overrides": {**TINY_DIST, "calibration_steps": 1}, "nproc": 2},
+    "16_batching": {"overrides": {"num_requests": 6, "max_output_len": 12, "arrival": "closed",
+                                        "batch_size": 3, "num_layers": 2}, "variants": "continuous"},
+    "17_attention": {"overrides": {**FAST, "batch_size": 1, "hidden_size": 64, "num_heads": 4,
+                                         "num_kv_heads": 2}, "sweep": {"seq_len": [64, 128]},
+                           "variants": "sdpa"},
+    "18_compile": {"overrides": {**FAST, "num_layers": 1, "hidden_size": 32, "num_heads": 2,
+                                       "num_kv_heads": 1, "ffn_size": 64, "vocab_size": 64,
+                                       "batch_size": 2, "seq_len": 8, "prompt_len": 4,
+                                       "decode_steps": 4, "probe_calls": 2, "inductor_cache": True},
+                         "variants": "default"},
+    "19_fused_kernel": {"overrides": {**FAST, "hidden_size": 96}, "sweep": {"rows": [64]},
+                              "variants": "triton"},
+    "20_matmul": {"overrides": {**FAST, "size": 128}},
+    # the one notebook with its panel shown, as JupyterLab runs it (test_interactive_mode_shows_the_panel)
+    "21_memory_access": {"overrides": {**FAST, "size_mib": 1}, "sweep": {"stride": [2, 4]}, "interactive": True},
+    "22_profiling": {"overrides": {**TINY_TRAIN, "overhead_repeats": 1, "memory_timeline": False},
+                           "variants": "profiler"},
+    "23_dataloading": {"overrides": {**FAST, "batch_size": 2, "seq_len": 16, "num_layers": 2,
+                                           "steps": 2, "sample_cost_us": 5000.0, "epoch_steps": 50,
+                                           "min_run_time_s": 0.1},
+                             "variants": "workers"},
+    "24_threads": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
+    "25_quiz": {"n": 3, "seed": 0},
+    "26_recipe": {"overrides": TINY_DIST, "nproc": 2},
+    "27_weight_quant": {"overrides": TINY_DECODE},
+    "28_speculative": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 16}},
+    "29_sla": {"overrides": {"num_requests": 6, "max_output_len": 8, "num_layers": 2, "search_steps": 2},
+               "variants": "continuous", "pareto_batch_sizes": [2, 4], "pareto_variants": "continuous"},
+    "30_finetune": {"overrides": TINY_TRAIN, "variants": "qlora", "frontier_cpu_budget_gib": 0.001,
+                    "frontier_seq_step": 64, "frontier_overrides": {"batch_size": 1, "num_layers": 1, "vocab_size": 256,
+                                                                    "hidden_size": 64, "ffn_size": 128, "max_seq_len": 256}},
+    "98_leaderboard": {"metric": "tokens_per_s"},  # reads the runs the others stored in this report
+    "99_compare": {"price_per_gpu_hour": 2.0},
+}
+
+
+@pytest.fixture(scope="session")
+def report(tmp_path_factory):
+    """The whole report, once, at the plan's smallest sizes: every notebook outside
+    notebooks/exercises/ (test_notebooks.py reads all of it, test_browser.py one page)."""
+    from labkit.report import run_report
+
+    return run_report(tmp_path_factory.mktemp("report"), preset="tiny", parameters=PARAMETERS,
+                      budget_s=TEST_BUDGET_S, jobs=2, progress=False)
+
+
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory):
     """Every Run behind the exercises measured once per session, into one folder that the

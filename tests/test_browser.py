@@ -6,10 +6,10 @@ Playwright's own download) driven by Playwright's Python package.
   Run > Run All Cells; the widget panel and the plotly figures render; a click on the panel's Run
   makes the panel's figure gain points, and no chart's legend covers its plot area or title.
   The page is saved as a screenshot (on failure too).
-- The report: the page `labkit report` writes for a notebook is opened from disk with every
-  request that is not a local file aborted (and recorded: none may be attempted); each plotly
-  output of the executed notebook is a rendered chart (`div.js-plotly-plot` with `svg.main-svg`)
-  whose legend stays off its plot area.
+- The report: the page `labkit report` wrote for that notebook in the shared report (conftest's
+  `report`) is opened from disk with every request that is not a local file aborted (and
+  recorded: none may be attempted); each plotly output of the executed notebook is a rendered
+  chart (`div.js-plotly-plot` with `svg.main-svg`) whose legend stays off its plot area.
 
 Screenshots go to `test-artifacts/browser/` at the repository root (ignored by git).
 Skipped only where no browser can be had: no `playwright` package, or no Chromium binary
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from labkit.cli import lab_command, main
+from labkit.cli import lab_command
 
-from conftest import FAST, needs
+from conftest import PARAMETERS, needs
 
 # Slow on purpose (a server, a kernel and a browser; about 30 s each here): the waits below fail
 # first, with what the page showed, well inside this limit.
@@ -38,7 +38,6 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.slow, needs("playwright", "p
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts" / "browser"
 NOTEBOOK = "20_matmul.ipynb"  # cheap: a few 128x128 matmuls per variant
-SETTINGS = {**FAST, "size": 128}
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 SERVER_START_S, NOTEBOOK_RUN_S, PANEL_RUN_S = 60, 120, 60
@@ -125,7 +124,8 @@ def prepare_notebook(root: Path) -> None:
     from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
-    parameters = {"overrides": SETTINGS, "device": "cpu", "runs_dir": str(root / "runs")}
+    parameters = {"overrides": PARAMETERS[Path(NOTEBOOK).stem]["overrides"], "device": "cpu",
+                  "runs_dir": str(root / "runs")}
     nb = parameterize_notebook(load_notebook_node(str(REPO / "notebooks" / NOTEBOOK)),
                                parameters)
     (root / NOTEBOOK).write_text(json.dumps(nb, indent=1))
@@ -240,13 +240,12 @@ def test_notebook_panel_in_jupyterlab_gains_points_on_run(browser, lab):
     assert not refused, f"JupyterLab asked for non-local addresses: {refused}"
 
 
-def test_report_page_renders_its_plots_with_the_network_blocked(browser, tmp_path):
+def test_report_page_renders_its_plots_with_the_network_blocked(browser, report):
+    """The page of the shared report (conftest's `report`: every notebook, as `labkit report`
+    writes them) for the notebook the JupyterLab test runs."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    out = tmp_path / "report"
-    argv = ["report", "--preset", "tiny", "--only", "matmul", "--out", str(out), "--device", "cpu"]
-    assert main(argv + [f"--set={k}={v}" for k, v in SETTINGS.items()]) == 0
-    stem = Path(NOTEBOOK).stem
+    out, stem = report.out, Path(NOTEBOOK).stem
     assert (out / "plotly.min.js").is_file() and (out / "index.html").is_file()
     executed = json.loads((out / f"{stem}.ipynb").read_text())
     num_plots = sum("application/vnd.plotly.v1+json" in o.get("data", {})

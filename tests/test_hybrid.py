@@ -1,7 +1,8 @@
-"""2-D (dp x tp) parallelism against the 1-D layouts on 4 CPU ranks (gloo): one launch."""
+"""2-D (dp x tp) parallelism against the 1-D layouts on 4 CPU ranks (gloo): one launch, clean and
+with rank 1's gradient reduction corrupted (conftest's FAULTS)."""
 import pytest
 
-from conftest import TINY_DIST
+from conftest import TINY_DIST, fault_fixtures
 from labkit import planner
 from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
@@ -18,11 +19,7 @@ OVERRIDES = {**TINY_DIST, "num_layers": 1, "batch_size": 4, "num_kv_heads": 4, "
 VARIANTS = ("single", "fsdp", "tp", "fsdp_tp")
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    result = run_experiment("hybrid", preset="tiny", overrides=OVERRIDES,
-                            runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False)
-    return result.rows
+run, rows, corrupted = fault_fixtures("hybrid", OVERRIDES)
 
 
 def cfg(**overrides):
@@ -47,6 +44,19 @@ def test_loss_and_gradients_equal_the_single_process_model(rows):
         for rank in range(N):
             assert value(rows, variant, "loss_abs_diff", rank)["value"] <= 1e-5
             assert value(rows, variant, "grad_max_rel_diff", rank)["value"] <= 1e-5
+
+
+def test_a_corrupted_reduction_fails_every_layout_on_every_rank(corrupted):
+    """Bug: a hybrid rank whose gradients are corrupted (fault=corrupt_reduction: rank 1's TP
+    partial sums and FSDP2 shard doubled) passing the check. Every layout but the reference is
+    an error on every rank (the verdict is agreed), its gradients far from the reference's."""
+    for rank in range(N):
+        assert {r["status"] for r in corrupted if (r["variant"], r["rank"]) == ("single", rank)} == {"ok"}
+        for variant in VARIANTS[1:]:
+            assert {r["status"] for r in corrupted if (r["variant"], r["rank"]) == (variant, rank)} \
+                == {"error"}, variant
+            bad = value(corrupted, variant, "grad_max_rel_diff", rank)
+            assert bad["message"].startswith("does not match single: ") and bad["value"] > 1e-3, bad
 
 
 def test_per_rank_model_states_are_the_planners(rows):

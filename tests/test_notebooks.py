@@ -1,6 +1,7 @@
-"""Every notebook is executed once, by papermill at the tiny preset in report mode, through
-`labkit report`'s own code path (`run_report`, two notebooks at a time, a session fixture); the
-tests below read those executed notebooks, their HTML pages and the index."""
+"""Every notebook is executed once, by papermill at the tiny preset in report mode (one with its
+panel shown, as in JupyterLab), through `labkit report`'s own code path (`run_report`, two
+notebooks at a time: conftest's session fixture `report`); the tests below read those executed
+notebooks, their HTML pages and the index."""
 import json
 import re
 from pathlib import Path
@@ -8,81 +9,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import FAST, TINY_DECODE, TINY_DIST, TINY_TRAIN, needs
+from conftest import PARAMETERS, needs
 
-from labkit.report import find_notebooks, run_report
+from labkit.report import find_notebooks
 
 pytestmark = needs("papermill", "nbconvert")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-# Each notebook's own parameters on top of report mode: sizes that finish in seconds. What they
-# leave unset, the report's plan sizes at a budget no notebook fits: the smallest it has, on any CPU.
-TEST_BUDGET_S = 1.0
-PARAMETERS = {
-    "00_environment": {},
-    "01_mixed_precision": {"overrides": {**TINY_TRAIN, "batch_size": 2}, "variants": "bf16_weights"},
-    "02_kv_cache": {"overrides": TINY_DECODE},
-    "03_checkpointing": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2}},
-    "04_grad_accumulation": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2},
-                                   "sweep": {"micro_batches": [1, 2]}},
-    "05_offload": {"overrides": TINY_TRAIN},
-    "06_memory_pool": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 6,
-                                           "batch_size": 1}},
-    "07_batch_finder": {"overrides": {**FAST, "num_layers": 2, "mode": "dynamic"}, "seq_lens": [16, 32],
-                              "cpu_budget_gib": 0.062, "variants": "fp32_ckpt"},
-    "08_memory_planner": {"check_overrides": {**TINY_TRAIN, "batch_size": 2}, "device": "cpu",
-                          "nproc": 2},  # the measured worked example on 2 ranks, not 4
-    "09_collectives": {"overrides": {**FAST, "timed_steps": 1}, "sweep": {"message_bytes": [4096]},
-                             "variants": "all_gather", "nproc": 2},
-    "10_data_parallel": {"overrides": TINY_DIST, "variants": "ddp", "nproc": 2},
-    "11_zero": {"overrides": TINY_DIST, "variants": "zero3", "nproc": 2},
-    "12_tensor_parallel": {"overrides": TINY_DIST, "variants": "tp", "nproc": 2},
-    "13_pipeline_parallel": {"overrides": TINY_DIST, "sweep": {"micro_batches": [2]},
-                                   "variants": "gpipe", "nproc": 2},
-    "14_hybrid": {"overrides": {**TINY_DIST, "batch_size": 4, "num_layers": 1, "timed_steps": 1},
-                        "variants": "fsdp_tp", "nproc": 4},
-    "15_load_balance": {"overrides": {**TINY_DIST, "calibration_steps": 1}, "nproc": 2},
-    "16_batching": {"overrides": {"num_requests": 6, "max_output_len": 12, "arrival": "closed",
-                                        "batch_size": 3, "num_layers": 2}, "variants": "continuous"},
-    "17_attention": {"overrides": {**FAST, "batch_size": 1, "hidden_size": 64, "num_heads": 4,
-                                         "num_kv_heads": 2}, "sweep": {"seq_len": [64, 128]},
-                           "variants": "sdpa"},
-    "18_compile": {"overrides": {**FAST, "num_layers": 1, "hidden_size": 32, "num_heads": 2,
-                                       "num_kv_heads": 1, "ffn_size": 64, "vocab_size": 64,
-                                       "batch_size": 2, "seq_len": 8, "prompt_len": 4,
-                                       "decode_steps": 4, "probe_calls": 2, "inductor_cache": True},
-                         "variants": "default"},
-    "19_fused_kernel": {"overrides": {**FAST, "hidden_size": 96}, "sweep": {"rows": [64]},
-                              "variants": "triton"},
-    "20_matmul": {"overrides": {**FAST, "size": 128}},
-    "21_memory_access": {"overrides": {**FAST, "size_mib": 1}, "sweep": {"stride": [2, 4]}},
-    "22_profiling": {"overrides": {**TINY_TRAIN, "overhead_repeats": 1, "memory_timeline": False},
-                           "variants": "profiler"},
-    "23_dataloading": {"overrides": {**FAST, "batch_size": 2, "seq_len": 16, "num_layers": 2,
-                                           "steps": 2, "sample_cost_us": 5000.0, "epoch_steps": 50,
-                                           "min_run_time_s": 0.1},
-                             "variants": "workers"},
-    "24_threads": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
-    "25_quiz": {"n": 3, "seed": 0},
-    "26_recipe": {"overrides": TINY_DIST, "nproc": 2},
-    "27_weight_quant": {"overrides": TINY_DECODE},
-    "28_speculative": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 16}},
-    "29_sla": {"overrides": {"num_requests": 6, "max_output_len": 8, "num_layers": 2, "search_steps": 2},
-               "variants": "continuous", "pareto_batch_sizes": [2, 4], "pareto_variants": "continuous"},
-    "30_finetune": {"overrides": TINY_TRAIN, "variants": "qlora", "frontier_cpu_budget_gib": 0.001,
-                    "frontier_seq_step": 64, "frontier_overrides": {"batch_size": 1, "num_layers": 1, "vocab_size": 256,
-                                                                    "hidden_size": 64, "ffn_size": 128, "max_seq_len": 256}},
-    "98_leaderboard": {"metric": "tokens_per_s"},  # reads the runs the others stored in this report
-    "99_compare": {"price_per_gpu_hour": 2.0},
-}
-
-
-@pytest.fixture(scope="session")
-def report(tmp_path_factory):
-    """The whole report, once, at the plan's smallest sizes: every notebook outside
-    notebooks/exercises/."""
-    return run_report(tmp_path_factory.mktemp("report"), preset="tiny", parameters=PARAMETERS,
-                      budget_s=TEST_BUDGET_S, jobs=2, progress=False)
 
 
 @pytest.mark.notebook
@@ -129,7 +62,8 @@ def test_notebook_runs_in_report_mode(stem, report):
     text = json.dumps(outputs)
     if stem != "25_quiz":  # the quiz measures nothing
         assert "cpu" in (text.lower() if stem == "98_leaderboard" else text)  # its machine: "CPU ..."
-    assert "application/vnd.jupyter.widget-view+json" not in text  # report mode: no panel
+    # report mode: no panel (but where the notebook's parameters turn interactive on)
+    assert ("application/vnd.jupyter.widget-view+json" in text) == PARAMETERS[stem].get("interactive", False)
     figures = text.count("application/vnd.plotly.v1+json")
     if stem == "25_quiz":  # report mode: an answer key, no figures
         assert text.count("Why: ") == 3 and "questions" in text
@@ -183,13 +117,11 @@ def test_pages_load_nothing_from_the_network_and_share_one_plotly_js(report):
 
 
 @pytest.mark.notebook
-def test_interactive_mode_shows_the_panel(tmp_path):
+def test_interactive_mode_shows_the_panel(report):
     """With `interactive` on (what JupyterLab gets by default), the widget panel is displayed;
     widget state is not stored, so the executed notebook stays small."""
-    report = run_report(tmp_path, preset="tiny", only=["20_matmul"], jobs=1, progress=False,
-                        parameters={"20_matmul": {**PARAMETERS["20_matmul"], "interactive": True}})
-    assert not report.failed
-    path = tmp_path / "20_matmul.ipynb"
+    stem, = (s for s, p in PARAMETERS.items() if p.get("interactive"))
+    path = report.out / f"{stem}.ipynb"
     assert "application/vnd.jupyter.widget-view+json" in json.dumps(outputs_of(json.loads(path.read_text())))
     assert path.stat().st_size < 1_000_000
 

@@ -12,22 +12,22 @@ pytest.importorskip("ipywidgets")
 
 
 def test_report_reports_a_failed_notebook_runs_the_others_and_exits_1(tmp_path, capsys):
-    """`labkit report` end to end on two notebooks, one made to fail by a setting its experiment
-    refuses (every notebook runs in test_notebooks.py's shared report)."""
+    """`labkit report` end to end on two notebooks in one kernel, one made to fail by a setting
+    its experiment refuses (every notebook runs in conftest's shared report)."""
     pytest.importorskip("papermill")
     out = tmp_path / "report"
-    argv = ["report", "--out", str(out), "--preset", "tiny", "--only", "matmul", "--only", "00_environment",
-            "--set", "size=100"]  # matmul's size must be a multiple of 128
+    argv = ["report", "--out", str(out), "--preset", "tiny", "--only", "matmul", "--only", "25_quiz",
+            "--jobs", "1", "--set", "size=100"]  # matmul's size must be a multiple of 128
     assert main(argv) == 1
     assert "20_matmul failed: ConfigError: m=100 must be a multiple of 128" in capsys.readouterr().err
     index = (out / "index.html").read_text()
     assert "class='failed'" in index and "m=100 must be a multiple of 128" in index
-    assert "href='00_environment.html'" in index and index.count("class='ok'") == 1
+    assert "href='25_quiz.html'" in index and index.count("class='ok'") == 1
     failed = json.loads((out / "20_matmul.ipynb").read_text())  # the executed notebook is kept
     errors = [o for c in failed["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert [e["ename"] for e in errors] == ["ConfigError"]
     assert "ConfigError" in (out / "20_matmul.html").read_text()  # its partial page is rendered
-    assert "peak TFLOP/s" in (out / "00_environment.html").read_text()  # the other one ran
+    assert "Why: " in (out / "25_quiz.html").read_text()  # the other one ran: its answer key
     assert (out / "summary.md").exists() and (out / "plotly.min.js").exists()
 
 
