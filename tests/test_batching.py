@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
 # A backlog (all queued at t = 0: no timing in the schedule) of the default workload's first 12
 # requests, outputs clipped to 32 tokens; 4 rows; a pool of 192 positions: static reserves the
 # longest prompt + longest output (30 + 32) per request (3 fit), continuous pages 8 at a time and
-# runs out (preemption).
+# runs out (preemption). One layer: the schedule is the same on any depth.
 SIZES = {"workload": "default", "num_requests": 12, "max_output_len": 32, "arrival": "closed",
-         "batch_size": 4, "kv_budget_tokens": 192, "block_size": 8}
+         "batch_size": 4, "kv_budget_tokens": 192, "block_size": 8, "num_layers": 1}
 
 
 def config(**overrides):
@@ -100,7 +100,7 @@ def test_a_full_pool_preempts_and_the_recomputed_work_is_counted(frame):
     assert value(frame, "continuous", "preemptions") > 0
     assert value(frame, "continuous", "recomputed_pct") > 0
     assert value(frame, "static", "preemptions") == 0  # reservation never runs out
-    per_token = 2 * 4 * 2 * 64 * 4  # K and V x layers x kv heads x head_dim x fp32
+    per_token = 2 * SIZES["num_layers"] * 2 * 64 * 4  # K and V x layers x kv heads x head_dim x fp32
     assert value(frame, "continuous", "kv_bytes") == 192 * per_token
     _, requests = batching.workload(config())
     assert batching.longest(requests) == 62
