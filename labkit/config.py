@@ -376,8 +376,18 @@ def parse_sweep(items: list[str]) -> dict[str, list[str]]:
     return {k: [v for v in vs.split(",") if v] for k, vs in parse_assignments(items).items()}
 
 
-def expand_sweep(sweep: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    """The cartesian product of the swept values, as a list of override dicts (in order)."""
+# A sweep: a grid ({knob: values}, every combination) or a list of points ({knob: value} each)
+Sweep = dict[str, list[Any]] | list[dict[str, Any]]
+
+
+def expand_sweep(sweep: Sweep) -> list[dict[str, Any]]:
+    """The points of a sweep, in order, as override dicts: the cartesian product of a grid
+    ({knob: values}), or a list of points as they are (knobs that change together, as a ladder's
+    rungs do: no point measured that nothing reads)."""
+    if isinstance(sweep, list):
+        if not all(isinstance(point, dict) for point in sweep):
+            raise ConfigError(f"a sweep given as a list holds points ({{knob: value}} each); got {sweep!r}")
+        return [dict(point) for point in sweep] or [{}]
     if not sweep:
         return [{}]
     keys = list(sweep)
@@ -385,6 +395,11 @@ def expand_sweep(sweep: dict[str, list[Any]]) -> list[dict[str, Any]]:
         if not sweep[key]:
             raise ConfigError(f"sweep {key} has no values")
     return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+
+
+def sweep_knobs(sweep: Sweep | None) -> set[str]:
+    """The knobs a sweep (a grid or a list of points) sets."""
+    return {k for point in sweep for k in point} if isinstance(sweep, list) else set(sweep or {})
 
 
 def torch_dtype(name: str):

@@ -5,7 +5,7 @@ import torch
 
 from labkit import config
 from labkit.config import (DTYPE_ALIASES, MODELS, PRESETS, ConfigError, RunConfig, expand_sweep,
-                           parse_assignments, resolve, usable_threads)
+                           parse_assignments, resolve, sweep_knobs, usable_threads)
 from labkit.techniques import kv_cache, mixed_precision
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU-only behaviour")
@@ -104,6 +104,12 @@ def test_assignments_and_sweeps():
     assert expand_sweep({}) == [{}]
     with pytest.raises(ConfigError, match="no values"):
         expand_sweep({"a": []})
+    # a list of points: knobs that change together (a ladder's rungs), in order, nothing else
+    rungs = [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}]
+    assert expand_sweep(rungs) == rungs and expand_sweep([]) == [{}]
+    assert sweep_knobs(rungs) == sweep_knobs({"a": [1, 2], "b": ["x"]}) == {"a", "b"} and not sweep_knobs(None)
+    with pytest.raises(ConfigError, match="holds points"):
+        expand_sweep([{"a": 1}, 2])
 
 
 def test_dtype_aliases_are_canonical():

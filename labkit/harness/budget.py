@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from labkit import hardware, planner
-from labkit.config import resolve, resolve_device
+from labkit.config import Sweep, resolve, resolve_device, sweep_knobs
 from labkit.measure.pace import REFERENCE, Pace, measure_now, measure_pace
 from labkit.techniques import Experiment, record
 
@@ -93,10 +93,10 @@ def predict_s(exp: Experiment, cfg, variants: list[str], reference_s: float, pac
 
 
 def sizable(exp: Experiment, preset: str | None, overrides: dict[str, Any],
-            sweep: dict[str, Any] | None) -> bool:
+            sweep: Sweep | None) -> bool:
     """Whether a run may be sized: measured, on the CPU, at the tiny preset with its own model
     shape, and none of its rungs' settings given by hand."""
-    given = set(overrides) | set(sweep or {})
+    given = set(overrides) | sweep_knobs(sweep)
     keys = {k for rung in exp.cpu_rungs for k in rung}
     measured = costs()["experiments"].get(exp.name, [])
     return (len(measured) == len(ladder(exp)) > 1 and not (keys & given)
@@ -105,7 +105,7 @@ def sizable(exp: Experiment, preset: str | None, overrides: dict[str, Any],
 
 
 def fit_run(name: str, preset: str | None, overrides: dict[str, Any], variants: list[str],
-            target_s: float, sweep: dict[str, Any] | None = None, pace: Pace | None = None) -> Fit:
+            target_s: float, sweep: Sweep | None = None, pace: Pace | None = None) -> Fit:
     """The largest size of `labkit run NAME` (the defaults, then each rung) predicted to take at
     most `target_s` on this CPU; the smallest when none does, said so."""
     exp = record(name)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from labkit import hardware
 from labkit.blocks import distributed
 from labkit.harness import budget, launch, ranks
-from labkit.config import ConfigError, RunConfig, expand_sweep, resolve
+from labkit.config import ConfigError, RunConfig, Sweep, expand_sweep, resolve, sweep_knobs
 from labkit.measure import energy
 from labkit.measure.clock import fixed_repeats_timer
 from labkit.measure.flops import count_flops
@@ -49,10 +49,10 @@ def choose_variants(exp: Experiment, variants: list[str] | None) -> list[str]:
 
 
 def plan_points(name: str, preset: str | None, overrides: dict[str, Any] | None,
-                sweep: dict[str, list[Any]] | None) -> list[tuple[dict[str, Any], RunConfig]]:
+                sweep: Sweep | None) -> list[tuple[dict[str, Any], RunConfig]]:
     """Resolve every sweep point before anything runs, so bad input fails before measuring."""
     exp = record(name)
-    if "variant" in {**(overrides or {}), **(sweep or {})}:
+    if "variant" in set(overrides or {}) | sweep_knobs(sweep):
         raise ConfigError(f"variants are chosen with --variant, not set; valid: {', '.join(exp.variants)}")
     points = []
     for point in expand_sweep(sweep or {}):
@@ -63,7 +63,7 @@ def plan_points(name: str, preset: str | None, overrides: dict[str, Any] | None,
 
 
 def sized_points(name: str, preset: str | None, overrides: dict[str, Any],
-                 sweep: dict[str, list[Any]] | None, chosen: list[str],
+                 sweep: Sweep | None, chosen: list[str],
                  budget_s: float | None) -> list[tuple[dict[str, Any], RunConfig]]:
     """`plan_points`, at the size `budget.fit_run` chooses for `budget_s` seconds (when given)."""
     # under torchrun every rank plans for itself: a size chosen from each rank's own clock could
@@ -77,7 +77,7 @@ def sized_points(name: str, preset: str | None, overrides: dict[str, Any],
 
 
 def run_experiment(name: str, *, preset: str | None = None, overrides: dict[str, Any] | None = None,
-                   sweep: dict[str, list[Any]] | None = None, variants: list[str] | None = None,
+                   sweep: Sweep | None = None, variants: list[str] | None = None,
                    runs_dir: str | None = None, progress: bool = True, budget_s: float | None = None,
                    on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> RunResult:
     """Run one experiment over its sweep and variants; store and return every row. A

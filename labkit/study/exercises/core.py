@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from labkit import hardware, planner
 from labkit.study import quiz
-from labkit.config import ConfigError, RunConfig
+from labkit.config import ConfigError, RunConfig, Sweep
 from labkit.harness.experiment import plan_points, run_experiment
 from labkit.results import format_number, load_runs
 from labkit.techniques import get_experiment
@@ -38,7 +38,7 @@ class Run:
     experiment: str
     overrides: dict[str, Any]
     variants: tuple[str, ...]
-    sweep: dict[str, list[Any]] = field(default_factory=dict)
+    sweep: Sweep = field(default_factory=dict)  # a grid or a list of points (config.expand_sweep)
 
 
 def simulated_device(device: str) -> bool:

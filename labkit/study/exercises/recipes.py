@@ -1,7 +1,7 @@
 """Exercises on recipes: several techniques on one training step (`labkit.techniques.recipe`).
 
-Both share one Run ("recipe"): bf16 autocast on two CPU ranks over gloo, swept over full
-checkpointing, 2 micro-batches and ZeRO-2 (eight recipes, four of them the ladder's rungs), each
+Both share one Run ("recipe"): bf16 autocast on two CPU ranks over gloo at the ladder's four
+rungs (DDP, then full checkpointing, 2 micro-batches and ZeRO-2 added one at a time), each
 composed recipe under a virtual budget. The Run pins device "cpu" (one GPU cannot hold two NCCL
 ranks), so every answer is the same for "cpu" and "cuda": per-rank bytes do not depend on it.
 
@@ -12,16 +12,12 @@ from __future__ import annotations
 
 from labkit import planner
 from labkit.study.exercises.core import MiB, TOPICS, Exercise, Rows, Setup, mib, show
+from labkit.study.exercises.runs import RECIPE_RUNGS as RUNGS  # the ladder: the Run's points
 from labkit.techniques import recipe
 
 VARIANT = "composed"
 DIST_WORDS = ("Measured on two CPU processes over gloo on any machine, a GPU's included: the "
               "answer (per-rank bytes) does not depend on the device.")
-# The ladder, in the order the issue's worked example climbs it; each rung adds one technique.
-RUNGS = {"bf16 on DDP": {"checkpointing": "none", "micro_batches": 1, "zero_stage": 0},
-         "+ full checkpointing": {"checkpointing": "full", "micro_batches": 1, "zero_stage": 0},
-         "+ 2 micro-batches": {"checkpointing": "full", "micro_batches": 2, "zero_stage": 0},
-         "+ ZeRO-2": {"checkpointing": "full", "micro_batches": 2, "zero_stage": 2}}
 NONE = "none of them"
 TOP = RUNGS["+ ZeRO-2"]  # the peak exercise's recipe: bf16 + full + 2 micro-batches + ZeRO-2
 
