@@ -28,7 +28,7 @@ def slower(factor: float, bf16: float | None = None) -> Pace:
 
 
 def test_the_rate_scale_slows_the_measured_pace_by_exactly_its_factor(monkeypatch):
-    monkeypatch.setattr(pace_module, "_mean_seconds", lambda fn, spans=1: 0.002)
+    monkeypatch.setattr(pace_module, "mean_seconds", lambda fn, spans=1: 0.002)
     monkeypatch.delenv(pace_module.PACE_ENV, raising=False)
     for scale, expected_step in ((1.0, 0.002), (0.2, 0.01)):
         monkeypatch.setenv(pace_module.SCALE_ENV, str(scale))

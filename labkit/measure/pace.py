@@ -117,8 +117,8 @@ def measure_now() -> Pace:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        step_s = _mean_seconds(_reference_step(), spans=3)
-        gflops = {d: 2 * n**3 / _mean_seconds(_matmul(n, getattr(torch, d))) / 1e9
+        step_s = mean_seconds(_reference_step(), spans=3)
+        gflops = {d: 2 * n**3 / mean_seconds(_matmul(n, getattr(torch, d))) / 1e9
                   for d, n in DTYPES.items()}
     finally:
         torch.set_num_threads(previous)
@@ -126,7 +126,7 @@ def measure_now() -> Pace:
                 "measured in this process")
 
 
-def _mean_seconds(fn, spans: int = 1) -> float:
+def mean_seconds(fn, spans: int = 1) -> float:
     """Seconds of one call of `fn`: the mean over a span of at least MIN_SPAN_S (a mean, so a
     quota's pauses count), the best of `spans` such spans (a moment's stall elsewhere does not),
     after WARMUP untimed calls."""

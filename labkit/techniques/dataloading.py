@@ -52,8 +52,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
-from labkit.measure.clock import CudaSpan, clock, repeat_seconds
+from labkit.measure.clock import CudaSpan, clock
 from labkit.measure.modes import is_metered
+from labkit.measure.pace import mean_seconds
 from labkit.blocks.training import Trainer
 from labkit.workload import Comparison, Workload
 
@@ -105,11 +106,13 @@ def hash_rounds(x: np.ndarray, rounds: int) -> int:
 
 
 def round_us(length: int) -> float:
-    """µs per hashing round over `length` elements on this machine (best of 5, cached)."""
+    """µs per hashing round over `length` elements on this machine as it runs now (cached): the
+    mean over a span (`pace.mean_seconds`), so a CPU quota's or a neighbour's share of the time
+    counts as it will while the loader works; the best of a few calls would catch a burst at full
+    speed, and a sample stated to cost 50 ms then took 3.7 times that under a 0.4-core quota."""
     if length not in _ROUND_US:
         x = np.arange(length, dtype=np.uint64)
-        best = min(repeat_seconds(lambda: hash_rounds(x, 50), device="cpu", repeats=5, warmup=0))
-        _ROUND_US[length] = best / 50 * 1e6
+        _ROUND_US[length] = mean_seconds(lambda: hash_rounds(x, 50)) / 50 * 1e6
     return _ROUND_US[length]
 
 
