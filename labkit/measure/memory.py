@@ -41,6 +41,11 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """The identities of the storages under `tensors`, each once (a view shares its base's)."""
+    return {st._cdata for st in map(_storage, tensors) if st is not None}
+
+
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     t = local_tensor(t)
     if t.device.type == "meta" or not hasattr(t, "untyped_storage"):
@@ -148,12 +153,13 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current_bytes -= self.live.pop(key, 0)
         self.dtypes.pop(key, None)
 
-    def live_by_dtype(self, skip: Iterable[torch.Tensor] = ()) -> collections.Counter[str]:
-        """Live bytes by dtype, leaving out the storages of `skip`."""
-        skipped = {st._cdata for st in map(_storage, skip) if st is not None}
+    def live_by_dtype(self, skip: set[int] = frozenset(), only: set[int] | None = None
+                      ) -> collections.Counter[str]:
+        """Live bytes by dtype, leaving out the storages `skip`; with `only`, of those storages
+        alone (`storage_keys`)."""
         out: collections.Counter[str] = collections.Counter()
         for key, nbytes in list(self.live.items()):
-            if key not in skipped:
+            if key not in skip and (only is None or key in only):
                 out[self.dtypes.get(key, "unknown")] += nbytes
         return out
 
@@ -300,8 +306,9 @@ class SavedTensorMeter:
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), *, gathered: bool = False):
         self.gathered = gathered
-        self.excluded = {st._cdata for st in map(_storage, exclude) if st is not None}
+        self.excluded = storage_keys(exclude)
         self.seen: set[int] = set()
+        self.weight_copies: set[int] = set()  # their storages (`storage_keys`)
         self.weight_copy_by_dtype: collections.Counter[str] = collections.Counter()
         self.by_dtype: collections.Counter[str] = collections.Counter()
         self.by_producer: collections.Counter[str] = collections.Counter()
@@ -327,6 +334,7 @@ class SavedTensorMeter:
         self.seen.add(st._cdata)
         dtype = _dtype_name(t)
         if self._is_weight_copy(t.grad_fn):
+            self.weight_copies.add(st._cdata)
             self.weight_copy_by_dtype[dtype] += st.nbytes()
             return
         producer = t.grad_fn.name() if t.grad_fn is not None else "input"
@@ -360,7 +368,9 @@ class ActivationMeter:
     see), less the forward's own output, with autocast's weight copies counted apart. `exclude`:
     the resident tensors (the parameters). With `gathered` (FSDP2), the parameters as the module
     holds them after the forward are left out too (FSDP2 registers the gathered ones in place of
-    the shards), and copies of those count as weight copies (`SavedTensorMeter`)."""
+    the shards), and copies of those count as weight copies (`SavedTensorMeter`).
+    `weight_copy_bytes`: the weight copies' storages still held at the forward's end, the
+    parameters' own left out (a saved view of a gathered parameter is that parameter)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), *, gathered: Callable[[], Iterable[torch.Tensor]]
                  | None = None):
@@ -374,13 +384,14 @@ class ActivationMeter:
         saved = SavedTensorMeter(self.exclude, gathered=self.gathered is not None)
         with tracker, saved:
             out = forward()
-        held = tracker.live_by_dtype(self.gathered() if self.gathered else ())
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
-                held[_dtype_name(t)] -= st.nbytes()
-        held.subtract(saved.weight_copy_by_dtype)
-        self.by_dtype = collections.Counter({d: b for d, b in held.items() if b > 0})
-        self.weight_copy_bytes = saved.weight_copy_bytes
+        # Each storage once, as it is at the forward's end: a saved copy that is a view of a
+        # gathered parameter is that parameter's storage (not held twice), and one that FSDP2
+        # resized to 0 when it resharded after the forward holds nothing.
+        skip = storage_keys([*(self.gathered() if self.gathered else ()),
+                             *(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))])
+        copies = saved.weight_copies - skip
+        self.by_dtype = +tracker.live_by_dtype(skip | copies)  # unary +: no empty dtypes
+        self.weight_copy_bytes = sum(tracker.live_by_dtype(only=copies).values())
         self.largest = saved.by_producer.most_common(4)
         del out
         return self

@@ -378,7 +378,7 @@ def expected(cfg: Config) -> dict[str, float]:
         and cfg.precision != "bf16_weights" else None
     if built is not None:
         out["build_peak_bytes"] = built
-    if plan is not None and plan.weight_copy_bytes:  # autocast: the casts its backward keeps
+    if plan is not None:  # autocast's casts that its backward keeps (none without autocast)
         out["saved_weight_copy_bytes"] = plan.kept_weight_copy_bytes
     dtype = "float32" if cfg.variant == REFERENCE else compute_dtype(cfg.precision)
     peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(dtype)
@@ -411,6 +411,6 @@ def notes(cfg: Config) -> dict[str, str]:
     if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:
         out["saved_weight_copy_bytes"] = ("autocast's cached 16-bit casts of the weights that "
                                           "the backward keeps (none in checkpointed blocks); "
-                                          "under FSDP2's bf16 policy (zero_stage=3) no casts, but "
-                                          "the gathered bf16 weights it keeps (not predicted).")
+                                          "none under FSDP2's bf16 policy (zero_stage=3), whose "
+                                          "bf16 weights are its gathered parameters.")
     return out
