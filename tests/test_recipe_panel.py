@@ -35,8 +35,9 @@ def test_changing_a_knob_changes_the_plan_and_the_verdict_as_the_planner_says():
     panel = RecipePanel(**SMALL)
     plain = planned_small()
     assert panel.plan.total_bytes == plain.total_bytes and panel.error is None
-    panel.set(**RECIPE)  # bf16 autocast, full recomputation, 2 micro-batches of 4, FSDP2 ZeRO-2
-    composed = planned_small(batch_size=4, accumulation_steps=2, precision="bf16_autocast",
+    # bf16 (FSDP2's mixed-precision policy under ZeRO-2), full recomputation, 2 micro-batches of 4
+    panel.set(**RECIPE)
+    composed = planned_small(batch_size=4, accumulation_steps=2, precision="bf16_fsdp",
                              checkpointing="full", zero_stage=2, fsdp2=True)
     assert panel.plan.total_bytes == composed.total_bytes < plain.total_bytes
     assert list(panel.plan_table()["bytes"])[-1] == composed.total_bytes

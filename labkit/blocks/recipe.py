@@ -27,7 +27,8 @@ OFFLOADS = ("none", "activations", "optimizer", "both")
 # TF32 changes no byte.
 PLANNER_PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16_autocast",
                      "fp16": "fp16_autocast", "bf16_weights": "mixed"}
-# ... and under ZeRO-3, where FSDP2's mixed-precision policy replaces autocast (`compose`, step 1)
+# ... and under FSDP2 (ZeRO-2 and 3), where its mixed-precision policy replaces autocast
+# (`compose`, step 1)
 PLANNER_PRECISION_FSDP = {**PLANNER_PRECISION, "bf16": "bf16_fsdp"}
 # The recipe's knobs in the order compose applies them (its steps 1 to 8): the ladder's order too
 ORDER = ("precision", "finetune", "tensor_parallel", "checkpointing", "compile", "zero_stage",
@@ -188,8 +189,9 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
     # compile, then FSDP):
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
-    #    (the shards, the optimizer's states) takes its dtype from them. Under ZeRO-3, bf16 is
-    #    FSDP2's mixed-precision policy (step 6) in place of autocast: the gathers in bf16.
+    #    (the shards, the optimizer's states) takes its dtype from them. Under FSDP2 (ZeRO-2 and
+    #    3), bf16 is FSDP2's mixed-precision policy (step 6) in place of autocast: the gathers in
+    #    bf16.
     mp_policy = mixed_precision_policy(recipe, layout)
     transforms.apply_precision(trainer, "fp32" if mp_policy else recipe.precision,
                                loss_scaling=recipe.loss_scaling)

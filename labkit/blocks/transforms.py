@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from labkit.blocks.layout import Layout
+from labkit.blocks.layout import SHARDED, Layout
 from labkit.blocks.model import Decoder
 from labkit.blocks.training import CopyAdamW, Trainer
 
@@ -247,12 +247,12 @@ def zero1_adamw(params, lr: float, process_group=None) -> ZeroRedundancyOptimize
 
 def fsdp_mixed_precision(precision: str, kind: str) -> MixedPrecisionPolicy | None:
     """FSDP2's own mixed precision for a recipe's `precision` under data parallelism `kind`, in
-    place of autocast (torchtitan's `mixed_precision_param`): for bf16 under zero3, each unit
-    gathered in bf16 (for the forward and again for the backward), its forward and backward in
-    bf16, the gradients reduced in fp32 into fp32 shards, which AdamW updates. None for the
-    others: fp16 keeps autocast and its GradScaler; zero2 keeps autocast for now, which the
-    study's recipe exercises and the worked example's ladder teach."""
-    if precision != "bf16" or kind != "zero3":
+    place of autocast (torchtitan's `mixed_precision_param`): for bf16 under zero2 and zero3,
+    each unit gathered in bf16 (zero3: for the forward and again for the backward; zero2: once,
+    kept to the backward), its forward and backward in bf16, the gradients reduced in fp32 into
+    fp32 shards, which AdamW updates. None for the others: fp16 keeps autocast and its
+    GradScaler; DDP and ZeRO-1 (not FSDP2) keep autocast."""
+    if precision != "bf16" or kind not in SHARDED:
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 

@@ -60,8 +60,9 @@ NOTEBOOK_RUNGS: dict[str, tuple[dict[str, Any], ...]] = {
     # run's four variants (the frontier still searches all four)
     "30_finetune": ({}, {}, {"variants": "lora,qlora"}),
 }
-# Notebooks whose recipe ladder runs rungs in bf16 autocast: the parameter holding the ladder's
-# sizes, and how many of its rungs run in bf16 (every rung from `+ bf16` on)
+# Notebooks whose recipe ladder runs rungs in bf16 (autocast, or FSDP2's policy under ZeRO-2/3):
+# the parameter holding the ladder's sizes, and how many of its rungs run in bf16 (every rung
+# from `+ bf16` on)
 LADDERS = {"08_memory_planner": ("measured", 3), "26_recipe": ("overrides", 2)}
 
 

@@ -404,13 +404,13 @@ def notes(cfg: Config) -> dict[str, str]:
                                "finetune: NF4 and the adapters start from real weights).",
            "all_gather_bytes": "per step, what this rank's all-gathers delivered (each whole "
                                "output): FSDP2's parameters, in bf16 under its mixed-precision "
-                               "policy (precision=bf16 with zero_stage=3), else in their own "
-                               "dtype (fp32 under autocast, which casts after the gather)."}
+                               "policy (precision=bf16 with zero_stage 2 or 3), else in their "
+                               "own dtype (fp32 under autocast, which casts after the gather)."}
     if cfg.variant == REFERENCE:
         out["tokens_per_s"] = "every rank computes the whole global batch (as one process would)."
     if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:
         out["saved_weight_copy_bytes"] = ("autocast's cached 16-bit casts of the weights that "
                                           "the backward keeps (none in checkpointed blocks); "
-                                          "none under FSDP2's bf16 policy (zero_stage=3), whose "
+                                          "none under FSDP2's bf16 policy (zero_stage 2 or 3), whose "
                                           "bf16 weights are its gathered parameters.")
     return out

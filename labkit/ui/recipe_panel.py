@@ -49,8 +49,9 @@ TERMS = ("param", "gathered", "grad", "optimizer", "activation", "weight_copy", 
 LABELS = {"param": "parameters", "gathered": "gathered parameters (FSDP2)", "grad": "gradients",
           "optimizer": "optimizer states", "activation": "activations",
           "weight_copy": "autocast weight casts", "overhead": "temporaries"}
-# After the chosen precision: bf16 autocast (fp32 weights and AdamW, 16-bit matmuls), then bf16
-# weights with fp32 master copies (no cached casts, 16-bit gradients).
+# After the chosen precision: bf16 (autocast, or FSDP2's policy under ZeRO-2/3: fp32 weights and
+# AdamW, 16-bit matmuls), then bf16 weights with fp32 master copies (no cached casts, 16-bit
+# gradients).
 FALLBACK_PRECISIONS = ("bf16", "bf16_weights")
 
 

@@ -1,8 +1,9 @@
 """Exercises on recipes: several techniques on one training step (`labkit.techniques.recipe`).
 
-Both share one Run ("recipe"): bf16 autocast on two CPU ranks over gloo at the ladder's four
-rungs (DDP, then full checkpointing, 2 micro-batches and ZeRO-2 added one at a time), each
-composed recipe under a virtual budget. The Run pins device "cpu" (one GPU cannot hold two NCCL
+Both share one Run ("recipe"): bf16 on two CPU ranks over gloo at the ladder's four rungs (DDP
+with autocast, then full checkpointing, 2 micro-batches and ZeRO-2 added one at a time; under
+ZeRO-2, FSDP2's bf16 mixed-precision policy in place of autocast), each composed recipe under a
+virtual budget. The Run pins device "cpu" (one GPU cannot hold two NCCL
 ranks), so every answer is the same for "cpu" and "cuda": per-rank bytes do not depend on it.
 
 The peak exercise is predicted from the planner's terms (`recipe.planned`, the prediction each
@@ -51,32 +52,37 @@ def moments(s: Setup, point: dict) -> dict[str, dict[str, int]]:
     """What each moment of one step holds on a rank, term by term (bytes), by the rules the
     details state; the tests hold the sums to the planner's phases."""
     p, n = plan(s, point), shape(s, point)
-    zero, accumulating = point["zero_stage"] == 2, point["micro_batches"] > 1
-    casts = all_casts(s)
-    kept = p.kept_weight_copy_bytes
+    accumulating = point["micro_batches"] > 1
     states = {"weights": p.param_bytes, "moments": p.optimizer_bytes}
-    if zero:  # FSDP2's ZeRO-2: shards at rest, whole weights from forward to backward
+    step = {**states, "grads": p.grad_bytes,
+            "temporaries": p.phase_bytes["step"] - sum(states.values()) - p.grad_bytes}
+    if point["zero_stage"] == 2:
+        # FSDP2's ZeRO-2 under its bf16 policy: fp32 shards at rest, the whole weights gathered
+        # in bf16 from each unit's forward to its backward, no autocast casts. Each micro-batch's
+        # backward makes whole gradients anew, largest in the first block it goes through; after
+        # it, the root unit's reduce-scatter: the details print the planner's figure for both.
         held = {**states, "gathered": p.gathered_bytes}
         held.update({"grad shards": p.grad_bytes} if accumulating else {})
-    else:  # DDP: buckets for the model's life, .grad of earlier micro-batches beside them
-        held = {**states, "buckets": p.grad_bytes}
-        held.update({"accumulated grads": p.grad_bytes} if accumulating else {})
-    # DDP: the loss's fp32 gradients 8·b·s·V at the backward's start. FSDP2 makes each
-    # micro-batch's whole gradients anew, so its backward is largest in the first block it goes
-    # through: the details print the planner's figure for that working set
-    temporaries = 8 * n["b"] * n["s"] * n["V"]
-    if zero:
-        temporaries = p.phase_bytes["backward"] - sum(held.values()) - p.activation_bytes - kept
-    return {"forward": {**held, "activations": p.activation_bytes, "casts": casts,
+        backward = p.phase_bytes["backward"] - sum(held.values()) - p.activation_bytes
+        return {"backward": {**held, "activations": p.activation_bytes, "temporaries": backward},
+                "reduce": {**states, "grad shards": p.grad_bytes,
+                           "temporaries": p.phase_bytes["reduce"] - sum(states.values()) - p.grad_bytes},
+                "step": step}
+    # DDP with autocast: buckets for the model's life, .grad of earlier micro-batches beside
+    # them; every cast cached to the forward's end, the backward's kept; at the backward's start
+    # the loss's fp32 gradients 8·b·s·V
+    held = {**states, "buckets": p.grad_bytes}
+    held.update({"accumulated grads": p.grad_bytes} if accumulating else {})
+    return {"forward": {**held, "activations": p.activation_bytes, "casts": all_casts(s),
                         "temporaries": 6 * n["b"] * n["s"] * n["V"]},
-            "backward": {**held, "activations": p.activation_bytes, "casts": kept,
-                         "temporaries": temporaries},
-            "step": {**states, "grads": p.grad_bytes,
-                     "temporaries": p.phase_bytes["step"] - sum(states.values()) - p.grad_bytes}}
+            "backward": {**held, "activations": p.activation_bytes, "casts": p.kept_weight_copy_bytes,
+                         "temporaries": 8 * n["b"] * n["s"] * n["V"]},
+            "step": step}
 
 
 MOMENT_WORDS = {"forward": "end of the second micro-batch's forward",
-                "backward": "largest moment of its backward", "step": "optimizer step"}
+                "backward": "largest moment of its backward",
+                "reduce": "root unit's reduce-scatter after the backward", "step": "optimizer step"}
 
 
 def peak_of(s: Setup, point: dict) -> int:
@@ -88,30 +94,31 @@ def peak_of(s: Setup, point: dict) -> int:
 def peak_details(s: Setup) -> str:
     n, p = shape(s, TOP), plan(s, TOP)
     t = moments(s, TOP)
-    step_temps = t["step"]["temporaries"]
     return (
         f"Model: {n['L']} layers, hidden d = {n['d']}, vocabulary V = {n['V']}, Ψ = {n['psi']:,} "
         f"parameters; each rank's batch of {s.cfg().batch_size} sequences of s = {n['s']} tokens "
         f"runs as 2 micro-batches of b = {n['b']}; N = {n['N']} ranks. {DIST_WORDS}\n"
-        f"The planner's terms, per rank, in bytes:\n"
+        f"Under ZeRO-2 (FSDP2), bf16 is FSDP2's mixed-precision policy, not autocast: the shards, "
+        f"their gradients and AdamW stay fp32; each unit is gathered in bf16 and its forward and "
+        f"backward run in bf16. The planner's terms, per rank, in bytes:\n"
         f"- fp32 weight shard at rest, 4Ψ/N: {p.param_bytes:,}; FSDP2's ZeRO-2 does not reshard "
-        f"after the forward, so the whole fp32 weights, 4Ψ: {p.gathered_bytes:,}, stay gathered "
-        f"from each unit's forward to its backward;\n"
+        f"after the forward, so the whole weights, gathered in bf16, 2Ψ: {p.gathered_bytes:,}, "
+        f"stay from each unit's forward to its backward;\n"
         f"- AdamW's two fp32 moments, sharded, 8Ψ/N: {p.optimizer_bytes:,};\n"
-        f"- fp32 gradient shards, 4Ψ/N: {p.grad_bytes:,} (reduce-scattered; the first "
+        f"- fp32 gradient shards, 4Ψ/N: {p.grad_bytes:,} (reduce-scattered in fp32; the first "
         f"micro-batch's are held through the second's forward and backward);\n"
         f"- saved activations of one micro-batch: {p.activation_bytes:,};\n"
-        f"- autocast's bf16 casts of the matmul weights (2 bytes each), cached until the forward "
-        f"ends: {all_casts(s):,}; the backward keeps only the head's, 2·V·d = "
-        f"{p.kept_weight_copy_bytes:,} (a checkpointed block casts again when it recomputes);\n"
-        f"- temporaries: at the end of the forward, the bf16 logits and their fp32 copy, "
-        f"6·b·s·V = {t['forward']['temporaries']:,}; in the backward, at its largest moment (the "
-        f"first block it goes through, recomputing its forward beside the head's whole fp32 "
-        f"gradient: FSDP2 makes each micro-batch's whole gradients anew, then reduce-scatters "
-        f"them into the shards): {t['backward']['temporaries']:,}; at the optimizer step, the "
-        f"for-loop AdamW's temporaries: {step_temps:,}.\n"
-        f"The peak is the largest of three moments: the end of the (second) forward, the largest "
-        f"moment of its backward and the optimizer step.")
+        f"- no weight casts: the matmuls read the gathered bf16 weights;\n"
+        f"- temporaries: in the backward, at its largest moment (the first block it goes "
+        f"through, recomputing its forward beside the head's whole gradient: FSDP2 makes each "
+        f"micro-batch's whole gradients anew, then reduce-scatters them into the shards): "
+        f"{t['backward']['temporaries']:,}; after the backward, with the gathered weights "
+        f"resharded, the root unit's reduce-scatter (embedding, final norm and head: the first "
+        f"micro-batch's root shard, one vocabulary matrix's whole gradient and the fp32 input of "
+        f"the reduce-scatter): {t['reduce']['temporaries']:,}; at the optimizer step, the "
+        f"for-loop AdamW's temporaries: {t['step']['temporaries']:,}.\n"
+        f"The peak is the largest of three moments: the largest moment of the (second) backward, "
+        f"the root unit's reduce-scatter after it and the optimizer step.")
 
 
 def peak_evidence(r: Rows, s: Setup) -> dict[str, str]:
@@ -122,7 +129,7 @@ def peak_evidence(r: Rows, s: Setup) -> dict[str, str]:
     others = [f"its {MOMENT_WORDS[k]} {mib(v)}" for k, v in sums.items() if k != peak]
     return {"moment": MOMENT_WORDS[peak], "others": " and ".join(others),
             "terms": " + ".join(f"{k} {v:,}" for k, v in t[peak].items()),
-            "total": f"{sums[peak]:,}", "kept": f"{p.kept_weight_copy_bytes:,}",
+            "total": f"{sums[peak]:,}",
             "peaks": ", ".join(mib(v) for v in measured),
             "ratio": show(100 * (measured[0] or 0) / p.total_bytes, "%")}
 
@@ -141,32 +148,36 @@ def peak_supports(r: Rows, s: Setup) -> str | None:
     return None
 
 
-def weights_as_bf16(s: Setup) -> float:
-    """The peak with the fp32 weights (shard and gathered) counted at 2 bytes."""
-    p = plan(s, TOP)
-    return (p.total_bytes - (p.param_bytes + p.gathered_bytes) / 2) / MiB
+def gathered_as_fp32(s: Setup) -> float:
+    """The peak with the gathered whole weights counted in fp32 (4Ψ, not 2Ψ), as if autocast
+    cast them after an fp32 gather."""
+    sums = {k: sum(v.values()) for k, v in moments(s, TOP).items()}
+    sums["backward"] += plan(s, TOP).gathered_bytes
+    return max(sums.values()) / MiB
 
 
 def recipe_peak() -> Exercise:
     return Exercise(
         "recipe_peak", TOPICS[0], "The peak memory per rank of a recipe",
-        "Two ranks train the tiny model with a recipe of four techniques: bf16 autocast (over "
-        "fp32 weights, fp32 gradients and fp32 AdamW), full activation checkpointing of every "
-        "block, 2 micro-batches per step (gradients accumulate) and ZeRO-2 as FSDP2 builds it.",
+        "Two ranks train the tiny model with a recipe of four techniques: bf16, full activation "
+        "checkpointing of every block, 2 micro-batches per step (gradients accumulate) and ZeRO-2 "
+        "as FSDP2 builds it, where bf16 is FSDP2's mixed-precision policy (fp32 shards, gradient "
+        "shards and AdamW; each unit gathered and computed in bf16, gradients reduced in fp32).",
         "What is the peak memory of one training step on one rank, in MiB?", "recipe",
         answer=lambda s: peak_of(s, TOP) / MiB,
         evidence=peak_evidence,
-        why="the {moment} is the peak: {terms} = {total} bytes = {answer}; {others}. Every "
-            "cast is cached until the forward ends; the backward keeps fewer of them; the "
-            "optimizer step holds no activations and no gathered weights. Autocast changes no "
-            "model state: weights, gradients and AdamW "
-            "stay fp32; its bf16 casts are extra bytes ({kept} kept for the backward). Measured "
-            "peaks, rank 0 and 1: {peaks} ({ratio} of the prediction).",
+        why="the {moment} is the peak: {terms} = {total} bytes = {answer}; {others}. The "
+            "policy keeps every model state in fp32 (shards, gradient shards, AdamW); only what "
+            "it gathers is bf16, and only between a unit's forward and its backward: the "
+            "reduce-scatter after the backward and the optimizer step hold no gathered weights "
+            "and no activations. Measured peaks, rank 0 and 1: {peaks} ({ratio} of the "
+            "prediction).",
         level=3, hint="Write down what is alive at each of the three moments (the details give "
                       "every term); which terms exist only between a forward and its backward?",
-        mistake=weights_as_bf16,
-        mistake_why="bf16 autocast does not store the weights in bf16: they stay fp32 (4 bytes, "
-                    "shard and gathered alike), and autocast adds bf16 copies of them on top.",
+        mistake=gathered_as_fp32,
+        mistake_why="FSDP2's bf16 policy gathers the whole weights in bf16 (2Ψ), not in fp32 "
+                    "(4Ψ): it casts the fp32 shards before the all-gather. Autocast, over DDP or "
+                    "ZeRO-1, is what keeps fp32 weights and casts them for each matmul.",
         supports=peak_supports, unit="MiB", rel_tol=0.02, details=peak_details)
 
 
@@ -186,7 +197,12 @@ def first_fit(s: Setup, forget_accumulated: bool = False) -> str:
 
 def rung_line(s: Setup, name: str) -> str:
     t = moments(s, RUNGS[name])
-    f, b = t["forward"], t["backward"]
+    b = t["backward"]
+    if "forward" not in t:  # ZeRO-2: FSDP2's bf16 policy, no casts
+        return (f"- {name}: saved activations {b['activations']:,}; no casts; temporaries at the "
+                f"backward's largest moment {b['temporaries']:,}, at the root unit's reduce-scatter "
+                f"after it {t['reduce']['temporaries']:,} (beside the gradient shards)")
+    f = t["forward"]
     return (f"- {name}: saved activations {b['activations']:,}; casts cached to the forward's end "
             f"{f['casts']:,}, kept by the backward {b['casts']:,}; temporaries at the forward's end "
             f"{f['temporaries']:,}, at the start of backward {b['temporaries']:,}")
@@ -203,9 +219,11 @@ def ladder_details(s: Setup) -> str:
         f"AdamW's moments 8Ψ = {base.optimizer_bytes:,} and its gradient buckets 4Ψ = "
         f"{base.grad_bytes:,} for the model's life; the .grad tensors are separate from the buckets "
         f"(gradient_as_bucket_view=False, the default) and accumulate between micro-batches. ZeRO-2 "
-        f"(FSDP2) holds a weight shard 4Ψ/N = {top.param_bytes:,}, the whole weights 4Ψ = "
-        f"{top.gathered_bytes:,} from a unit's forward to its backward, moments 8Ψ/N = "
-        f"{top.optimizer_bytes:,} and gradient shards 4Ψ/N = {top.grad_bytes:,}.\n"
+        f"(FSDP2) holds a weight shard 4Ψ/N = {top.param_bytes:,}, moments 8Ψ/N = "
+        f"{top.optimizer_bytes:,} and gradient shards 4Ψ/N = {top.grad_bytes:,}; there bf16 is "
+        f"FSDP2's mixed-precision policy in place of autocast: the whole weights, gathered in "
+        f"bf16, 2Ψ = {top.gathered_bytes:,}, from a unit's forward to its backward, and no "
+        f"casts.\n"
         f"Per rung, in bytes (activations and temporaries are one micro-batch's; with ZeRO-2 the "
         f"backward's temporaries include one unit's whole gradient before its reduce-scatter):\n"
         + "\n".join(rung_line(s, name) for name in RUNGS)
@@ -252,7 +270,7 @@ FEEDBACK = {
     "+ ZeRO-2": "right: sharding the moments and the gradients (and the weights at rest) saves "
                 "more than FSDP2's gathered copy costs.",
     NONE: "the last rung fits: ZeRO-2 holds 16Ψ/N of model states at rest (DDP: 16Ψ), plus "
-          "the 4Ψ of whole weights it gathers between the passes.",
+          "the whole weights it gathers in bf16 between the passes (2Ψ).",
 }
 
 
@@ -262,16 +280,17 @@ def ladder_fit() -> Exercise:
         "The same two ranks train with bf16 autocast on DDP and exceed their memory budget. You "
         "climb a ladder, adding one technique per rung and keeping the ones before: full "
         "activation checkpointing, then 2 micro-batches per step (gradients accumulate, the batch "
-        "per step is unchanged), then ZeRO-2 (FSDP2) instead of DDP. Each rung is measured under "
-        "the budget: a rung over it is an oom row.",
+        "per step is unchanged), then ZeRO-2 (FSDP2, where bf16 becomes its mixed-precision "
+        "policy) instead of DDP. Each rung is measured under the budget: a rung over it is an "
+        "oom row.",
         "Which rung is the first whose peak per rank fits the budget?", "recipe",
         answer=first_fit, evidence=ladder_evidence,
         why="{rungs}. Against the {budget} budget the first that fits is {answer}. Accumulation "
             "on DDP does not pay here: the first micro-batch's gradients (4Ψ) stay beside DDP's "
             "buckets while the second runs, more than its halved activations save.",
-        level=3, hint="For each rung, add the model states its layout holds to the larger of its "
-                      "two moments (the end of the forward, the start of backward); what does a "
-                      "rank hold between two micro-batches?",
+        level=3, hint="For each rung, add the model states its layout holds to each of its "
+                      "moments (on DDP the end of the forward and the start of backward); what "
+                      "does a rank hold between two micro-batches?",
         mistake=lambda s: first_fit(s, forget_accumulated=True),
         mistake_why="with accumulation under DDP the earlier micro-batch's .grad is a second set "
                     "of fp32 gradients beside DDP's buckets (4Ψ more), held through the later "

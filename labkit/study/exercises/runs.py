@@ -38,8 +38,9 @@ RUNS = {
     "serve": Run("batching", {"num_layers": 1, "num_requests": 8, "max_output_len": 32, "arrival": "closed",
                               "batch_size": 4}, ("sequential", "static", "continuous")),
     "zero": Run("zero", {**DIST, "batch_size": 2}, ("zero0", "zero1", "zero3")),
-    # bf16 autocast on the two gloo ranks at the ladder's four rungs (RECIPE_RUNGS); 65 MiB sits
-    # between the DDP rungs (70 MiB and more) and ZeRO-2's (53 MiB).
+    # bf16 on the two gloo ranks at the ladder's four rungs (RECIPE_RUNGS: autocast on DDP,
+    # FSDP2's policy under ZeRO-2); 65 MiB sits between the DDP rungs (70 MiB and more) and
+    # ZeRO-2's (41 MiB).
     "recipe": Run("recipe", {**DIST, "batch_size": 8, "seq_len": 32, "precision": "bf16",
                              "budget_gib": 65 / 1024}, ("composed",), list(RECIPE_RUNGS.values())),
     "pipe": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "delay_stage": 0},
