@@ -248,10 +248,10 @@ def zero1_adamw(params, lr: float, process_group=None) -> ZeroRedundancyOptimize
 def fsdp_mixed_precision(precision: str, kind: str) -> MixedPrecisionPolicy | None:
     """FSDP2's own mixed precision for a recipe's `precision` under data parallelism `kind`, in
     place of autocast (torchtitan's `mixed_precision_param`): for bf16 under zero2 and zero3,
-    each unit gathered in bf16 (zero3: for the forward and again for the backward; zero2: once,
-    kept to the backward), its forward and backward in bf16, the gradients reduced in fp32 into
-    fp32 shards, which AdamW updates. None for the others: fp16 keeps autocast and its
-    GradScaler; DDP and ZeRO-1 (not FSDP2) keep autocast."""
+    each unit gathered in bf16 (zero3: each block for the forward and again for the backward,
+    the root once; zero2: once, kept to the backward), its forward and backward in bf16, the
+    gradients reduced in fp32 into fp32 shards, which AdamW updates. None for the others: fp16
+    keeps autocast and its GradScaler; DDP and ZeRO-1 (not FSDP2) keep autocast."""
     if precision != "bf16" or kind not in SHARDED:
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -293,9 +293,9 @@ def apply_data_parallel(trainer: Trainer, kind: str, mesh: DeviceMesh | None = N
     """Data parallelism over `mesh` (default: every rank): the step's batch is the global one, and
     each rank keeps its slice of it. `ddp` and `zero1` wrap the model in DDP over every rank
     (`zero1` with ZeroRedundancyOptimizer; `bucket_cap_mb` and `gradient_as_bucket_view` go to
-    `wrap_ddp`); `zero2` and `zero3` shard it with FSDP2, `zero3` also regathering the parameters
-    for the backward; `offload` keeps FSDP2's shards and optimizer on the host, `mp_policy`
-    sets the dtypes it gathers and reduces in."""
+    `wrap_ddp`); `zero2` and `zero3` shard it with FSDP2, `zero3` also regathering each block
+    for the backward (not the root unit); `offload` keeps FSDP2's shards and optimizer on the
+    host, `mp_policy` sets the dtypes it gathers and reduces in."""
     if kind not in DATA_PARALLEL:
         raise ValueError(f"unknown data parallel {kind!r}; valid: {', '.join(DATA_PARALLEL)}")
     if kind == "none":
@@ -308,8 +308,10 @@ def apply_data_parallel(trainer: Trainer, kind: str, mesh: DeviceMesh | None = N
     trainer.inputs, trainer.targets = trainer.inputs.chunk(n)[r], trainer.targets.chunk(n)[r]
     trainer.sizes = [len(trainer.inputs)]
     if sharded:
-        shard_fully(trainer.model, mesh, reshard_after_forward=kind == "zero3", offload=offload,
-                    mp_policy=mp_policy)
+        # zero3: FSDP2's default, which reshards each block after its forward but keeps the
+        # root unit (whose backward comes first) gathered to its backward, as torchtitan does
+        shard_fully(trainer.model, mesh, reshard_after_forward=None if kind == "zero3" else False,
+                    offload=offload, mp_policy=mp_policy)
         return trainer
     group = mesh.get_group() if mesh is not None else None  # None: every rank
     trainer.net = wrap_ddp(trainer.model, trainer.cfg.device, bucket_cap_mb=bucket_cap_mb,

@@ -41,7 +41,7 @@ from labkit.planner.precision import (DTYPE_OF, OPTIMIZERS, PRECISION_BYTES, PRE
                                       PrecisionBytes, optimizer_bytes_per_param)
 from labkit.planner.report import GIB, plan_report
 from labkit.planner.search import SEARCH, Recommendation, recommend
-from labkit.planner.sharding import fsdp2_all_gather_bytes, zero_model_state_bytes
+from labkit.planner.sharding import fsdp2_all_gather_bytes, root_unit_params, zero_model_state_bytes
 from labkit.planner.training import training_memory
 
 # Private terms the tests reach as planner._NAME (held to saved-tensor hooks and measured buffers)
@@ -62,5 +62,6 @@ __all__ = ["CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_CHECKPOINTING",
            "layer_activation_bytes", "layer_params", "linear_shapes", "linear_weight_bytes",
            "local_shape", "lora_module_names", "nf4_bytes", "nf4_dequant_bytes",
            "nf4_scaler_block", "num_params", "optimizer_bytes_per_param", "param_bytes",
-           "parse_lora_targets", "plan_report", "recommend", "stage_params", "stage_tensors",
-           "train_step_flops", "trainable_params", "training_memory", "zero_model_state_bytes"]
+           "parse_lora_targets", "plan_report", "recommend", "root_unit_params", "stage_params",
+           "stage_tensors", "train_step_flops", "trainable_params", "training_memory",
+           "zero_model_state_bytes"]

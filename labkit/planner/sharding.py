@@ -3,7 +3,7 @@ Optimizations Toward Training Trillion Parameter Models", section 3.1 and figure
 working buffers the sharded step holds (gathered weights, unsharded gradients)."""
 from __future__ import annotations
 
-from labkit.config import ConfigError, check_choice
+from labkit.config import ConfigError, ModelConfig, check_choice
 from labkit.planner.model import StageParams, layer_params
 from labkit.planner.plan import ZERO_STAGES, _Run
 from labkit.planner.precision import PRECISION_BYTES, PRECISIONS, optimizer_bytes_per_param
@@ -26,16 +26,27 @@ def zero_model_state_bytes(num_params: int, *, stage: int, dp: int, precision: s
 
 
 def fsdp2_all_gather_bytes(num_params: int, *, zero_stage: int, micro_batches: int = 1,
-                           element_bytes: int = 4) -> int:
+                           element_bytes: int = 4, root_params: int = 0) -> int:
     """The bytes FSDP2's all-gathers deliver to one rank in one step (nccl-tests' S: each output,
     every rank's shard together) for Ψ = `num_params` (this rank's tensor-parallel share):
-    every unit gathered whole once a micro-batch under ZeRO-2 (resharded after the backward),
-    twice under ZeRO-3 (for the forward and again for the backward; the root unit too), each
-    element in `element_bytes` (the parameters' dtype). Padding of a shard's rows to a multiple
-    of the ranks is not counted. 0 below stage 2 (no all-gather of parameters)."""
+    every unit gathered whole once a micro-batch under ZeRO-2 (resharded after the backward);
+    under ZeRO-3 each block twice (for the forward and again for the backward) and the root unit
+    (`root_params`, `root_unit_params`) once, since FSDP2 does not reshard the root after the
+    forward. Each element in `element_bytes` (the parameters' dtype). Padding of a shard's rows
+    to a multiple of the ranks is not counted. 0 below stage 2 (no all-gather of parameters)."""
     if zero_stage < 2:
         return 0
-    return (2 if zero_stage >= 3 else 1) * micro_batches * num_params * element_bytes
+    gathered = num_params if zero_stage == 2 else 2 * num_params - root_params
+    return micro_batches * gathered * element_bytes
+
+
+def root_unit_params(m: ModelConfig, vocab: int | None = None, d: int | None = None) -> int:
+    """FSDP2's root unit as `apply_data_parallel` shards it: the embedding, the final norm and
+    the head (both V·d matrices unless tied; GPT-2's learned positions and its norm's bias too).
+    `vocab`, `d`: a tensor-parallel rank's share (default: the model's)."""
+    vocab, d, gpt2 = vocab or m.vocab_size, d or m.hidden_size, m.arch == "gpt2"
+    return vocab * d * (1 if m.tie_embeddings else 2) + d * (2 if gpt2 else 1) \
+        + (m.max_seq_len * d if gpt2 else 0)
 
 
 def _zero_buffers(r: _Run, sp: StageParams, last: bool, resident: bool, block: int | None) -> int:
@@ -53,12 +64,8 @@ def _zero_buffers(r: _Run, sp: StageParams, last: bool, resident: bool, block: i
 
 def _fsdp2_units(r: _Run) -> tuple[int, int]:
     """(the root unit's parameters, one block's): FSDP2's units as `apply_data_parallel` shards
-    them. The root unit is the embedding, the final norm and the head (both V·d matrices unless
-    tied; GPT-2's learned positions too)."""
-    s, gpt2 = r.shape, r.m.arch == "gpt2"
-    root = s.vocab * s.d * (1 if r.m.tie_embeddings else 2) + s.d * (2 if gpt2 else 1) \
-        + (r.m.max_seq_len * s.d if gpt2 else 0)
-    return root, layer_params(r.m, s)[0]
+    them, on this rank's tensor-parallel share (`root_unit_params`)."""
+    return root_unit_params(r.m, r.shape.vocab, r.shape.d), layer_params(r.m, r.shape)[0]
 
 
 def _fsdp2_buffers(r: _Run, block: int | None, num_layers: int) -> int:

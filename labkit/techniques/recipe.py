@@ -369,7 +369,7 @@ def expected(cfg: Config) -> dict[str, float]:
         bf16 = cfg.precision == "bf16_weights" or policy is not None
         out["all_gather_bytes"] = planner.fsdp2_all_gather_bytes(
             gathered_params(cfg), zero_stage=stage, micro_batches=cfg.micro_batches,
-            element_bytes=2 if bf16 else 4)
+            element_bytes=2 if bf16 else 4, root_params=planner.root_unit_params(cfg.model))
     if plan is not None:
         out.update(peak_mem_bytes=plan.total_bytes, param_bytes=plan.param_bytes,
                    grad_bytes=plan.grad_bytes, optimizer_bytes=plan.optimizer_bytes,

@@ -14,8 +14,10 @@ variant holds the same weights. What differs is which bytes each rank keeps (Raj
   sharded too; only between the forward and the backward are they kept whole (the paper's stage 2
   keeps them whole always): at rest this is stage 3's figure, in the step it saves stage 3's
   second all-gather.
-- `zero3`: FSDP2 with `reshard_after_forward=True`: parameters gathered one block at a time in the
-  forward and again in the backward.
+- `zero3`: FSDP2 with its default `reshard_after_forward`: parameters gathered one block at a time
+  in the forward and again in the backward; the root unit (embedding, final norm, head), whose
+  backward comes first, stays gathered from its forward to its backward (FSDP2's default for the
+  root, as in torchtitan).
 - `zero3_offload`: `zero3` with FSDP2's `CPUOffloadPolicy`: the shards of the parameters, their
   gradients and the optimizer states stay in host memory, the optimizer steps on the CPU and each
   block is copied to the GPU for its forward and backward. GPUs only.
