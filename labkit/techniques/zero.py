@@ -179,9 +179,10 @@ def expected(cfg: Config) -> dict[str, float]:
                                              optimizer="adamw")[i] for i, s in enumerate(stages)]
     out = dict(zip(("param_bytes", "grad_bytes", "optimizer_bytes"), map(float, states)))
     if cfg.variant != "zero3_offload":  # the planner has no offload: its peak is on the device
+        stage = STAGE[cfg.variant]  # stages 2 and 3 as FSDP2 builds them (fsdp2)
         plan = planner.training_memory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                                       precision="fp32", optimizer="adamw",
-                                       zero_stage=STAGE[cfg.variant], gpus=n, device=cfg.device)
+                                       precision="fp32", optimizer="adamw", zero_stage=stage,
+                                       gpus=n, device=cfg.device, fsdp2=stage >= 2)
         out["peak_mem_bytes"] = float(plan.total_bytes)
     return out
 
@@ -190,6 +191,10 @@ COUNTERS = ("AdamW's moments (K = 8 bytes per parameter) plus one 4-byte step co
             "parameter tensor, which the planner leaves out.")
 DDP_PEAK = ("DDP's gradient buckets (4Ψ; the gradients are views of them) live through the whole "
             "step, so its backward runs with every gradient allocated (the planner counts them).")
+FSDP2_PEAK = ("Measured above it by FSDP2's reduce-scatter buffers in the backward (a "
+              "block's flat fp32 gradient and its output shard, beside the block's own "
+              "gradients): the planner counts the previous block's flat gradient under ZeRO-3 "
+              "only.")
 NOTES = {
     "zero0": {"grad_bytes": "DDP's all-reduce buckets, which the gradients are views of.",
               "peak_mem_bytes": DDP_PEAK},
@@ -200,10 +205,12 @@ NOTES = {
     "zero2": {"param_bytes": "FSDP2 reshards parameters after the backward even with "
                              "reshard_after_forward=False, so at rest they are sharded (predicted: "
                              "stage 3's 4Ψ/Nd); the paper's stage 2 (P_os+g) keeps them whole, 4Ψ.",
-              "peak_mem_bytes": "predicted: the paper's stage 2 (whole parameters throughout); "
-                                "FSDP2 holds each block whole from its forward to its backward, "
-                                "beside its shards."},
-    "zero3": {"param_bytes": "The paper's P_os+g+p: 4Ψ/Nd."},
+              "peak_mem_bytes": "predicted: FSDP2's ZeRO-2 as built, each block whole from "
+                                "its forward to its backward beside its shards. " + FSDP2_PEAK},
+    "zero3": {"param_bytes": "The paper's P_os+g+p: 4Ψ/Nd.",
+              "peak_mem_bytes": "predicted: FSDP2's ZeRO-3 as built, each block gathered for "
+                                "its forward and again for its backward, the root unit kept "
+                                "between them. " + FSDP2_PEAK},
     "zero3_offload": {"param_bytes": "in host memory, as are the gradients and optimizer states.",
                       "peak_mem_bytes": "on the GPU: the blocks gathered at a time and the "
                                         "activations; the planner does not model offload."},
