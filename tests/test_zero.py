@@ -129,7 +129,8 @@ def test_ddp_peak_is_the_planners_stage_0_where_the_optimizer_step_sets_it(rows)
     # At these sizes the optimizer step sets the peak (the planner holds DDP's buckets through
     # the backward too: zero.DDP_PEAK). zero1's peak is not held to it: its for-loop AdamW makes
     # temporaries of whole tensors, which the planner shards. FSDP2's are the planner's FSDP2
-    # terms, over them by part of its reduce-scatter buffers (zero.FSDP2_PEAK): within 5%.
+    # terms; at these sizes the backward sets them, over the prediction by part of FSDP2's
+    # reduce-scatter buffers (zero.FSDP2_PEAK): within 5%.
     cfg = config()
     plan = planner.training_memory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                                    precision="fp32", optimizer="adamw", gpus=2, device="cpu")

@@ -191,10 +191,11 @@ COUNTERS = ("AdamW's moments (K = 8 bytes per parameter) plus one 4-byte step co
             "parameter tensor, which the planner leaves out.")
 DDP_PEAK = ("DDP's gradient buckets (4Ψ; the gradients are views of them) live through the whole "
             "step, so its backward runs with every gradient allocated (the planner counts them).")
-FSDP2_PEAK = ("Measured above it by FSDP2's reduce-scatter buffers in the backward (a "
-              "block's flat fp32 gradient and its output shard, beside the block's own "
-              "gradients): the planner counts the previous block's flat gradient under ZeRO-3 "
-              "only.")
+FSDP2_PEAK = ("In the backward FSDP2 also holds a block's reduce-scatter buffers (its flat "
+              "fp32 gradient and the output shard, beside the block's own gradients), of which "
+              "the planner counts only the previous block's flat gradient, under ZeRO-3: where "
+              "the backward sets the peak (small batches), the measured peak is that much above "
+              "the prediction.")
 NOTES = {
     "zero0": {"grad_bytes": "DDP's all-reduce buckets, which the gradients are views of.",
               "peak_mem_bytes": DDP_PEAK},
