@@ -1,8 +1,9 @@
 """The `recipe` experiment on two gloo ranks, and the planner's autocast and FSDP2 terms.
 
 One launch serves every test that reads rows: the issue's recipe (bf16, full checkpointing, 2
-micro-batches, ZeRO-2: FSDP2 with its bf16 mixed-precision policy) swept over no budget and a budget of half its predicted
-peak, so the second point's composed is an `oom` row while plain, the reference, still runs.
+micro-batches, ZeRO-2: FSDP2 with its bf16 mixed-precision policy) swept over no budget and a
+budget of half its predicted peak, so the second point's composed is an `oom` row while plain,
+the reference, still runs.
 The planner's new terms are held to single-process measurements below (autocast's activations
 and cached weight copies, and the peaks they make)."""
 from __future__ import annotations

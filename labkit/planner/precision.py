@@ -55,7 +55,8 @@ PRECISION_BYTES = {
     "fp16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
     # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), in place of autocast:
     # fp32 shards, gradient shards and AdamW; each unit gathered in bf16, its forward, backward
-    # and whole gradients in bf16, reduced in fp32. FSDP2 only: compose applies it under ZeRO-2 and 3.
+    # and whole gradients in bf16, reduced in fp32. FSDP2 only: compose applies it under ZeRO-2
+    # and 3.
     "bf16_fsdp": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, unsharded=2),
 }
 DTYPE_OF = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "mixed": "bfloat16",

@@ -411,6 +411,6 @@ def notes(cfg: Config) -> dict[str, str]:
     if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:
         out["saved_weight_copy_bytes"] = ("autocast's cached 16-bit casts of the weights that "
                                           "the backward keeps (none in checkpointed blocks); "
-                                          "none under FSDP2's bf16 policy (zero_stage 2 or 3), whose "
-                                          "bf16 weights are its gathered parameters.")
+                                          "none under FSDP2's bf16 policy (zero_stage 2 or 3), "
+                                          "whose bf16 weights are its gathered parameters.")
     return out

@@ -3,8 +3,8 @@
 Both share one Run ("recipe"): bf16 on two CPU ranks over gloo at the ladder's four rungs (DDP
 with autocast, then full checkpointing, 2 micro-batches and ZeRO-2 added one at a time; under
 ZeRO-2, FSDP2's bf16 mixed-precision policy in place of autocast), each composed recipe under a
-virtual budget. The Run pins device "cpu" (one GPU cannot hold two NCCL
-ranks), so every answer is the same for "cpu" and "cuda": per-rank bytes do not depend on it.
+virtual budget. The Run pins device "cpu" (one GPU cannot hold two NCCL ranks), so every answer
+is the same for "cpu" and "cuda": per-rank bytes do not depend on it.
 
 The peak exercise is predicted from the planner's terms (`recipe.planned`, the prediction each
 measured row carries); the ladder's reference is the first rung whose planned peak fits the budget,
@@ -64,9 +64,9 @@ def moments(s: Setup, point: dict) -> dict[str, dict[str, int]]:
         held = {**states, "gathered": p.gathered_bytes}
         held.update({"grad shards": p.grad_bytes} if accumulating else {})
         backward = p.phase_bytes["backward"] - sum(held.values()) - p.activation_bytes
+        reduce = p.phase_bytes["reduce"] - sum(states.values()) - p.grad_bytes
         return {"backward": {**held, "activations": p.activation_bytes, "temporaries": backward},
-                "reduce": {**states, "grad shards": p.grad_bytes,
-                           "temporaries": p.phase_bytes["reduce"] - sum(states.values()) - p.grad_bytes},
+                "reduce": {**states, "grad shards": p.grad_bytes, "temporaries": reduce},
                 "step": step}
     # DDP with autocast: buckets for the model's life, .grad of earlier micro-batches beside
     # them; every cast cached to the forward's end, the backward's kept; at the backward's start
@@ -75,7 +75,8 @@ def moments(s: Setup, point: dict) -> dict[str, dict[str, int]]:
     held.update({"accumulated grads": p.grad_bytes} if accumulating else {})
     return {"forward": {**held, "activations": p.activation_bytes, "casts": all_casts(s),
                         "temporaries": 6 * n["b"] * n["s"] * n["V"]},
-            "backward": {**held, "activations": p.activation_bytes, "casts": p.kept_weight_copy_bytes,
+            "backward": {**held, "activations": p.activation_bytes,
+                         "casts": p.kept_weight_copy_bytes,
                          "temporaries": 8 * n["b"] * n["s"] * n["V"]},
             "step": step}
 
@@ -200,8 +201,9 @@ def rung_line(s: Setup, name: str) -> str:
     b = t["backward"]
     if "forward" not in t:  # ZeRO-2: FSDP2's bf16 policy, no casts
         return (f"- {name}: saved activations {b['activations']:,}; no casts; temporaries at the "
-                f"backward's largest moment {b['temporaries']:,}, at the root unit's reduce-scatter "
-                f"after it {t['reduce']['temporaries']:,} (beside the gradient shards)")
+                f"backward's largest moment {b['temporaries']:,}, at the root unit's "
+                f"reduce-scatter after it {t['reduce']['temporaries']:,} (beside the gradient "
+                f"shards)")
     f = t["forward"]
     return (f"- {name}: saved activations {b['activations']:,}; casts cached to the forward's end "
             f"{f['casts']:,}, kept by the backward {b['casts']:,}; temporaries at the forward's end "
