@@ -62,6 +62,15 @@ def test_the_predicted_step_is_the_slowest_share_over_its_speed(rows):
                 step_ms - compute_ms, rel=1e-9, abs=1e-9)
 
 
+def test_every_ranks_peak_is_its_share_or_the_all_reduce_as_predicted(rows):
+    """The planner's step on the rank's share, or (a small share) the hand-written all-reduce
+    after the backward, which holds the gradients twice: within 1% on every rank and split."""
+    for variant in lb.VARIANTS:
+        for r in (0, 1):
+            row = by(rows, variant, "peak_mem_bytes", r)
+            assert row["value"] == pytest.approx(row["predicted"], rel=0.01), row
+
+
 def test_the_slow_rank_sleeps_its_slowdown_less_one_times_its_compute(monkeypatch):
     """The rank's meter on a fake clock: 0.5 s of forward and backward, then a sleep of (4 - 1) x
     0.5 s on the slow rank (slowdown 4), none on the others; its compute counts the sleep."""

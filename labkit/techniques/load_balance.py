@@ -182,11 +182,14 @@ def predicted(cfg: Config, at: Split) -> dict[str, float]:
     compute_s = at.shares[r] / at.speeds[r]
     plan = planner.training_memory(cfg.model, batch_size=at.shares[r], seq_len=cfg.seq_len,
                                    precision="fp32", optimizer="adamw", device=cfg.device)
+    # after the backward, the hand-written all-reduce (`RankClock.reduce`) holds every gradient
+    # twice: as the parameters' .grad and flattened into its one buffer
+    reduce = plan.param_bytes + 2 * plan.grad_bytes + plan.optimizer_bytes
     return {"step_ms": step_s * 1e3, "compute_ms": compute_s * 1e3,
             "wait_ms": (step_s - compute_s) * 1e3, "sequences_per_s": at.speeds[r],
             "num_sequences": at.total * at.speeds[r] / sum(at.speeds)
             if cfg.variant == "proportional" else float(cfg.batch_size),
-            "peak_mem_bytes": plan.total_bytes}
+            "peak_mem_bytes": max(plan.total_bytes, reduce)}
 
 
 def build(cfg: Config) -> Workload:
@@ -223,6 +226,10 @@ def notes(cfg: Config, at: Split) -> dict[str, str]:
         "compute_ms": (f"this rank's forward + backward on its share, the slow rank's sleep "
                        f"included (slowdown {cfg.slowdown:g} on rank {cfg.slow_rank})."),
         "wait_ms": "in the all-reduce: waiting for slower ranks, then the transfer.",
+        "peak_mem_bytes": ("predicted: the larger of the planner's one-process step on this "
+                           "rank's share and the all-reduce after the backward (weights, the "
+                           "gradients and their flat copy, AdamW's moments: 20 bytes a "
+                           "parameter), which a small share leaves as the peak."),
         "num_sequences": ("this rank's share of the global batch; predicted for proportional: "
                           "the exact share G x speed / sum of speeds, before rounding."),
     }
