@@ -184,10 +184,17 @@ def expected(cfg: Config) -> dict[str, float]:
     plan = planner.training_memory(cfg.model, batch_size=max(1, cfg.batch_size // dp),
                                    seq_len=cfg.seq_len, precision="fp32", optimizer="adamw",
                                    zero_stage=3 if dp > 1 else 0, tp=tp, gpus=dp * tp,
-                                   device=cfg.device)
+                                   device=cfg.device, fsdp2=dp > 1)
     return {"param_bytes": float(plan.param_bytes), "grad_bytes": float(plan.grad_bytes),
             "optimizer_bytes": float(plan.optimizer_bytes), "peak_mem_bytes": float(plan.total_bytes),
             "loss_abs_diff": 0.0, "grad_max_rel_diff": 0.0}
+
+
+# what tensor parallelism's peak holds beyond the planner's split (a snapshot of the live tensors
+# at the peak: three whole-vocabulary fp32 tensors of the batch on every rank)
+TP_LOGITS = ("; and the head's logits, gathered to the whole vocabulary on every tp rank (no loss "
+             "parallelism): at the loss's backward the logits and two gradients of them, "
+             "3·b·s·V·4 bytes, which the planner splits over tp.")
 
 
 def notes(cfg: Config) -> dict[str, str]:
@@ -197,5 +204,8 @@ def notes(cfg: Config) -> dict[str, str]:
             "grad_bytes": "local gradient shards at rest after the step.",
             "optimizer_bytes": "AdamW's two fp32 moments of the local shards (+4 bytes of step "
                                "counter per tensor, not predicted).",
-            "peak_mem_bytes": "predicted: planner.training_memory (it does not model FSDP's "
-                              "gathered blocks or the collectives' buffers)."}
+            "peak_mem_bytes": "predicted: planner.training_memory, ZeRO-3 over dp as FSDP2 "
+                              "builds it (fsdp2) and Megatron's split over tp. Not in it: "
+                              "FSDP2's reduce-scatter buffers (a few percent)"
+                              + (TP_LOGITS if tp > 1 else ".")}
+

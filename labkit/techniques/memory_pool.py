@@ -207,7 +207,12 @@ def expected(cfg: Config) -> dict[str, float]:
 
 
 def notes(cfg: Config) -> dict[str, str]:
-    out = {"kv_bytes": "the cache of the step's last request; the pool's is its full buffer."}
+    out = {"kv_bytes": "the cache of the step's last request; the pool's is its full buffer.",
+           "peak_mem_bytes": "predicted: the weights and the longest request's cache (the pool: "
+                             "its full buffer). Measured above it by the prefill's transient "
+                             "activations, which the prediction leaves out: at the peak, the "
+                             "longest prompt's feed-forward intermediates (three of batch x "
+                             "prompt x ffn_size x 4 bytes) and the hidden states beside them."}
     if cfg.device.startswith("cuda"):
         out.update(
             allocated_bytes="peak bytes in live tensors during the step (the allocator's counters).",
