@@ -208,4 +208,3 @@ def notes(cfg: Config) -> dict[str, str]:
                               "builds it (fsdp2) and Megatron's split over tp. Not in it: "
                               "FSDP2's reduce-scatter buffers (a few percent)"
                               + (TP_LOGITS if tp > 1 else ".")}
-
