@@ -3,12 +3,11 @@
 For "cpu" and "cuda" (the Run pins CPU ranks, so a GPU machine answers the same): the careful
 learner's answer, added up here from the rules and numbers the details state (closed forms in Ψ,
 b, s, V, d, N, and the planner's activation bytes and FSDP2's working sets, which the details
-print), is graded right;
-the common mistake, computed here too, equals the exercise's and is graded wrong. The Run's one
-launch (the ladder's 4 recipes on two gloo ranks, in conftest's `shared_runs`, which the tests
-below only read) then shows the mechanisms: every rank's peak beside the planner's, the rungs over the
-budget as oom rows, the first that fits measured under it; and a doctored measurement is not
-taken as support."""
+print), is graded right; the common mistake, computed here too, equals the exercise's and is
+graded wrong. The Run's one launch (the ladder's 4 recipes on two gloo ranks, in conftest's
+`shared_runs`, which the tests below only read) then shows the mechanisms: every rank's peak
+beside the planner's, the rungs over the budget as oom rows, the first that fits measured under
+it; and a doctored measurement is not taken as support."""
 import pytest
 
 from labkit import planner

@@ -25,15 +25,16 @@ def zero_model_state_bytes(num_params: int, *, stage: int, dp: int, precision: s
             k * (shard if stage >= 1 else num_params))
 
 
-def fsdp2_all_gather_bytes(num_params: int, *, zero_stage: int, micro_batches: int = 1,
-                           element_bytes: int = 4, root_params: int = 0) -> int:
+def fsdp2_all_gather_bytes(num_params: int, *, zero_stage: int, root_params: int,
+                           micro_batches: int = 1, element_bytes: int = 4) -> int:
     """The bytes FSDP2's all-gathers deliver to one rank in one step (nccl-tests' S: each output,
     every rank's shard together) for Ψ = `num_params` (this rank's tensor-parallel share):
     every unit gathered whole once a micro-batch under ZeRO-2 (resharded after the backward);
     under ZeRO-3 each block twice (for the forward and again for the backward) and the root unit
-    (`root_params`, `root_unit_params`) once, since FSDP2 does not reshard the root after the
-    forward. Each element in `element_bytes` (the parameters' dtype). Padding of a shard's rows
-    to a multiple of the ranks is not counted. 0 below stage 2 (no all-gather of parameters)."""
+    (`root_params`, `root_unit_params`: no default, which would count it twice) once, since
+    FSDP2 does not reshard the root after the forward. Each element in `element_bytes` (the
+    parameters' dtype). Padding of a shard's rows to a multiple of the ranks is not counted. 0
+    below stage 2 (no all-gather of parameters)."""
     if zero_stage < 2:
         return 0
     gathered = num_params if zero_stage == 2 else 2 * num_params - root_params
