@@ -129,6 +129,8 @@ def _add_plan_parser(sub) -> None:
                          "every experiment, seven of them multi-process; 300 on a GPU). Runs are "
                          "sized from the device's measured rates to fit; families that still do "
                          "not fit are left out, said so")
+    sc.add_argument("--family", help="a comma list of families to run, in that order (default: "
+                    "every family, cheapest first); an unknown name's error lists them")
     sc.add_argument("--out", help="write the checks and the environment as JSON here")
     sc.add_argument("--runs-dir", help="where results are stored (default: $LABKIT_RUNS_DIR or runs/)")
     sc.add_argument("--recheck", metavar="RECORD", help="measure nothing: evaluate today's checks on "
@@ -475,7 +477,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
     from labkit.config import resolve_device
-    from labkit.harness.selfcheck import exit_code, recheck, selfcheck
+    from labkit.harness.selfcheck import chosen_families, exit_code, recheck, selfcheck
 
     if args.out:
         writable_file(args.out, "--out")
@@ -483,9 +485,11 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
         return exit_code(recheck(args.recheck, args.runs_dir, args.out))
     if args.budget_s is not None and not args.budget_s > 0:
         raise ConfigError(f"--budget-s={args.budget_s:g}: give a number of seconds above 0")
+    families = chosen_families(args.family)
     resolve_device(args.device)  # an absent device: one line naming the valid ones
     checked_runs_dir(args.runs_dir)
-    return exit_code(selfcheck(args.device, args.budget_s, args.runs_dir, args.out))
+    return exit_code(selfcheck(args.device, args.budget_s, args.runs_dir, args.out,
+                               families=families if args.family else None))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import sys
 import pandas as pd
 import pytest
 
+from labkit.config import ConfigError
 from labkit.harness import selfcheck
 from labkit.cli import main
 from labkit.hardware import DATA_DIR, cpu_info
@@ -82,6 +83,17 @@ def test_the_budget_leaves_out_what_does_not_fit_and_says_so():
     plan = selfcheck.plan(1e6, "cuda")
     with_gpu_runs = [n for n, f in selfcheck.FAMILIES.items() if any(r.sizes("cuda") for r in f.runs)]
     assert list(plan.runs) == with_gpu_runs and not plan.left
+
+
+def test_family_runs_the_families_asked_for_in_that_order_and_names_the_rest():
+    asked = selfcheck.chosen_families("serving, hardware")
+    plan = selfcheck.plan(1e6, "cuda", families=asked)
+    assert asked == ["serving", "hardware"] and list(plan.runs) == asked
+    assert set(plan.left) == set(selfcheck.FAMILIES) - set(asked)
+    assert all("--family" in why for why in plan.left.values())
+    for bad in ("x", "hardware,hardware", " , "):
+        with pytest.raises(ConfigError, match="hardware, kernels"):
+            selfcheck.chosen_families(bad)
 
 
 def _fake_family(monkeypatch, scripts: dict[str, str]):
@@ -178,7 +190,7 @@ def test_the_h200_record_rechecks_from_its_committed_runs_measuring_nothing(tmp_
             ids = check["run_id"] if isinstance(check["run_id"], list) else [check["run_id"]]
             assert set(ids) <= stored, check
     assert again["env"] == committed["env"] and again["rechecked"]  # the H200's, not this machine's
-    assert {"matmul", "attention", "mixed_precision"} <= {c["experiment"] for c in again["checks"] if c["passed"]}
+    assert {"matmul", "checkpointing", "finetune", "zero"} <= {c["experiment"] for c in again["checks"] if c["passed"]}
 
 
 def test_a_recheck_evaluates_the_stored_rows_again(tmp_path):

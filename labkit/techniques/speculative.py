@@ -17,8 +17,9 @@ matmul shapes, other summation orders), so a near-tie between the top two logits
 low precision. The default `dtype` is float32 on every device, where the differences (~1e-6
 relative) sit far below the logit gaps, and the check is exact: token_agreement = 1 or a
 failure. With `dtype` bfloat16/float16 the check is relaxed: the tokens must agree up to the
-first position where the reference's top-two logit gap is below NEAR_TIE_LOGITS (a near-tie
-that a different kernel may flip), and token_agreement is reported. The draft's precision can
+first position where the reference's top-two logit gap is below
+`labkit.blocks.decoding.NEAR_TIE_LOGITS` (a near-tie that a different kernel may flip), and
+token_agreement is reported. The draft's precision can
 never change the tokens, only the acceptance.
 
 On the `reference` preset the draft is the trained one (`labkit train-reference --draft`,
@@ -41,7 +42,7 @@ import torch
 from labkit.config import MODELS, PRESETS, ConfigError, RunConfig, knob, torch_dtype
 from labkit.blocks import reference as ref
 from labkit.blocks import speculative as spec
-from labkit.blocks.decoding import generate_cached, load_model
+from labkit.blocks.decoding import compare_tokens, generate_cached, load_model, top2_gaps
 from labkit.blocks.model import Decoder, build_model
 from labkit.workload import Comparison, SkipVariant, Workload
 
@@ -55,9 +56,6 @@ CPU_RUNGS = ({"new_tokens": 32}, {"new_tokens": 16, "num_layers": 2},
 # 4096-token model decodes fewer prompts to stay within its minute on 2 cores.
 SIZES = {p: {"batch_size": 1} for p in PRESETS} | {"tiny": {"batch_size": 1, "num_prompts": 1,
                                                              "new_tokens": 64}}
-# bf16 keeps 8 significant bits: logits in [8, 16) are 2^-4 = 0.0625 apart, so a gap of 4 steps
-# is within what a different summation order moves through 4+ layers. Used below float32 only.
-NEAR_TIE_LOGITS = 0.25
 PAIRED_GENERATIONS = 5  # none and the variant, alternately, for the measured speed-up
 PAIRED_FORWARDS = 31  # target and proposal calls, alternately, for the cost ratio c
 
@@ -139,15 +137,6 @@ def decode_all(cfg: Config, target: Decoder, texts: torch.Tensor,
 
 
 @torch.inference_mode()
-def top2_gaps(model: Decoder, texts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(num_prompts, new_tokens): top-1 minus top-2 logit where each generated token was chosen
-    (one teacher-forced forward of prompt + tokens), in fp32."""
-    full = torch.cat([texts, tokens], dim=1)[:, :-1]
-    logits = model(full)[:, texts.shape[1] - 1:].float()  # (N, new_tokens, vocab)
-    top = logits.topk(2, dim=-1).values
-    return top[..., 0] - top[..., 1]
-
-
 # --- the experiment ------------------------------------------------------------------------------
 
 def build(cfg: Config) -> Workload:
@@ -257,21 +246,8 @@ def predictions(stats: spec.SpecStats, c: float, cfg: Config) -> dict[str, float
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
     """The reference's greedy tokens exactly (float32); below float32, exactly up to the first
-    near-tie of the reference's logits (NEAR_TIE_LOGITS), token_agreement reported either way."""
-    ref_tokens, tokens = reference["tokens"], outputs["tokens"]
-    same = ref_tokens == tokens
-    agreement = same.sum().item() / same.numel()  # counted exactly (a CUDA mean can round 1 down)
-    ok = agreement == 1.0
-    if not ok and "top2_gap" in reference:
-        ok = all(_diverges_at_near_tie(row, gap) for row, gap in zip(same, reference["top2_gap"]))
-    message = "" if ok else f"only {100 * agreement:.1f}% of generated tokens agree"
-    return Comparison({"token_agreement": agreement}, ok, message)
-
-
-def _diverges_at_near_tie(same: torch.Tensor, gap: torch.Tensor) -> bool:
-    """One prompt's tokens agree everywhere, or first differ where the reference nearly tied."""
-    wrong = (~same).nonzero()
-    return wrong.numel() == 0 or gap[wrong[0, 0]].item() < NEAR_TIE_LOGITS
+    near-tie of the reference's logits (`compare_tokens`), token_agreement reported either way."""
+    return compare_tokens(reference, outputs, attn_tolerance=0.0)
 
 
 def expected(cfg: Config) -> dict[str, float]:
