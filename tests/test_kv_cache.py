@@ -115,7 +115,7 @@ def test_token_agreement_is_the_share_of_generated_positions_that_match():
     assert same.metrics["token_agreement"] == 1.0 and same.ok
 
 
-def test_below_float32_a_lossless_cache_may_diverge_only_at_a_near_tie_of_the_reference(monkeypatch):
+def test_below_float32_a_lossless_cache_may_diverge_only_at_a_near_tie(monkeypatch):
     # On an H200 in bf16 the dynamic cache's tokens agreed with the recompute's on 9.4% of 256
     # (its one-token steps and the recompute's whole prefix are other kernels). The reference's
     # top-two logit gaps tell a flipped near-tie from a broken cache.
@@ -124,7 +124,7 @@ def test_below_float32_a_lossless_cache_may_diverge_only_at_a_near_tie_of_the_re
     near = {"tokens": torch.tensor([[1, 9, 9, 9], [5, 6, 7, 9]]), "lossy": False}
     result = kv_cache.compare(reference, near, _cfg(dtype="bfloat16"))
     assert result.ok and result.metrics["token_agreement"] == 4 / 8
-    wide = {"tokens": torch.tensor([[1, 2, 9, 9], [5, 6, 7, 8]]), "lossy": False}  # gap 5 at index 2
+    wide = {"tokens": torch.tensor([[1, 2, 9, 9], [5, 6, 7, 8]]), "lossy": False}  # gap 5 at 2
     assert not kv_cache.compare(reference, wide, _cfg(dtype="bfloat16")).ok
     # the reference holds its gaps only below float32, where kernels can flip a near-tie
     seen = {}

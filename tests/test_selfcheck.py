@@ -190,7 +190,8 @@ def test_the_h200_record_rechecks_from_its_committed_runs_measuring_nothing(tmp_
             ids = check["run_id"] if isinstance(check["run_id"], list) else [check["run_id"]]
             assert set(ids) <= stored, check
     assert again["env"] == committed["env"] and again["rechecked"]  # the H200's, not this machine's
-    assert {"matmul", "checkpointing", "finetune", "zero"} <= {c["experiment"] for c in again["checks"] if c["passed"]}
+    passed = {c["experiment"] for c in again["checks"] if c["passed"]}
+    assert {"matmul", "checkpointing", "finetune", "zero"} <= passed
 
 
 def test_a_recheck_evaluates_the_stored_rows_again(tmp_path):
