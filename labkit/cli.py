@@ -142,8 +142,10 @@ def _add_plan_parser(sub) -> None:
                                      "(then only model states are predicted)")
     pl.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per GPU")
     pl.add_argument("--seq-len", type=int, help="tokens per sequence (default: 2048 or the context)")
-    pl.add_argument("--precision", default="mixed", help="fp32, fp16, bf16 or mixed (16-bit "
-                    "weights and gradients, fp32 master weights and optimizer states; default)")
+    pl.add_argument("--precision", default="bf16_weights", help="as the recipe names it: fp32, "
+                    "tf32, bf16 or fp16 (autocast over fp32 weights), bf16_weights (16-bit weights "
+                    "and gradients, fp32 master weights and optimizer states; default), or "
+                    "bf16_pure / fp16_pure (everything in 16 bits)")
     pl.add_argument("--optimizer", default="adamw", help="adam, adamw or sgd (with momentum)")
     pl.add_argument("--optimizer-impl", default="foreach",
                     help="torch's Adam implementation: foreach (CUDA's default), single or fused")

@@ -461,7 +461,7 @@ if cost.empty:
     print('no measured tokens_per_s rows yet: nothing to price')
 else:
     display(viz.readable(cost.drop(columns='run_id')))'''),
-    ("fit", '''fit = views.fit_table(model, precision='bf16', zero_stage=3, checkpointing='full')
+    ("fit", '''fit = views.fit_table(model, precision='bf16_pure', zero_stage=3, checkpointing='full')
 views.fit_figure(fit, title=f'{model}: fewest GPUs that fit').show()
 viz.readable(fit)'''),
     ("reference", '''import json

@@ -78,17 +78,17 @@ def paper_zero_bytes(psi, stage, nd, k=12, w=2):
 def test_zero_stages_reproduce_the_papers_worked_example(stage, expected_gb):
     # 7.5B parameters, Nd = 64, mixed-precision Adam (K = 12): the paper's 120, 31.4, 16.6, 1.9 GB.
     states = sum(planner.zero_model_state_bytes(7_500_000_000, stage=stage, dp=64,
-                                                precision="mixed", optimizer="adam"))
+                                                precision="bf16_weights", optimizer="adam"))
     assert states == pytest.approx(paper_zero_bytes(7.5e9, stage, 64))
     assert round(states / 1e9, 1) == expected_gb
-    plan = planner.training_memory(num_params=7_500_000_000, precision="mixed", optimizer="adam",
+    plan = planner.training_memory(num_params=7_500_000_000, precision="bf16_weights", optimizer="adam",
                                    zero_stage=stage, gpus=64)
     assert plan.model_states_bytes == states
 
 
 @pytest.mark.parametrize("precision,optimizer,k", [
-    ("mixed", "adam", 12), ("mixed", "adamw", 12), ("fp32", "adamw", 8), ("bf16", "adam", 4),
-    ("mixed", "sgd", 8), ("fp32", "sgd", 4)])
+    ("bf16_weights", "adam", 12), ("bf16_weights", "adamw", 12), ("fp32", "adamw", 8),
+    ("bf16_pure", "adam", 4), ("bf16", "adam", 8), ("bf16_weights", "sgd", 8), ("fp32", "sgd", 4)])
 def test_optimizer_bytes_per_parameter(precision, optimizer, k):
     assert planner.optimizer_bytes_per_param(precision, optimizer) == k
     for stage in range(4):
@@ -149,7 +149,7 @@ def test_activation_bytes_of_16_bit_weights():
                      cls=mixed_precision.Config, model=m)
     trainer = mixed_precision.precision_step(cfg)
     measured = ActivationMeter(trainer.model.parameters()).measure(trainer.forward).total_bytes
-    plan = planner.training_memory(m, batch_size=1, seq_len=16, precision="mixed", device="cpu")
+    plan = planner.training_memory(m, batch_size=1, seq_len=16, precision="bf16_weights", device="cpu")
     assert plan.activation_bytes == pytest.approx(measured, rel=0.01)
 
 
@@ -162,7 +162,7 @@ def test_partial_recomputation_keeps_plain_layers_whole():
 
 
 def test_tensor_parallel_splits_all_but_the_norms():
-    m, kw = MODELS["llama-2-7b"], dict(batch_size=1, seq_len=2048, precision="bf16")
+    m, kw = MODELS["llama-2-7b"], dict(batch_size=1, seq_len=2048, precision="bf16_pure")
     one = planner.layer_activation_bytes(m, tp=1, **kw)
     two = planner.layer_activation_bytes(m, tp=2, **kw)
     tokens, d = 2048, m.hidden_size
@@ -189,7 +189,7 @@ PEAK_CASES = [  # (batch, seq, checkpointing, precision, layers, vocab): each mo
     (4, 128, "selective", "fp32", 4, 4096),
     (4, 128, "full", "fp32", 2, 4096),
     (4, 128, "full", "fp32", 2, 512),  # a small vocabulary: the last block's recomputed backward
-    (4, 32, "none", "mixed", 1, 4096),  # 16-bit weights, fp32 master weights (bf16_weights)
+    (4, 32, "none", "bf16_weights", 1, 4096),  # 16-bit weights, fp32 master weights
 ]
 
 
@@ -198,7 +198,7 @@ PEAK_CASES = [  # (batch, seq, checkpointing, precision, layers, vocab): each mo
 def test_predicted_peak_is_within_10_percent_of_the_measured_one(batch, seq, mode, precision, layers,
                                                                   vocab):
     overrides = {"batch_size": batch, "seq_len": seq, "num_layers": layers, "vocab_size": vocab}
-    if precision == "mixed":
+    if precision == "bf16_weights":
         cfg = run_config({**overrides, "variant": "bf16_weights"}, cls=mixed_precision.Config)
         measured = measured_peak(cfg, mode, mixed_precision.precision_step)
     else:
@@ -232,7 +232,7 @@ def test_accumulation_keeps_gradients_through_the_backward():
 
 
 def test_first_pipeline_stage_holds_a_micro_batch_per_stage():
-    m, kw = MODELS["llama-2-7b"], dict(batch_size=1, seq_len=2048, precision="mixed", gpus=4)
+    m, kw = MODELS["llama-2-7b"], dict(batch_size=1, seq_len=2048, precision="bf16_weights", gpus=4)
     plan = planner.training_memory(m, pp=4, **kw)
     layer = planner.training_memory(m, **kw).activation_bytes_per_layer
     rope = 2 * 2048 * m.head_dim * 4

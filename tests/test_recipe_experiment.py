@@ -230,7 +230,7 @@ def test_autocast_activations_and_weight_copies_are_what_the_forward_keeps(model
     torch.manual_seed(0)
     trainer = compose(run_config(model, 1, 32), Recipe(precision="bf16", checkpointing=mode))
     kept = ActivationMeter(trainer.model.parameters()).measure(trainer.forward)
-    plan = planner.training_memory(model, batch_size=1, seq_len=32, precision="bf16_autocast",
+    plan = planner.training_memory(model, batch_size=1, seq_len=32, precision="bf16",
                                    checkpointing=mode, device="cpu")
     assert plan.activation_bytes == pytest.approx(kept.total_bytes, rel=0.01)
     # the casts the backward keeps: every matmul weight's, but in checkpointed blocks the head's
@@ -239,8 +239,8 @@ def test_autocast_activations_and_weight_copies_are_what_the_forward_keeps(model
 
 
 def test_autocast_is_a_case_of_its_own_not_pure_bf16():
-    autocast = planner.training_memory(TINY2, batch_size=2, seq_len=32, precision="bf16_autocast")
-    pure = planner.training_memory(TINY2, batch_size=2, seq_len=32, precision="bf16")
+    autocast = planner.training_memory(TINY2, batch_size=2, seq_len=32, precision="bf16")
+    pure = planner.training_memory(TINY2, batch_size=2, seq_len=32, precision="bf16_pure")
     psi = planner.num_params(TINY2)
     assert (autocast.param_bytes, autocast.grad_bytes, autocast.optimizer_bytes) == (4 * psi, 4 * psi, 8 * psi)
     assert (pure.param_bytes, pure.optimizer_bytes) == (2 * psi, 4 * psi)
@@ -268,7 +268,7 @@ PEAKS = [  # (batch, seq, checkpointing, micro-batches): each phase of an autoca
 def test_autocast_peak_is_within_10_percent_of_the_measured_one(batch, seq, mode, micro):
     measured = measured_peak(run_config(TINY2, batch, seq),
                              Recipe(precision="bf16", checkpointing=mode, micro_batches=micro))
-    plan = planner.training_memory(TINY2, batch_size=batch, seq_len=seq, precision="bf16_autocast",
+    plan = planner.training_memory(TINY2, batch_size=batch, seq_len=seq, precision="bf16",
                                    checkpointing=mode, accumulation_steps=micro, device="cpu")
     print(f"bf16 autocast b={batch} s={seq} {mode} x{micro}: measured {measured} predicted "
           f"{plan.total_bytes} ({plan.peak_phase})")
@@ -297,12 +297,12 @@ def test_fsdp2_bf16_gathers_in_bf16_over_fp32_shards():
     kw = dict(batch_size=2, seq_len=32, zero_stage=2, gpus=2, device="cpu", fsdp2=True)
     psi, half = planner.num_params(TINY2), -(-planner.num_params(TINY2) // 2)
     fp32 = planner.training_memory(TINY2, precision="fp32", **kw)
-    bf16 = planner.training_memory(TINY2, precision="bf16_fsdp", **kw)
+    bf16 = planner.training_memory(TINY2, precision="bf16", **kw)
     assert (bf16.param_bytes, bf16.grad_bytes, bf16.optimizer_bytes) == (4 * half, 4 * half, 8 * half)
     assert (bf16.gathered_bytes, fp32.gathered_bytes) == (2 * psi, 4 * psi)
     assert bf16.kept_weight_copy_bytes == 0 and bf16.activation_bytes < fp32.activation_bytes
     # ZeRO-3's working buffers: the gathered units in bf16, the reduce-scatter input in fp32
-    run, stage = planner._resolve(TINY2, precision="bf16_fsdp", **{**kw, "zero_stage": 3}), \
+    run, stage = planner._resolve(TINY2, precision="bf16", **{**kw, "zero_stage": 3}), \
         planner.stage_params(TINY2, tp=1, pp=1, first=True, last=True)
     root, layer = _fsdp2_units(run)
     assert planner._zero_buffers(run, stage, True, False, 1) == 2 * (root + layer) + 4 * layer

@@ -37,7 +37,7 @@ def test_changing_a_knob_changes_the_plan_and_the_verdict_as_the_planner_says():
     assert panel.plan.total_bytes == plain.total_bytes and panel.error is None
     # bf16 (FSDP2's mixed-precision policy under ZeRO-2), full recomputation, 2 micro-batches of 4
     panel.set(**RECIPE)
-    composed = planned_small(batch_size=4, accumulation_steps=2, precision="bf16_fsdp",
+    composed = planned_small(batch_size=4, accumulation_steps=2, precision="bf16",
                              checkpointing="full", zero_stage=2, fsdp2=True)
     assert panel.plan.total_bytes == composed.total_bytes < plain.total_bytes
     assert list(panel.plan_table()["bytes"])[-1] == composed.total_bytes

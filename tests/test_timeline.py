@@ -175,12 +175,11 @@ def test_a_recipe_without_a_planner_case_is_drawn_without_a_line(frame):
     assert "no prediction" in fig.layout.annotations[0].text
 
 
-def test_autocast_has_a_prediction_only_once_the_planner_has_its_case():
-    kwargs, note = planner_kwargs(config(), Recipe(precision="bf16"))
-    if kwargs is None:
-        assert "autocast" in note
-    else:
-        assert kwargs["precision"] in planner.PRECISIONS and kwargs["precision"] != "bf16"
+def test_autocast_is_planned_as_autocast_in_the_recipes_own_words():
+    kwargs, _ = planner_kwargs(config(), Recipe(precision="bf16"))
+    assert kwargs["precision"] == "bf16"  # one vocabulary: no translation on the way
+    used = planner.precision_bytes(kwargs["precision"])
+    assert (used.weight, used.cast, used.act) == (4, 2, 2)  # fp32 weights, 16-bit casts, not pure
 
 
 def test_bad_input_is_one_line():

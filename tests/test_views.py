@@ -96,7 +96,7 @@ def test_no_runs_yet_gives_empty_tables(tmp_path):
 
 
 def test_fit_table_picks_the_fewest_gpus_the_planner_allows():
-    settings = dict(model="llama-2-7b", precision="bf16", zero_stage=3, checkpointing="full")
+    settings = dict(model="llama-2-7b", precision="bf16_pure", zero_stage=3, checkpointing="full")
     table = views.fit_table(**settings).set_index("gpu")
     per_gpu = {n: planner.plan_report(**settings, gpus=n)["per_gpu"]["total_bytes"] for n in views.GPU_COUNTS}
     for name in ("GeForce RTX 4090", "H100 SXM5 80GB", "A100 SXM4 40GB"):
@@ -105,7 +105,7 @@ def test_fit_table_picks_the_fewest_gpus_the_planner_allows():
         assert per_gpu[n] <= memory and all(per_gpu[k] > memory for k in views.GPU_COUNTS if k < n)
         assert row["predicted_gib_per_gpu"] == round(per_gpu[n] / 2**30, 2)
         assert row["headroom_gib"] == round((memory - per_gpu[n]) / 2**30, 2)
-    assert table.loc["GeForce RTX 4090", "num_gpus"] > 1  # 7B in bf16 needs more than one 24 GB
+    assert table.loc["GeForce RTX 4090", "num_gpus"] > 1  # 7B in pure bf16 needs more than one 24 GB
     assert table.loc["H100 SXM5 80GB", "num_gpus"] == 1  # and fits on one 80 GB
 
 

@@ -23,14 +23,6 @@ from labkit.blocks.training import Trainer
 from labkit.config import ConfigError, RunConfig, check_choice
 
 OFFLOADS = ("none", "activations", "optimizer", "both")
-# The planner's case for each precision: autocast keeps fp32 model states (`*_autocast`);
-# bf16_weights is its "mixed" (16-bit weights and gradients, fp32 master weights and AdamW);
-# TF32 changes no byte.
-PLANNER_PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16_autocast",
-                     "fp16": "fp16_autocast", "bf16_weights": "mixed"}
-# ... and under FSDP2 (ZeRO-2 and 3), where its mixed-precision policy replaces autocast
-# (`compose`, step 1)
-PLANNER_PRECISION_FSDP = {**PLANNER_PRECISION, "bf16": "bf16_fsdp"}
 # The recipe's knobs in the order compose applies them (its steps 1 to 8): the ladder's order too
 ORDER = ("precision", "finetune", "tensor_parallel", "checkpointing", "compile", "zero_stage",
          "micro_batches", "offload")
@@ -268,10 +260,9 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
         return None, f"the planner has no case for checkpointing={recipe.checkpointing}"
     layout = Layout.of(recipe, world, cfg.device)
     stage = recipe.zero_stage if layout.dp_enabled else 0
-    table = PLANNER_PRECISION_FSDP if mixed_precision_policy(recipe, layout) else PLANNER_PRECISION
-    precision = table[recipe.precision]
-    return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, precision=precision, optimizer="adamw",
-                zero_stage=stage, gpus=layout.world, tp=layout.tp,
+    # the planner's precisions are the recipe's (bf16 on FSDP2's sharded stages is its policy)
+    return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, precision=recipe.precision,
+                optimizer="adamw", zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
                 accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=stage >= 2), ""
 

@@ -37,10 +37,11 @@ from labkit.planner.model import (LocalShape, StageParams, adamw_state_bytes, at
                                   generate_flops, layer_params, local_shape, num_params,
                                   param_bytes, stage_params, stage_tensors, train_step_flops)
 from labkit.planner.plan import CHECKPOINTING, OPTIMIZER_IMPLS, ZERO_STAGES, MemoryPlan
-from labkit.planner.precision import (DTYPE_OF, OPTIMIZERS, PRECISION_BYTES, PRECISIONS,
-                                      PrecisionBytes, optimizer_bytes_per_param)
+from labkit.planner.precision import (DTYPE_OF, FSDP2_BF16, OPTIMIZERS, PRECISION_BYTES,
+                                      PRECISIONS, PrecisionBytes, optimizer_bytes_per_param,
+                                      precision_bytes)
 from labkit.planner.report import GIB, plan_report
-from labkit.planner.search import SEARCH, Recommendation, recommend
+from labkit.planner.search import RECOMMENDED_PRECISIONS, SEARCH, Recommendation, recommend
 from labkit.planner.sharding import fsdp2_all_gather_bytes, root_unit_params, zero_model_state_bytes
 from labkit.planner.training import training_memory
 
@@ -51,17 +52,17 @@ from labkit.planner.plan import _resolve  # noqa: F401
 from labkit.planner.sharding import _zero_buffers  # noqa: F401
 
 __all__ = ["CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_CHECKPOINTING",
-           "FINETUNE_METHODS", "GIB", "LORA_MODULES", "LORA_TARGET_ALIASES", "LORA_TARGET_NAMES",
-           "LocalShape", "MemoryPlan", "NF4_BLOCK_SIZE", "NF4_SCALER_BLOCKS", "OPTIMIZERS",
-           "OPTIMIZER_IMPLS", "PRECISIONS", "PRECISION_BYTES", "PRESETS", "PrecisionBytes",
-           "Recommendation", "SEARCH", "StageParams", "ZERO_STAGES", "adamw_state_bytes",
-           "attention_flops", "block_linear_params", "block_tensors", "check_tp",
-           "finetune_compute_dtype", "finetune_frontier", "finetune_memory", "forward_flops",
-           "fsdp2_all_gather_bytes", "generate_flops", "inference_memory",
-           "korthikanti_activation_bytes", "kv_bytes_per_token", "kv_cache_bytes",
-           "layer_activation_bytes", "layer_params", "linear_shapes", "linear_weight_bytes",
-           "local_shape", "lora_module_names", "nf4_bytes", "nf4_dequant_bytes",
-           "nf4_scaler_block", "num_params", "optimizer_bytes_per_param", "param_bytes",
-           "parse_lora_targets", "plan_report", "recommend", "root_unit_params", "stage_params",
-           "stage_tensors", "train_step_flops", "trainable_params", "training_memory",
-           "zero_model_state_bytes"]
+           "FINETUNE_METHODS", "FSDP2_BF16", "GIB", "LORA_MODULES", "LORA_TARGET_ALIASES",
+           "LORA_TARGET_NAMES", "LocalShape", "MemoryPlan", "NF4_BLOCK_SIZE", "NF4_SCALER_BLOCKS",
+           "OPTIMIZERS", "OPTIMIZER_IMPLS", "PRECISIONS", "PRECISION_BYTES", "PRESETS",
+           "PrecisionBytes", "RECOMMENDED_PRECISIONS", "Recommendation", "SEARCH", "StageParams",
+           "ZERO_STAGES", "adamw_state_bytes", "attention_flops", "block_linear_params",
+           "block_tensors", "check_tp", "finetune_compute_dtype", "finetune_frontier",
+           "finetune_memory", "forward_flops", "fsdp2_all_gather_bytes", "generate_flops",
+           "inference_memory", "korthikanti_activation_bytes", "kv_bytes_per_token",
+           "kv_cache_bytes", "layer_activation_bytes", "layer_params", "linear_shapes",
+           "linear_weight_bytes", "local_shape", "lora_module_names", "nf4_bytes",
+           "nf4_dequant_bytes", "nf4_scaler_block", "num_params", "optimizer_bytes_per_param",
+           "param_bytes", "parse_lora_targets", "plan_report", "precision_bytes", "recommend",
+           "root_unit_params", "stage_params", "stage_tensors", "train_step_flops",
+           "trainable_params", "training_memory", "zero_model_state_bytes"]

@@ -26,6 +26,7 @@ from labkit.planner.activations import _attention_bytes, _embedding_side_bytes
 from labkit.planner.model import block_linear_params, local_shape
 from labkit.planner.model import num_params as _count_params
 from labkit.planner.plan import MemoryPlan, _positive, _resolve, _Run
+from labkit.planner.precision import DTYPE_OF
 from labkit.planner.sharding import _fsdp2_units
 from labkit.planner.training import training_memory
 
@@ -170,13 +171,13 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
     (`_lora_layer_bytes`); qlora's dequantization buffer (`nf4_dequant_bytes`, the largest
     linear) at the backward's peak. checkpointing: none or full (each block keeps its input)."""
     check_choice("finetune method", method, FINETUNE_METHODS)
-    precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[_dtype_name(compute_dtype)]
+    precision = {"float32": "fp32", "bfloat16": "bf16_pure", "float16": "fp16_pure"}[_dtype_name(compute_dtype)]
     if method == "full":
         plan = training_memory(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                checkpointing=checkpointing, device=device, zero_stage=zero_stage,
                                gpus=gpus, fsdp2=zero_stage >= 2)
         return dataclasses.replace(plan, trainable_params=plan.num_params,
-                                   linear_weight_bytes=linear_weight_bytes(m, "full", compute_dtype=precision))
+                                   linear_weight_bytes=linear_weight_bytes(m, "full", compute_dtype=DTYPE_OF[precision]))
     check_choice("checkpointing (fine-tuning)", checkpointing, FINETUNE_CHECKPOINTING)
     r = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                  checkpointing=checkpointing, device=device, zero_stage=zero_stage, gpus=gpus,
@@ -205,7 +206,7 @@ def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int,
     formulas = {"optimizer": f"AdamW's m + v of the adapters / {dp} ranks (ZeRO-{r.zero_stage}), "
                              "+ 4 per adapter tensor (its step, on every rank)"}
     if r.zero_stage >= 2:
-        linears = linear_weight_bytes(m, method, compute_dtype=r.precision)
+        linears = linear_weight_bytes(m, method, compute_dtype=DTYPE_OF[r.precision])
         elems = m.num_layers * block_linear_params(m, biases=False)
         dense = (r.num_params - elems) * w + w * trainable + (linears if method == "lora" else 0)
         root = w * _fsdp2_units(r)[0]
@@ -253,13 +254,13 @@ def _phased(plan: MemoryPlan, *, forward_gathers: int = 0, backward_temporaries:
 def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, trainable: int) -> MemoryPlan:
     """The terms of a (Q)LoRA step and its two phases (see `finetune_memory`)."""
     m, w, tokens = r.m, r.prec.weight, r.batch_size * r.seq_len
-    linears = linear_weight_bytes(m, method, compute_dtype=r.precision)
+    linears = linear_weight_bytes(m, method, compute_dtype=DTYPE_OF[r.precision])
     elems = m.num_layers * block_linear_params(m, biases=False)
     param = (r.num_params - elems) * w + linears + w * trainable
     # AdamW's m and v in the adapters' dtype, and its fp32 step counter per tensor (A and B)
     grad, opt = w * trainable, 2 * w * trainable + 4 * 2 * len(targets) * m.num_layers
     act, per_layer = _lora_activations(r, targets, rank)
-    dequant = max(nf4_dequant_bytes(o, i, dtype=r.precision) for o, i in linear_shapes(m).values()) \
+    dequant = max(nf4_dequant_bytes(o, i, dtype=DTYPE_OF[r.precision]) for o, i in linear_shapes(m).values()) \
         if method == "qlora" else 0
     # under full checkpointing a block's backward first recomputes its forward: what the block
     # keeps without checkpointing is held again, one block at a time

@@ -9,7 +9,7 @@ from labkit import hardware
 from labkit.config import ConfigError, ModelConfig, check_choice
 from labkit.planner.model import LocalShape, check_tp, local_shape
 from labkit.planner.model import num_params as _count_params  # `num_params` is also a keyword here
-from labkit.planner.precision import OPTIMIZERS, PRECISION_BYTES, PRECISIONS, PrecisionBytes
+from labkit.planner.precision import OPTIMIZERS, PRECISIONS, PrecisionBytes, precision_bytes
 
 CHECKPOINTING = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -106,7 +106,7 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
     device = device or hardware.default_device()
     impl = optimizer_impl or ("single" if device.startswith("cpu") else "foreach")
     check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
-    p = PRECISION_BYTES[precision]
+    p = precision_bytes(precision, fsdp2_sharded=fsdp2 and zero_stage >= 2 and gpus // (tp * pp) > 1)
     return _Run(m=m, num_params=psi, batch_size=batch_size, seq_len=seq_len, precision=precision,
                 prec=p, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
                 dp=gpus // (tp * pp), checkpointing=checkpointing,

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from labkit.config import check_choice
 
-PRECISIONS = ("fp32", "fp16", "bf16", "mixed", "bf16_autocast", "fp16_autocast", "bf16_fsdp")
+# One vocabulary with the recipe (`labkit run recipe --set precision=...`), the mixed-precision
+# experiment, the ladder and the panel: what runs is named as it is planned.
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16_weights", "bf16_pure", "fp16_pure")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
@@ -39,33 +41,43 @@ class PrecisionBytes:
         return 4 if self.cast else self.act
 
 
+_FP32 = PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=4)
+# Autocast (torch.autocast) over fp32 weights, fp32 gradients and fp32 AdamW: the matmuls'
+# inputs and outputs (and SDPA's) in 16 bits, the residual stream and the norms in fp32, and
+# a cached 16-bit copy of every matmul weight (`_weight_casts`).
+_AUTOCAST = PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2)
+# Pure 16-bit: weights, gradients and optimizer moments all in 16 bits, no master copy.
+_PURE = PrecisionBytes(weight=2, grad=2, moment=2, master=0, act=2)
 PRECISION_BYTES = {
-    "fp32": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=4),
-    # Pure 16-bit: weights, gradients and optimizer moments all in 16 bits, no master copy.
-    "fp16": PrecisionBytes(weight=2, grad=2, moment=2, master=0, act=2),
-    "bf16": PrecisionBytes(weight=2, grad=2, moment=2, master=0, act=2),
+    "fp32": _FP32,
+    "tf32": _FP32,  # fp32 tensors; only the matmuls' inputs are rounded (to 10-bit mantissas)
+    "bf16": _AUTOCAST,
+    "fp16": _AUTOCAST,  # with a GradScaler, which holds no tensor of the model's size
     # ZeRO's mixed precision: 16-bit weights and gradients, fp32 master weights and moments:
     # 2 + 2 + K with K = 12 for Adam (master 4 + m 4 + v 4), 16 bytes per parameter.
-    "mixed": PrecisionBytes(weight=2, grad=2, moment=4, master=4, act=2),
-    # Autocast (torch.autocast) over fp32 weights, fp32 gradients and fp32 AdamW: the matmuls'
-    # inputs and outputs (and SDPA's) in 16 bits, the residual stream and the norms in fp32, and
-    # a cached 16-bit copy of every matmul weight (`_weight_casts`). Not "bf16": that is pure
-    # 16-bit training.
-    "bf16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
-    "fp16_autocast": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, cast=2),
-    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), in place of autocast:
-    # fp32 shards, gradient shards and AdamW; each unit gathered in bf16, its forward, backward
-    # and whole gradients in bf16, reduced in fp32. FSDP2 only: compose applies it under ZeRO-2
-    # and 3.
-    "bf16_fsdp": PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, unsharded=2),
+    "bf16_weights": PrecisionBytes(weight=2, grad=2, moment=4, master=4, act=2),
+    "bf16_pure": _PURE,
+    "fp16_pure": _PURE,
 }
-DTYPE_OF = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "mixed": "bfloat16",
-            "bf16_autocast": "bfloat16", "fp16_autocast": "float16", "bf16_fsdp": "bfloat16"}
+# bf16 under FSDP2 (ZeRO-2 and 3) is its MixedPrecisionPolicy(param_dtype=bf16,
+# reduce_dtype=fp32) in place of autocast (`compose`, step 1): fp32 shards, gradient shards and
+# AdamW; each unit gathered in bf16, its forward, backward and whole gradients in bf16, reduced
+# in fp32 (`precision_bytes`).
+FSDP2_BF16 = PrecisionBytes(weight=4, grad=4, moment=4, master=0, act=2, unsharded=2)
+DTYPE_OF = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "bf16_weights": "bfloat16", "bf16_pure": "bfloat16", "fp16_pure": "float16"}
+
+
+def precision_bytes(precision: str, *, fsdp2_sharded: bool = False) -> PrecisionBytes:
+    """The bytes of `precision` (one of PRECISIONS) as the step runs it: bf16 on FSDP2's
+    sharded stages is its mixed-precision policy (FSDP2_BF16), elsewhere autocast."""
+    check_choice("precision", precision, PRECISIONS)
+    return FSDP2_BF16 if precision == "bf16" and fsdp2_sharded else PRECISION_BYTES[precision]
 
 
 def optimizer_bytes_per_param(precision: str, optimizer: str) -> int:
     """K in ZeRO's notation: the optimizer's bytes per parameter. Adam/AdamW keep two moments
-    (m, v); SGD with momentum keeps one buffer; a mixed-precision recipe adds the fp32 master copy.
+    (m, v); SGD with momentum keeps one buffer; bf16_weights adds the fp32 master copy.
     (K = 12 for mixed-precision Adam, as in the ZeRO paper.)"""
     p = PRECISION_BYTES[check_choice("precision", precision, PRECISIONS)]
     moments = 1 if check_choice("optimizer", optimizer, OPTIMIZERS) == "sgd" else 2

@@ -20,7 +20,7 @@ GIB = 2**30
 
 
 def plan_report(*, model: str | ModelConfig | None = None, params: float | str | None = None,
-                batch_size: int = 1, seq_len: int | None = None, precision: str = "mixed",
+                batch_size: int = 1, seq_len: int | None = None, precision: str = "bf16_weights",
                 optimizer: str = "adamw", optimizer_impl: str = "foreach", zero_stage: int = 0,
                 tp: int = 1, pp: int = 1, gpus: int | None = None, gpu_mem_gib: float = 80.0,
                 checkpointing: str = "none", effective_batch: int | None = None,
@@ -87,7 +87,7 @@ def _finetune_settings(m: ModelConfig | None, method: str, precision: str, rank:
     parsed = parse_lora_targets(targets)
     if method != "full":
         lora_module_names(m, parsed)
-    dtype = "fp32" if precision == "fp32" else "fp16" if precision.startswith("fp16") else "bf16"
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[DTYPE_OF[precision]]
     return {"method": method, "lora_rank": rank, "lora_alpha": alpha, "lora_targets": list(parsed),
             "lora_modules": lora_module_names(m, parsed) if method != "full" else [],
             "compute_dtype": dtype, "adapter_dtype": dtype, "nf4_block_size": NF4_BLOCK_SIZE}

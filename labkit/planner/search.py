@@ -15,9 +15,11 @@ from labkit.planner.training import training_memory
 # before full (a whole extra forward). The recipe panel's search takes the same order.
 SEARCH = tuple((ckpt, zero) for ckpt in CHECKPOINTING for zero in (0, 1, 2)) + \
     tuple((ckpt, 3) for ckpt in CHECKPOINTING)
-# mixed first (fp32 master weights: the standard recipe); pure bf16 halves the optimizer state
-# at some cost in accuracy, so it is the fallback.
-_RECOMMENDED_PRECISIONS = ("mixed", "bf16")
+# In the recipe's words: bf16 autocast first (what `labkit run recipe` and most trainers run),
+# then bf16_weights (16-bit weights and gradients with fp32 master copies: no cached casts, all
+# activations in 16 bits); bf16_pure halves the optimizer state at some cost in accuracy and is
+# no recipe of labkit's, so it is the last resort. The recipe panel searches the first two.
+RECOMMENDED_PRECISIONS = ("bf16", "bf16_weights", "bf16_pure")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def recommend(m: ModelConfig | None = None, *, num_params: int | None = None,
     kw = dict(num_params=num_params, seq_len=seq_len, optimizer=optimizer, tp=tp, pp=pp,
               gpus=gpus, device=device, optimizer_impl=optimizer_impl)
     smallest = None
-    for precision in _RECOMMENDED_PRECISIONS:
+    for precision in RECOMMENDED_PRECISIONS:
         for ckpt, zero in SEARCH:
             if zero and dp == 1 or ckpt != "none" and m is None:
                 continue  # ZeRO needs data parallelism; recomputation needs a shape

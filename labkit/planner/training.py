@@ -48,8 +48,8 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
     `optimizer_impl` overrides it ("fused": none). With only `num_params` (no shape), the model
     states and the optimizer step are predicted, split evenly over tp x pp.
 
-    `precision` bf16_autocast / fp16_autocast: autocast over fp32 weights, fp32 gradients and
-    fp32 AdamW (not "bf16", pure 16-bit training): the matmuls' activations in 16 bits, the
+    `precision` bf16 / fp16: autocast over fp32 weights, fp32 gradients and fp32 AdamW (not
+    bf16_pure, pure 16-bit training): the matmuls' activations in 16 bits, the
     residual stream and the norms in fp32, and autocast's cached 16-bit weight copies
     (`weight_copy_bytes`): all of them at the end of the forward, a third phase ("forward"),
     and those the backward keeps at its start. `fsdp2`: ZeRO stage 2 as FSDP2 builds it

@@ -25,7 +25,6 @@ import torch
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, RunConfig, knob
-from labkit.blocks.recipe import PLANNER_PRECISION
 from labkit.blocks.training import Trainer
 from labkit.blocks.transforms import (AUTOCAST, PRECISION_TOLERANCE, apply_precision, compute_dtype,
                                      weights_dtype)
@@ -152,7 +151,7 @@ def expected(cfg: Config) -> dict[str, float]:
         step_s = flops / (peak * 1e12)
         out.update(tflops=peak, step_ms=step_s * 1e3, tokens_per_s=cfg.batch_size * cfg.seq_len / step_s)
     plan = planner.training_memory(m, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                                   precision=PLANNER_PRECISION[cfg.variant], device=cfg.device)
+                                   precision=cfg.variant, device=cfg.device)
     out.update(peak_mem_bytes=plan.total_bytes, activation_bytes=plan.activation_bytes)
     return out
 

@@ -49,10 +49,11 @@ TERMS = ("param", "gathered", "grad", "optimizer", "activation", "weight_copy", 
 LABELS = {"param": "parameters", "gathered": "gathered parameters (FSDP2)", "grad": "gradients",
           "optimizer": "optimizer states", "activation": "activations",
           "weight_copy": "autocast weight casts", "overhead": "temporaries"}
-# After the chosen precision: bf16 (autocast, or FSDP2's policy under ZeRO-2/3: fp32 weights and
+# After the chosen precision, the planner's own order (`planner.RECOMMENDED_PRECISIONS`) of those
+# the recipe experiment runs: bf16 (autocast, or FSDP2's policy under ZeRO-2/3: fp32 weights and
 # AdamW, 16-bit matmuls), then bf16 weights with fp32 master copies (no cached casts, 16-bit
 # gradients).
-FALLBACK_PRECISIONS = ("bf16", "bf16_weights")
+FALLBACK_PRECISIONS = tuple(p for p in planner.RECOMMENDED_PRECISIONS if p in experiment.PRECISIONS)
 
 
 def gib(n: float) -> str:
@@ -251,7 +252,7 @@ def recommend(cfg: experiment.Config, memory_bytes: int) -> Recommended:
     the chosen precision first, then FALLBACK_PRECISIONS; in each, the (checkpointing, ZeRO stage)
     pairs in planner.recommend's order (`planner.SEARCH`), each at the fewest micro-batches that
     fit (accumulation adds no FLOPs). When none fits, planner.recommend's answer, which also
-    tries pure bf16 (16-bit AdamW states), a training the recipe experiment does not run."""
+    tries bf16_pure (16-bit AdamW states), a training the recipe experiment does not run."""
     precisions = dict.fromkeys((cfg.precision,) + FALLBACK_PRECISIONS)
     splits = [k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % k == 0]
     tried = 0
@@ -292,9 +293,9 @@ def planner_recommendation(cfg: experiment.Config, memory_bytes: int, tried: int
                "accumulation_steps": rec.accumulation_steps}
     return Recommended(changes, rec.total_bytes, rec.fits, "planner.recommend",
                        f"none of the {tried} recipes the experiment runs fits; {rec.reason} "
-                       "(the planner's precisions: mixed = bf16_weights, bf16 = pure bf16 with "
-                       "16-bit AdamW states; its ZeRO-2 keeps whole 16-bit weights, the recipe's "
-                       "zero2 is FSDP2's)")
+                       "(the planner's bf16_pure keeps 16-bit AdamW states, which the experiment "
+                       "does not run; its ZeRO-2 keeps whole weights, the recipe's zero2 is "
+                       "FSDP2's)")
 
 
 def recommendation_line(rec: Recommended) -> str:

@@ -254,7 +254,7 @@ def _cost_row(r: Any, gpu_price: float | None, num_gpus: int, cpu_price: float |
 
 # --- 3. Hardware fit -------------------------------------------------------------------------------
 
-def fit_table(model: str = "llama-2-7b", *, precision: str = "bf16", zero_stage: int = 3,
+def fit_table(model: str = "llama-2-7b", *, precision: str = "bf16_pure", zero_stage: int = 3,
               checkpointing: str = "full", tp: int = 1, pp: int = 1, batch_size: int = 1,
               seq_len: int | None = None, optimizer: str = "adamw",
               gpu_counts: tuple[int, ...] = GPU_COUNTS) -> pd.DataFrame:
@@ -371,7 +371,7 @@ def fit_panel(model: str = "llama-2-7b") -> Any:
     style = {"style": {"description_width": "initial"}}
     controls = {
         "model": W.Dropdown(options=list(PRESETS), value=model, description="model", **style),
-        "precision": W.Dropdown(options=list(planner.PRECISIONS), value="bf16", description="precision",
+        "precision": W.Dropdown(options=list(planner.PRECISIONS), value="bf16_pure", description="precision",
                                 **style),
         "zero_stage": W.Dropdown(options=list(planner.ZERO_STAGES), value=3, description="ZeRO", **style),
         "checkpointing": W.Dropdown(options=list(planner.CHECKPOINTING), value="full",

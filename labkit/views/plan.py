@@ -170,12 +170,12 @@ def summary_row(label: str, report: dict) -> dict:
 # Each step changes one thing from the one before; the planner's recommendation comes last.
 WORKED_STEPS = (
     ("fp32", {"precision": "fp32"}),
-    ("mixed precision", {"precision": "mixed"}),
+    ("bf16 weights, fp32 master copies", {"precision": "bf16_weights"}),
     ("+ full checkpointing", {"checkpointing": "full"}),
     ("+ ZeRO-1 (optimizer states)", {"zero_stage": 1}),
     ("+ ZeRO-2 (+ gradients)", {"zero_stage": 2}),
     ("+ ZeRO-3 (+ parameters)", {"zero_stage": 3}),
-    ("pure bf16 (8 B/param)", {"precision": "bf16"}),
+    ("pure bf16 (8 B/param)", {"precision": "bf16_pure"}),
     ("smaller micro-batch", {"batch_size": 6}),
     ("smaller micro-batch", {"batch_size": 4}),
 )
@@ -320,7 +320,7 @@ def build_plan_panel(**defaults: Any) -> Any:
 
 def _plan_controls(W, defaults: dict) -> dict:
     """One widget per input of `plan_report`, filled with `defaults`."""
-    d = {"model": "llama-2-7b", "batch_size": 1, "seq_len": 2048, "precision": "mixed",
+    d = {"model": "llama-2-7b", "batch_size": 1, "seq_len": 2048, "precision": "bf16_weights",
          "optimizer": "adamw", "zero_stage": 0, "tp": 1, "pp": 1, "gpus": 4, "gpu_mem_gib": 24.0,
          "checkpointing": "none", "effective_batch": 32, **defaults}
     label = {"style": {"description_width": "initial"}}
