@@ -84,7 +84,7 @@ def test_peak_memory_falls_with_every_split(rows):
     for variant in VARIANTS[1:]:
         assert value(rows, variant, "peak_mem_bytes", 0)["value"] < single["value"]
     # 1-D FSDP2 is the planner's ZeRO-3 as FSDP2 builds it, within 5% on every rank (the tp
-    # layouts hold the whole-vocabulary logits beside it, which their row note names)
+    # layouts hold whole-vocabulary tensors beside it, which their row note names)
     for rank in range(N):
         fsdp = value(rows, "fsdp", "peak_mem_bytes", rank)
         assert fsdp["predicted"] <= fsdp["value"] <= 1.05 * fsdp["predicted"], fsdp

@@ -190,11 +190,14 @@ def expected(cfg: Config) -> dict[str, float]:
             "loss_abs_diff": 0.0, "grad_max_rel_diff": 0.0}
 
 
-# what tensor parallelism's peak holds beyond the planner's split (a snapshot of the live tensors
-# at the peak: three whole-vocabulary fp32 tensors of the batch on every rank)
-TP_LOGITS = ("; and the head's logits, gathered to the whole vocabulary on every tp rank (no loss "
-             "parallelism): at the loss's backward the logits and two gradients of them, "
-             "3·b·s·V·4 bytes, which the planner splits over tp.")
+# what tensor parallelism's peak holds beyond the planner's split (snapshots of the live tensors
+# at the peak, rank 0: at the tests' sizes the largest is the embedding's whole gradient, 4 MiB of
+# the tp layout's 15.8 MB and the fsdp_tp layout's 23.6 MB)
+TP_WHOLE_VOCAB = ("; and what tensor parallelism makes whole on every tp rank: the embedding's "
+                  "gradient ([V, d] fp32, made by the embedding's backward before the rank keeps "
+                  "its rows) at the backward's end, and the head's logits, gathered to the whole "
+                  "vocabulary (no loss parallelism), with two gradients of them at the loss's "
+                  "backward; the planner splits both over tp.")
 
 
 def notes(cfg: Config) -> dict[str, str]:
@@ -207,4 +210,4 @@ def notes(cfg: Config) -> dict[str, str]:
             "peak_mem_bytes": "predicted: planner.training_memory, ZeRO-3 over dp as FSDP2 "
                               "builds it (fsdp2) and Megatron's split over tp. Not in it: "
                               "FSDP2's reduce-scatter buffers (a few percent)"
-                              + (TP_LOGITS if tp > 1 else ".")}
+                              + (TP_WHOLE_VOCAB if tp > 1 else ".")}
