@@ -45,7 +45,7 @@ def test_fp16_accumulation_scales_every_micro_batch_loss():
     Unscaling then divides the other micro-batches' gradients by the scale (2**16), so the
     step's gradient is nearly the last micro-batch's alone. The unscaled gradients at the update
     must be the plain fp32 step's on the same two sequences, within fp16's tolerance."""
-    trainer = compose(train_config(), Recipe(precision="fp16", micro_batches=2))
+    trainer = compose(train_config(batch_size=2), Recipe(precision="fp16", micro_batches=2))
     assert trainer.sizes == [1, 1] and trainer.scaler.get_scale() > 1  # two micro-batches, scaled
     unscaled = []
     trainer.grad_hooks.append(lambda s: unscaled.append(host_grads(s)))

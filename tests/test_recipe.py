@@ -92,10 +92,10 @@ def test_the_empty_recipe_is_bitwise_the_plain_trainer():
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_accumulating_k_micro_batches_is_one_batch_of_k_times_b(k):
-    cfg = config(batch_size=2)
+    cfg = config(batch_size=2 * k)  # the step's batch, split into k micro-batches of 2
     trainer = compose(cfg, Recipe(micro_batches=k))
     assert trainer.sizes == [2] * k and len(trainer.inputs) == 2 * k
-    got, ref = one_step(trainer), one_step(Trainer(cfg, batch_size=2 * k))
+    got, ref = one_step(trainer), one_step(Trainer(cfg))
     max_abs, max_rel = gradient_difference(ref["grads"], got["grads"])
     assert max_rel <= FP32_ROUNDING and got["loss"] == pytest.approx(ref["loss"], rel=FP32_ROUNDING)
 
@@ -125,11 +125,12 @@ def test_activation_offload_is_bitwise_and_sends_the_activations_to_the_host():
 
 def test_bf16_checkpointing_and_accumulation_stay_within_bf16_tolerance_of_fp32():
     ref = plain(2)
-    got = one_step(compose(config(), Recipe(precision="bf16", checkpointing="full", micro_batches=2)))
+    got = one_step(compose(config(batch_size=2), Recipe(precision="bf16", checkpointing="full",
+                                                        micro_batches=2)))
     assert abs(got["loss"] - ref["loss"]) / abs(ref["loss"]) <= TOLERANCE["bf16"]
     assert gradient_difference(ref["grads"], got["grads"])[1] > 0  # autocast did run in bf16
     # checkpointing recomputes the same bf16 forward: bitwise the same result without it
-    same = one_step(compose(config(), Recipe(precision="bf16", micro_batches=2)))
+    same = one_step(compose(config(batch_size=2), Recipe(precision="bf16", micro_batches=2)))
     assert same["loss"] == got["loss"] and gradient_difference(same["grads"], got["grads"]) == (0.0, 0.0)
 
 
@@ -236,7 +237,7 @@ def test_every_single_process_combination_refusal_allows_runs_and_the_rest_are_r
         if refusal(r, "cpu"):
             refused.add((r.precision, r.offload))
             continue
-        trainer = compose(config(), r)
+        trainer = compose(config(batch_size=2), r)
         assert all(math.isfinite(trainer.step()) for _ in range(2)), r
     assert refused == {(p, o) for p in ("fp16", "bf16_weights") for o in ("optimizer", "both")}
     for precision, offload in refused:  # each refused one does crash or change the recipe
@@ -273,7 +274,7 @@ REFUSED_ON_RANKS = {"tp2_zero2_no_replicas": Recipe(tensor_parallel=2, zero_stag
 def reference_grads(reference) -> dict:
     if isinstance(reference, int):
         return plain(reference)["grads"]
-    return one_step(compose(config(), reference))["grads"]
+    return one_step(compose(config(batch_size=reference.micro_batches), reference))["grads"]
 
 
 def count_all_reduces(trainer: Trainer) -> list[int]:
@@ -294,7 +295,7 @@ def count_all_reduces(trainer: Trainer) -> list[int]:
 
 
 def check_on_rank(recipe: Recipe, reference: dict) -> dict:
-    trainer = compose(config(), recipe)
+    trainer = compose(config(batch_size=recipe.micro_batches), recipe)  # micro-batches of one
     calls = count_all_reduces(trainer)
     got = one_step(trainer)
     return {"max_rel": gradient_difference(reference, got["grads"])[1], "loss": got["loss"],

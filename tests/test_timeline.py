@@ -190,7 +190,7 @@ def test_bad_input_is_one_line():
 
 
 def test_accumulation_marks_each_micro_batch_and_holds_the_first_ones_gradients():
-    timeline = step_timeline(config(batch_size=1, seq_len=16), Recipe(micro_batches=2))
+    timeline = step_timeline(config(batch_size=2, seq_len=16), Recipe(micro_batches=2))
     phases = [p for p, _ in timeline.marks]
     assert phases == ["forward", "backward", "forward", "backward", "optimizer", "end"]
     samples = timeline.timeline.samples

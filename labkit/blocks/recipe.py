@@ -3,7 +3,7 @@ them (`compose`), in a fixed order, refusing up front the combinations that cann
 
     trainer = compose(cfg, Recipe(precision="bf16", checkpointing="full", micro_batches=4,
                                   zero_stage=2))
-    trainer.step()
+    trainer.step()  # cfg.batch_size sequences on each rank, in 4 micro-batches
 
 The single-technique experiments apply the same transforms (`labkit.blocks.transforms`); a
 recipe of one technique is that experiment's variant.
@@ -162,13 +162,23 @@ def _device_clash(recipe: Recipe, device: str) -> str | None:
     return None
 
 
+def micro_batch_size(batch_size: int, micro_batches: int) -> int:
+    """Sequences per micro-batch: a rank's `batch_size` per optimizer step, split evenly."""
+    if batch_size % micro_batches:
+        raise ConfigError(f"micro_batches={micro_batches} must divide batch_size={batch_size} "
+                          "(each rank's batch is split)")
+    return batch_size // micro_batches
+
+
 def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
-    """The plain training step with the recipe's transforms applied in the one fixed order.
-    Raises ConfigError (one line) for a recipe that cannot run."""
+    """The plain training step with the recipe's transforms applied in the one fixed order:
+    `cfg.batch_size` sequences per rank and optimizer step (`recipe.micro_batches` of them at a
+    time). Raises ConfigError (one line) for a recipe that cannot run."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     why = refusal(recipe, cfg.device, world)
     if why:
         raise ConfigError(why)
+    micro = micro_batch_size(cfg.batch_size, recipe.micro_batches)
     layout = Layout.of(recipe, world, cfg.device)
     # 0. Under FSDP2 the model is built on the meta device, sharded, then made real (step 6): no
     #    rank holds the whole of it. Not for converters (NF4 and the adapters' initialisation
@@ -178,7 +188,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     model = build_model(cfg.model, device="meta", attention=cfg.attention) if meta else None
     # The global batch, built the same on every rank; data parallelism takes each rank's slice.
     trainer = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,
-                      batch_size=cfg.batch_size * recipe.micro_batches * layout.dp, model=model)
+                      batch_size=cfg.batch_size * layout.dp, model=model)
     # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
     # compile, then FSDP):
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
@@ -213,7 +223,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
         materialize(trainer.model, cfg.device, seed=cfg.seed)
     # 7. accumulation splits this rank's slice into micro-batches, around whatever the forward
     #    has become (under DDP only the last micro-batch all-reduces).
-    transforms.apply_accumulation(trainer, [cfg.batch_size] * recipe.micro_batches)
+    transforms.apply_accumulation(trainer, [micro] * recipe.micro_batches)
     # 8. offload: activation hooks around the forward; the host optimizer unless FSDP2 offloads.
     transforms.apply_offload(trainer, activations=recipe.offload in ("activations", "both"),
                              optimizer=layout.host_optimizer and not layout.fsdp_enabled)
@@ -244,8 +254,8 @@ def apply_converters(trainer: Trainer, recipe: Recipe) -> Trainer:
 
 def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict | None, str]:
     """`planner.training_memory`'s keywords for `compose(cfg, recipe)` on one of `world` ranks
-    (cfg.batch_size is one micro-batch, as compose takes it), or (None, why not) where the
-    planner has no case for the recipe."""
+    (cfg.batch_size per rank and step, as compose takes it; the planner's batch_size is one
+    micro-batch), or (None, why not) where the planner has no case for the recipe."""
     if recipe.offload != "none" or recipe.compile:
         return None, "the planner does not model offload or compile"
     if recipe.finetune != "none" and recipe.precision != "fp32":
@@ -261,7 +271,8 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     layout = Layout.of(recipe, world, cfg.device)
     stage = recipe.zero_stage if layout.dp_enabled else 0
     # the planner's precisions are the recipe's (bf16 on FSDP2's sharded stages is its policy)
-    return dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, precision=recipe.precision,
+    micro = micro_batch_size(cfg.batch_size, recipe.micro_batches)
+    return dict(batch_size=micro, seq_len=cfg.seq_len, precision=recipe.precision,
                 optimizer="adamw", zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
                 accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=stage >= 2), ""
@@ -286,6 +297,6 @@ def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.Me
         return planner.training_memory(cfg.model, **kwargs)
     return planner.finetune_memory(
         cfg.model, method=recipe.finetune, lora_rank=recipe.lora_rank,
-        lora_targets=recipe.lora_targets, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        lora_targets=recipe.lora_targets, batch_size=kwargs["batch_size"], seq_len=cfg.seq_len,
         checkpointing=kwargs["checkpointing"], device=cfg.device, zero_stage=kwargs["zero_stage"],
         gpus=kwargs["gpus"])

@@ -86,7 +86,7 @@ def step_timeline(cfg: RunConfig, recipe: Recipe | None = None) -> StepTimeline:
     """`compose(cfg, recipe)`, one warm-up step (AdamW's state exists after it, as in every
     later step), then one recorded step (categories: `labkit.measure.timeline`), with the
     planner's prediction for the same recipe: its precision's case, checkpointing and
-    micro-batches (`micro_batches`: `cfg.batch_size` rows each, as `compose` splits them)."""
+    micro-batches (`cfg.batch_size` rows split into `micro_batches`, as `compose` splits them)."""
     recipe = recipe or Recipe()
     trainer = compose(cfg, recipe)
     trainer.step()

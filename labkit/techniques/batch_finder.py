@@ -157,8 +157,10 @@ def planner_peak(cfg: Config, n: int) -> int:
     """The planner's peak for one training step at size `n` of the searched dimension."""
     at = at_size(cfg, n)
     sizes = probe_sizes(at)
-    micro = dataclasses.replace(at, batch_size=sizes[0], device=torch.device(cfg.device).type)
-    plan = planned_memory(micro, dataclasses.replace(recipe(cfg.variant), micro_batches=len(sizes)))
+    # the planner's micro-batch is the largest, sizes[0], of len(sizes)
+    step = dataclasses.replace(at, batch_size=sizes[0] * len(sizes),
+                               device=torch.device(cfg.device).type)
+    plan = planned_memory(step, dataclasses.replace(recipe(cfg.variant), micro_batches=len(sizes)))
     return plan.total_bytes
 
 

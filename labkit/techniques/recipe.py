@@ -132,9 +132,7 @@ def validate(cfg: Config) -> None:
     if cfg.budget_gib is not None and cfg.steps < 2:
         raise ConfigError(f"budget_gib needs steps >= 2 (got {cfg.steps}): the first step makes "
                           "AdamW's state, so the budget is judged at the peak only from the second")
-    if cfg.batch_size % cfg.micro_batches:
-        raise ConfigError(f"micro_batches={cfg.micro_batches} must divide batch_size="
-                          f"{cfg.batch_size} (each rank's batch is split)")
+    recipes.micro_batch_size(cfg.batch_size, cfg.micro_batches)
     if cfg.tensor_parallel > 1:
         check_tp_shape(cfg, cfg.tensor_parallel)
     why = refused(cfg)
@@ -169,11 +167,10 @@ def plain_step(cfg: Config) -> Trainer:
 
 
 def composed_step(cfg: Config) -> Trainer:
-    """compose() of the recipe at micro-batches of batch_size / micro_batches: the same global
-    batch as plain's, each rank's slice of it split into micro_batches; with the fault's hook on
-    its data parallelism (fault=corrupt_reduction, on fault_rank)."""
-    micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
-    trainer = compose(micro, recipe_of(cfg), lr=LR)
+    """compose() of the recipe: the same global batch as plain's, each rank's slice of it split
+    into micro_batches; with the fault's hook on its data parallelism (fault=corrupt_reduction,
+    on fault_rank)."""
+    trainer = compose(cfg, recipe_of(cfg), lr=LR)
     scale = corrupt_scale(cfg)
     if scale is not None:  # before the first backward, which DDP's comm hook must precede
         corrupt_reduction(trainer.net, scale)
@@ -308,9 +305,8 @@ def planned(cfg: Config) -> planner.MemoryPlan | None:
     if cfg.variant == REFERENCE:
         whole = dataclasses.replace(cfg, batch_size=cfg.batch_size * (n // cfg.tensor_parallel))
         return recipes.planned_memory(whole, recipes.converters(recipe_of(cfg)))  # on one process
-    micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.micro_batches)
     try:
-        return recipes.planned_memory(micro, recipe_of(cfg), n)
+        return recipes.planned_memory(cfg, recipe_of(cfg), n)
     except ConfigError:
         return None
 

@@ -121,8 +121,7 @@ class RecipePanel(BackgroundRun):
     def _plan(self) -> None:
         self.plan = experiment.planned(self.cfg)
         if self.plan is None:
-            micro = dataclasses.replace(self.cfg, batch_size=self.cfg.batch_size // self.cfg.micro_batches)
-            self.not_planned = recipes.planner_kwargs(micro, experiment.recipe_of(self.cfg),
+            self.not_planned = recipes.planner_kwargs(self.cfg, experiment.recipe_of(self.cfg),
                                                       self.cfg.nproc)[1]
             return
         mem = self.memory_bytes
