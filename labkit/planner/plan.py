@@ -35,7 +35,8 @@ class MemoryPlan:
     kept_weight_copy_bytes: int = 0  # autocast's casts the backward keeps (saved for it)
     held_at_peak: tuple[str, ...] = ("param", "grad", "optimizer", "activation", "overhead", "kv_cache")
     peak_phase: str = ""  # where the peak is: "backward", "step" (the optimizer step), under
-    # FSDP2 also "forward" (its first all-gathers) or "reduce" (its last reduce-scatter)
+    # FSDP2 also "forward" (its first all-gathers) or "reduce" (its last reduce-scatter), under
+    # tensor parallelism "embedding" (the embedding's whole-vocabulary gradient)
     phase_bytes: dict = field(default_factory=dict, compare=False)  # each phase's predicted peak
     formulas: dict = field(default_factory=dict, compare=False)  # term -> how it was computed
     stage: str = "all"  # the pipeline stage described: all, first or last

@@ -105,6 +105,13 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     reduce = _fsdp2_root_reduce(r, grad) if r.m is not None and last else 0
     if reduce:
         phases["reduce"] = param + opt + reduce
+    # Tensor parallelism as labkit builds it (the embedding RowwiseParallel over the vocabulary):
+    # the embedding's backward, the last the backward reaches, makes the whole-vocabulary
+    # gradient (V x d) on every rank beside every other gradient, then keeps the rank's rows
+    whole_embedding = r.prec.whole_grad * r.m.vocab_size * r.shape.d if r.tp > 1 and first \
+        and r.m is not None else 0
+    if whole_embedding:
+        phases["embedding"] = param + opt + grad + whole_embedding
     peak = max(phases, key=phases.get)
     starts = peak == "forward" and at_start > at_end
     with_grad = ("grad",) if resident else ()
@@ -112,8 +119,10 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
             "forward": ("param", "gathered", "optimizer") + (() if starts else ("activation", "weight_copy"))
             + ("overhead",) + with_grad,
             "step": ("param", "grad", "optimizer", "overhead"),
-            "reduce": ("param", "grad", "optimizer", "overhead")}[peak]
+            "reduce": ("param", "grad", "optimizer", "overhead"),
+            "embedding": ("param", "grad", "optimizer", "overhead")}[peak]
     overhead = {"backward": backward, "step": step, "reduce": reduce - grad,
+                "embedding": whole_embedding,
                 "forward": (at_start if starts else at_end - act - casts) + no_sync}[peak]
     plan = MemoryPlan(num_params=r.num_params, param_bytes=param, grad_bytes=grad,
                       optimizer_bytes=opt, activation_bytes=act,
