@@ -255,3 +255,36 @@ def test_recipe_flags_a_rank_whose_gradient_reduction_is_corrupted(recipe_rows):
             bad = checked(recipe_rows, "composed", "weight_rel_diff", rank, **corrupted)
             assert bad["message"].startswith("does not match plain: ")
             assert bad["value"] > recipe.FP32_TOLERANCE, bad  # AdamW's steps hide most of a scale
+
+
+# --- 9. a broken weight quantizer, told from a lossy one ------------------------------------------
+
+def _quantized_rows(variant: str) -> list[dict]:
+    sizes = {"new_tokens": 4, "prompt_len": 8, "batch_size": 1, "dtype": "bfloat16", "warmup": 0,
+             "min_run_time_s": 0.0, "kernel": "dequant"}
+    rows = run_experiment("weight_quant", preset="tiny", variants=[variant], overrides=sizes,
+                          progress=False).rows
+    return [r for r in rows if r["variant"] == variant and r["metric"] == "logit_rel_error"]
+
+
+@pytest.mark.parametrize("variant, bug", [
+    ("int8", "scale halved"),  # round(w / (amax / 255)) clamped to 127: the outer half saturates
+    ("int4", "nibbles swapped"),  # each byte's two weights exchanged
+])
+def test_a_broken_weight_quantizer_is_an_error_and_the_correct_one_is_not(variant, bug, monkeypatch):
+    """Bug: a logit tolerance loose enough to pass a broken quantizer (int8 at 0.5, int4 at 1.5
+    fail this test). The tolerance sits between lossy and broken: on the tiny model the correct
+    quantizers stay within it and the broken ones land past it (int8 40%, int4 135%, against
+    15% and 90%)."""
+    (clean,) = _quantized_rows(variant)
+    assert clean["status"] == "ok" and clean["value"] <= weight_quant.LOGIT_TOLERANCE[variant]
+    if bug == "scale halved":
+        def halved(w, sdtype=torch.bfloat16):
+            scale = (w.float().abs().amax(dim=1).clamp(min=1e-8) / 255).to(sdtype)
+            q = torch.round(w.float() / scale.float()[:, None]).clamp(-127, 127)
+            return q.to(torch.int8), scale
+        monkeypatch.setattr(quant, "quantize_int8", halved)
+    else:
+        monkeypatch.setattr(quant, "pack_int4", lambda q: (q[:, 0::2] << 4) | q[:, 1::2])
+    (broken,) = _quantized_rows(variant)
+    assert broken["status"] == "error" and "logits off by" in broken["message"], broken

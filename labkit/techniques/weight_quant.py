@@ -49,10 +49,14 @@ SIZES = {"tiny": {"batch_size": 1}, "reference": {"batch_size": 1},
          **{p: _GPU for p in ("small", "medium", "gpt2-124m", "llama-2-7b", "llama-3-8b",
                               "llama-3-70b", "mistral-7b")}}
 # max |logits - reference| / max |reference| on the prompt: past this the quantizer is broken (a
-# wrong scale, a swapped nibble), not just lossy. Measured on the seeded tiny model (random
-# weights, the hardest case: nothing to average): int8 0.3%, int4 group 64 24%.
+# wrong scale, a swapped nibble), not just lossy. Random weights are the hardest case (nothing
+# to average), and the error grows with depth and width. Correct quantizers, bf16: int8 1.9% on
+# the tiny model, 2.9% on small (12 layers), 5.2% on medium (16 layers of 2048; 6.8% on an H200
+# over 128 + 128 tokens); int4 group 64 30.9% on small, 60.2% on medium (H200); fp8 20.4% on
+# medium (H200). Broken ones, small: int8 with its scale halved 54%, int4 with its nibbles
+# swapped 137%.
 EVAL_SHAPE = (8, 128)  # held-out (sequences, tokens) for perplexity on the reference preset
-LOGIT_TOLERANCE = {"none": 0.0, "int8": 0.05, "fp8": 0.2, "int4": 0.6}
+LOGIT_TOLERANCE = {"none": 0.0, "int8": 0.15, "fp8": 0.3, "int4": 0.9}
 
 
 @dataclass(kw_only=True)
