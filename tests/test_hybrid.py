@@ -83,14 +83,16 @@ def test_peak_memory_falls_with_every_split(rows):
     assert single["value"] == pytest.approx(single["predicted"], rel=0.01)
     for variant in VARIANTS[1:]:
         assert value(rows, variant, "peak_mem_bytes", 0)["value"] < single["value"]
-    # 1-D FSDP2 is the planner's ZeRO-3 as FSDP2 builds it, within 5% on every rank; 1-D tensor
-    # parallelism peaks at the embedding's whole-vocabulary gradient, as the planner says (FSDP2 x
-    # TP's root unit holds more, which its row note names)
+    # 1-D FSDP2 is the planner's ZeRO-3 as FSDP2 builds it, within 5% on every rank; the tp
+    # layouts peak at the embedding's backward, with its whole-vocabulary gradient (and under
+    # FSDP2 the gathered root unit), as the planner says: tp to the byte at this size, fsdp_tp
+    # 2.1% under it
     for rank in range(N):
         fsdp = value(rows, "fsdp", "peak_mem_bytes", rank)
         assert fsdp["predicted"] <= fsdp["value"] <= 1.05 * fsdp["predicted"], fsdp
-        tp = value(rows, "tp", "peak_mem_bytes", rank)
-        assert tp["value"] == pytest.approx(tp["predicted"], rel=0.01), tp
+        for layout in ("tp", "fsdp_tp"):
+            row = value(rows, layout, "peak_mem_bytes", rank)
+            assert row["value"] == pytest.approx(row["predicted"], rel=0.05), row
 
 
 def test_the_mesh_must_be_dp_times_tp():

@@ -171,6 +171,9 @@ def test_tensor_parallel_holds_the_embeddings_whole_gradient_at_the_backwards_en
     states = four.param_bytes + four.grad_bytes + four.optimizer_bytes
     whole = 4 * m.vocab_size * m.hidden_size
     assert four.total_bytes == states + whole and four.overhead_bytes == whole
+    # and the head's output is gathered: the logits and the loss span the whole vocabulary
+    shape = planner.local_shape(m, 4)
+    assert (shape.vocab, shape.logits) == (m.vocab_size // 4, m.vocab_size)
 
 
 def test_tensor_parallel_splits_all_but_the_norms():

@@ -111,7 +111,7 @@ def _head_bytes(r: _Run) -> int:
     log-probabilities (b·s·V, kept by log_softmax for its backward; the logits themselves are
     freed), the int64 targets nll_loss keeps, and its fp32 total_weight scalar."""
     tokens = r.batch_size * r.seq_len
-    return tokens * (_norm_bytes(r) + 4 * r.shape.vocab + 8) + 4
+    return tokens * (_norm_bytes(r) + 4 * r.shape.logits + 8) + 4
 
 
 def _checkpointed_on_stage(r: _Run, layers: int) -> int:

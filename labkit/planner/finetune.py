@@ -296,7 +296,7 @@ def _lora_activations(r: _Run, targets: tuple[str, ...], rank: int) -> tuple[int
         first, grad_out = _lora_layer_bytes(r, targets, rank, grad_in=False)
         per_layer = tokens * _lora_layer_bytes(r, targets, rank, grad_in=True)[0]
         layers = tokens * first + (m.num_layers - 1) * per_layer
-    head = tokens * (_kept_norm_bytes(r) + 4 * r.shape.vocab + 8) + 4  # norm, log-probs, targets
+    head = tokens * (_kept_norm_bytes(r) + 4 * r.shape.logits + 8) + 4  # norm, log-probs, targets
     return layers + _embedding_side_bytes(r) + head, per_layer
 
 
@@ -345,7 +345,7 @@ def _lora_backward_moments(r: _Run, tokens: int, extra: int = 0) -> tuple[int, i
     weight dequantized for its input's gradient, and a checkpointed block's recomputed
     activations)."""
     s, p = r.shape, r.prec
-    loss = 8 * tokens * s.vocab
+    loss = 8 * tokens * s.logits
     block = tokens * (p.residual * s.d + (2 if r.m.arch == "llama" else 1) * p.act * s.f)
     return loss, block + extra
 

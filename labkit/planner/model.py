@@ -93,7 +93,10 @@ class LocalShape:
     kv: int  # key (= value) width = local kv heads x head_dim
     f: int  # MLP inner width
     heads: int  # local query heads
-    vocab: int  # local vocabulary (vocab-parallel embedding, head and cross-entropy)
+    vocab: int  # local vocabulary (vocab-parallel embedding and head weights)
+    logits: int  # the vocabulary of the logits and the loss on one rank: the whole of it, since
+    # labkit's tensor parallelism gathers the head's output (lm_head ColwiseParallel with a
+    # Replicate output: the loss is the plain cross-entropy, no loss parallelism)
 
 
 def local_shape(m: ModelConfig, tp: int = 1) -> LocalShape:
@@ -102,7 +105,8 @@ def local_shape(m: ModelConfig, tp: int = 1) -> LocalShape:
     check_tp(m, tp)
     kv_heads = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
     return LocalShape(d=m.hidden_size, q=m.num_heads // tp * m.head_dim, kv=kv_heads * m.head_dim,
-                      f=-(-m.ffn_size // tp), heads=m.num_heads // tp, vocab=-(-m.vocab_size // tp))
+                      f=-(-m.ffn_size // tp), heads=m.num_heads // tp, vocab=-(-m.vocab_size // tp),
+                      logits=m.vocab_size)
 
 
 def check_tp(m: ModelConfig, tp: int) -> None:

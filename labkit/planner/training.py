@@ -20,7 +20,7 @@ from labkit.planner.formulas import _formulas
 from labkit.planner.model import LocalShape, StageParams, layer_params, stage_params
 from labkit.planner.plan import MemoryPlan, _resolve, _Run
 from labkit.planner.sharding import (_fsdp2_forward_gathers, _fsdp2_root_reduce, _zero_buffers,
-                                     zero_model_state_bytes)
+                                     root_unit_params, zero_model_state_bytes)
 
 
 def training_memory(m: ModelConfig | None = None, *, num_params: int | None = None,
@@ -107,9 +107,14 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
         phases["reduce"] = param + opt + reduce
     # Tensor parallelism as labkit builds it (the embedding RowwiseParallel over the vocabulary):
     # the embedding's backward, the last the backward reaches, makes the whole-vocabulary
-    # gradient (V x d) on every rank beside every other gradient, then keeps the rank's rows
+    # gradient (V x d) on every rank beside every other gradient, then keeps the rank's rows.
+    # Under FSDP2 the root unit is still gathered then, and its tp-local gradients (the head's
+    # and the embedding's rows) wait for its reduce-scatter beside their shards.
     whole_embedding = r.prec.whole_grad * r.m.vocab_size * r.shape.d if r.tp > 1 and first \
         and r.m is not None else 0
+    if whole_embedding and r.fsdp2_sharded:
+        whole_embedding += r.prec.gathered * root_unit_params(r.m, r.shape.vocab, r.shape.d) \
+            + 2 * r.prec.whole_grad * r.shape.vocab * r.shape.d
     if whole_embedding:
         phases["embedding"] = param + opt + grad + whole_embedding
     peak = max(phases, key=phases.get)
@@ -157,7 +162,7 @@ def _forward_temporaries(r: _Run, last: bool) -> int:
     the 16-bit logits and their fp32 copy (b·s·V each), which the loss alone holds."""
     if not last:
         return 0
-    return (r.prec.cast + 4) * r.batch_size * r.seq_len * r.shape.vocab
+    return (r.prec.cast + 4) * r.batch_size * r.seq_len * r.shape.logits
 
 
 def _backward_temporaries(r: _Run, sp: StageParams, last: bool, resident: bool) -> int:
@@ -178,8 +183,8 @@ def _backward_temporaries(r: _Run, sp: StageParams, last: bool, resident: bool) 
     after_head = p.residual * tokens * s.d  # the residual stream's gradient
     if last:
         head_grad = 0 if resident else p.whole_grad * s.vocab * s.d
-        loss = 8 * tokens * s.vocab
-        head = head_grad + p.act * tokens * s.d + (p.act - 4) * tokens * s.vocab
+        loss = 8 * tokens * s.logits
+        head = head_grad + p.act * tokens * s.d + (p.act - 4) * tokens * s.logits
         after_head += head_grad - _head_bytes(r)
     first, per_block = _block_backward(r, sp, resident)
     # the j-th block the backward goes through: j blocks finished before it

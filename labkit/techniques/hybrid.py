@@ -190,14 +190,6 @@ def expected(cfg: Config) -> dict[str, float]:
             "loss_abs_diff": 0.0, "grad_max_rel_diff": 0.0}
 
 
-# what FSDP2 x TP's peak holds beyond the planner (a snapshot of the live tensors at the peak,
-# rank 0, the tests' sizes: 23.6 MB against 20.2 predicted)
-FSDP_TP_ROOT = ("; and, under tensor parallelism, the root unit's backward: the embedding's "
-                "whole-vocabulary gradient (which the planner counts, beside every other gradient) "
-                "while the root unit is still gathered and the head's and the embedding's "
-                "tp-local gradients wait for its reduce-scatter.")
-
-
 def notes(cfg: Config) -> dict[str, str]:
     dp, tp = layout(cfg)
     where = f"dp={dp} x tp={tp}"
@@ -206,8 +198,9 @@ def notes(cfg: Config) -> dict[str, str]:
             "optimizer_bytes": "AdamW's two fp32 moments of the local shards (+4 bytes of step "
                                "counter per tensor, not predicted).",
             "peak_mem_bytes": "predicted: planner.training_memory, ZeRO-3 over dp as FSDP2 "
-                              "builds it (fsdp2) and Megatron's split over tp; under tp the "
-                              "embedding's backward makes its whole-vocabulary gradient on every "
-                              "rank (the planner's \"embedding\" moment). Not in it: FSDP2's "
-                              "reduce-scatter buffers (a few percent)"
-                              + (FSDP_TP_ROOT if tp > 1 and dp > 1 else ".")}
+                              "builds it (fsdp2) and Megatron's split over tp, with what labkit's "
+                              "tp makes whole on every rank: the head's logits (gathered: no loss "
+                              "parallelism) and the embedding's gradient at its backward (the "
+                              "planner's \"embedding\" moment: under FSDP2 beside the gathered "
+                              "root unit and its tp-local gradients). Not in it: FSDP2's "
+                              "reduce-scatter buffers (a few percent)."}
