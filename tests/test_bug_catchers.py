@@ -271,7 +271,8 @@ def _quantized_rows(variant: str) -> list[dict]:
     ("int8", "scale halved"),  # round(w / (amax / 255)) clamped to 127: the outer half saturates
     ("int4", "nibbles swapped"),  # each byte's two weights exchanged
 ])
-def test_a_broken_weight_quantizer_is_an_error_and_the_correct_one_is_not(variant, bug, monkeypatch):
+def test_a_broken_weight_quantizer_is_an_error_and_a_correct_one_is_not(variant, bug,
+                                                                        monkeypatch):
     """Bug: a logit tolerance loose enough to pass a broken quantizer (int8 at 0.5, int4 at 1.5
     fail this test). The tolerance sits between lossy and broken: on the tiny model the correct
     quantizers stay within it and the broken ones land past it (int8 40%, int4 135%, against

@@ -482,7 +482,8 @@ CHECKS: dict[str, list[Check]] = {
         Check("distributed", "zero", "ZeRO-3 over NCCL matches ZeRO-0", checked_ok("zero", "zero3"), ">=", 1.0,
               "NCCL failed to start"),
         Check("distributed", "recipe",
-              "bf16 + full checkpointing + 2 micro-batches + optimizer in host memory matches plain", checked_ok("recipe", "composed"), ">=", 1.0),
+              "bf16 + full checkpointing + 2 micro-batches + optimizer in host memory matches "
+              "plain", checked_ok("recipe", "composed"), ">=", 1.0),
         Check("distributed", "recipe", f"that recipe: {PLANNER}",
               against_prediction("recipe", "composed", "peak_mem_bytes"), "within", 0.10),
         Check("distributed", "data_parallel", "DDP over NCCL matches one process",

@@ -171,13 +171,15 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
     (`_lora_layer_bytes`); qlora's dequantization buffer (`nf4_dequant_bytes`, the largest
     linear) at the backward's peak. checkpointing: none or full (each block keeps its input)."""
     check_choice("finetune method", method, FINETUNE_METHODS)
-    precision = {"float32": "fp32", "bfloat16": "bf16_pure", "float16": "fp16_pure"}[_dtype_name(compute_dtype)]
+    precision = {"float32": "fp32", "bfloat16": "bf16_pure",
+                 "float16": "fp16_pure"}[_dtype_name(compute_dtype)]  # one dtype throughout
     if method == "full":
         plan = training_memory(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                checkpointing=checkpointing, device=device, zero_stage=zero_stage,
                                gpus=gpus, fsdp2=zero_stage >= 2)
         return dataclasses.replace(plan, trainable_params=plan.num_params,
-                                   linear_weight_bytes=linear_weight_bytes(m, "full", compute_dtype=DTYPE_OF[precision]))
+                                   linear_weight_bytes=linear_weight_bytes(
+                                       m, "full", compute_dtype=DTYPE_OF[precision]))
     check_choice("checkpointing (fine-tuning)", checkpointing, FINETUNE_CHECKPOINTING)
     r = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                  checkpointing=checkpointing, device=device, zero_stage=zero_stage, gpus=gpus,
@@ -260,7 +262,8 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
     # AdamW's m and v in the adapters' dtype, and its fp32 step counter per tensor (A and B)
     grad, opt = w * trainable, 2 * w * trainable + 4 * 2 * len(targets) * m.num_layers
     act, per_layer = _lora_activations(r, targets, rank)
-    dequant = max(nf4_dequant_bytes(o, i, dtype=DTYPE_OF[r.precision]) for o, i in linear_shapes(m).values()) \
+    dequant = max(nf4_dequant_bytes(o, i, dtype=DTYPE_OF[r.precision])
+                  for o, i in linear_shapes(m).values()) \
         if method == "qlora" else 0
     # under full checkpointing a block's backward first recomputes its forward: what the block
     # keeps without checkpointing is held again, one block at a time

@@ -60,7 +60,8 @@ def _overhead_words(r: _Run, plan: MemoryPlan) -> str:
                 "matrix's whole gradient and the root's reduce-scatter input in the reduce dtype")
     if plan.peak_phase == "embedding":
         return ("tensor parallelism's embedding backward: the whole-vocabulary gradient (V·d) on "
-                "every rank, beside every other gradient, before the rank keeps its rows")
+                "every rank, beside every other gradient, before the rank keeps its rows (under "
+                "FSDP2 also the gathered root unit and its tp-local gradients)")
     upcast = "fp32 copy of the gradients (4·Ψ_opt) + " if r.prec.master else ""
     adam = {"single": "2 temporaries per parameter, the largest pair (for-loop Adam)",
             "foreach": "one copy of v (multi-tensor Adam)", "fused": "none (fused Adam)"}[r.impl]

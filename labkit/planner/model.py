@@ -43,7 +43,8 @@ def adamw_state_bytes(m: ModelConfig, *, master_copy: bool = False) -> int:
     """AdamW keeps two fp32 moments per parameter (plus an fp32 master copy when the weights are
     held in 16 bits): K of `optimizer_bytes_per_param`. The per-tensor step counters are a few
     bytes and left out."""
-    return num_params(m) * optimizer_bytes_per_param("bf16_weights" if master_copy else "fp32", "adamw")
+    precision = "bf16_weights" if master_copy else "fp32"
+    return num_params(m) * optimizer_bytes_per_param(precision, "adamw")
 
 
 def attention_flops(m: ModelConfig, *, batch: int, new: int, keys: int) -> int:

@@ -107,7 +107,8 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
     device = device or hardware.default_device()
     impl = optimizer_impl or ("single" if device.startswith("cpu") else "foreach")
     check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
-    p = precision_bytes(precision, fsdp2_sharded=fsdp2 and zero_stage >= 2 and gpus // (tp * pp) > 1)
+    sharded = fsdp2 and zero_stage >= 2 and gpus // (tp * pp) > 1  # _Run.fsdp2_sharded
+    p = precision_bytes(precision, fsdp2_sharded=sharded)
     return _Run(m=m, num_params=psi, batch_size=batch_size, seq_len=seq_len, precision=precision,
                 prec=p, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
                 dp=gpus // (tp * pp), checkpointing=checkpointing,

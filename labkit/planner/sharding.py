@@ -9,7 +9,8 @@ from labkit.planner.plan import ZERO_STAGES, _Run
 from labkit.planner.precision import PRECISION_BYTES, PRECISIONS, optimizer_bytes_per_param
 
 
-def zero_model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str = "bf16_weights",
+def zero_model_state_bytes(num_params: int, *, stage: int, dp: int,
+                           precision: str = "bf16_weights",
                            optimizer: str = "adam") -> tuple[int, int, int]:
     """(param, grad, optimizer) bytes per GPU for Ψ = num_params under ZeRO `stage` over `dp`
     data-parallel ranks. With mixed-precision Adam (2 + 2 + K, K = 12), the paper's figure 1:

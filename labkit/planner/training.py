@@ -110,13 +110,13 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
     # gradient (V x d) on every rank beside every other gradient, then keeps the rank's rows.
     # Under FSDP2 the root unit is still gathered then, and its tp-local gradients (the head's
     # and the embedding's rows) wait for its reduce-scatter beside their shards.
-    whole_embedding = r.prec.whole_grad * r.m.vocab_size * r.shape.d if r.tp > 1 and first \
+    embedding = r.prec.whole_grad * r.m.vocab_size * r.shape.d if r.tp > 1 and first \
         and r.m is not None else 0
-    if whole_embedding and r.fsdp2_sharded:
-        whole_embedding += r.prec.gathered * root_unit_params(r.m, r.shape.vocab, r.shape.d) \
+    if embedding and r.fsdp2_sharded:
+        embedding += r.prec.gathered * root_unit_params(r.m, r.shape.vocab, r.shape.d) \
             + 2 * r.prec.whole_grad * r.shape.vocab * r.shape.d
-    if whole_embedding:
-        phases["embedding"] = param + opt + grad + whole_embedding
+    if embedding:
+        phases["embedding"] = param + opt + grad + embedding
     peak = max(phases, key=phases.get)
     starts = peak == "forward" and at_start > at_end
     with_grad = ("grad",) if resident else ()
@@ -127,7 +127,7 @@ def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool
             "reduce": ("param", "grad", "optimizer", "overhead"),
             "embedding": ("param", "grad", "optimizer", "overhead")}[peak]
     overhead = {"backward": backward, "step": step, "reduce": reduce - grad,
-                "embedding": whole_embedding,
+                "embedding": embedding,
                 "forward": (at_start if starts else at_end - act - casts) + no_sync}[peak]
     plan = MemoryPlan(num_params=r.num_params, param_bytes=param, grad_bytes=grad,
                       optimizer_bytes=opt, activation_bytes=act,

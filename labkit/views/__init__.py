@@ -371,7 +371,8 @@ def fit_panel(model: str = "llama-2-7b") -> Any:
     style = {"style": {"description_width": "initial"}}
     controls = {
         "model": W.Dropdown(options=list(PRESETS), value=model, description="model", **style),
-        "precision": W.Dropdown(options=list(planner.PRECISIONS), value="bf16_pure", description="precision",
+        "precision": W.Dropdown(options=list(planner.PRECISIONS), value="bf16_pure",
+                                description="precision",
                                 **style),
         "zero_stage": W.Dropdown(options=list(planner.ZERO_STAGES), value=3, description="ZeRO", **style),
         "checkpointing": W.Dropdown(options=list(planner.CHECKPOINTING), value="full",

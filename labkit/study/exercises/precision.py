@@ -55,8 +55,8 @@ def mixed_state_bytes() -> Exercise:
         "bf16_weights again: the weights and their gradients are bf16; the optimizer keeps an fp32 "
         "master copy of the weights and AdamW's two fp32 moments (m and v).",
         "How many MiB do the model states (weights + gradients + optimizer states) take?", "mp",
-        answer=lambda s: sum(planner.zero_model_state_bytes(psi(s), stage=0, dp=1, precision="bf16_weights",
-                                                            optimizer="adamw")) / MiB,
+        answer=lambda s: sum(planner.zero_model_state_bytes(
+            psi(s), stage=0, dp=1, precision="bf16_weights", optimizer="adamw")) / MiB,
         evidence=lambda r, s: {"bf16": mib(r.get("bf16_weights", "param_bytes")),
                                "optim": mib(r.get("bf16_weights", "optimizer_bytes")),
                                "fp32": show(16 * psi(s) / MiB, "MiB")},
