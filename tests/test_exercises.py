@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import execute_notebooks
+from conftest import WALL_CLOCK, execute_notebooks
 from labkit.study import exercises
 from labkit.config import ConfigError
 
@@ -119,13 +119,26 @@ def test_every_exercise_has_a_level_a_hint_a_common_mistake_and_a_check_of_its_e
     assert levels == sorted(levels)  # ordered by level, as the notebooks are numbered
 
 
+def with_value(rows, variant: str, metric: str, value: float):
+    """The rows with `variant`'s `metric` (every rank and point) set to `value`."""
+    changed = [{**r, "value": value} if (r["variant"], r["metric"]) == (variant, metric) else r
+               for r in rows.rows]
+    return exercises.Rows(changed, rows.source, rows.run_id)
+
+
 @pytest.mark.parametrize("key", list(exercises.EXERCISES))
 def test_the_measurement_supports_the_answer(key, shared_runs):
     """The measured rows show what the answer claims (bytes, FLOPs, counts, statuses)."""
     ex = exercises.get(key)
     rows = exercises.measure(exercises.RUNS[ex.run], "cpu", shared_runs)
+    setup = exercises.Setup(exercises.RUNS[ex.run], "cpu")
     assert "reused" in rows.source
-    assert ex.supports(rows, exercises.Setup(exercises.RUNS[ex.run], "cpu")) is None
+    if key not in WALL_CLOCK:
+        assert ex.supports(rows, setup) is None
+        return
+    variant, metric, good, bad = WALL_CLOCK[key]
+    assert ex.supports(with_value(rows, variant, metric, good), setup) is None
+    assert ex.supports(with_value(rows, variant, metric, bad), setup) is not None
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -9,6 +9,8 @@ import math
 
 import pytest
 
+from conftest import WALL_CLOCK
+
 from labkit import hardware, planner
 from labkit.study import exercises
 from labkit.study.exercises import parallel, profiling
@@ -172,5 +174,7 @@ def test_a_doctored_measurement_does_not_support_it(key, shared_runs):
 def test_reports_are_complete_on_the_cpu(shared_runs):
     for key in KEYS:
         report = exercises.check(key, solution=True, device="cpu", runs_dir=shared_runs).report()
-        assert "{" not in report and "n/a" not in report and "Note:" not in report, report
+        assert "{" not in report and "n/a" not in report, report
+        # a wall-clock figure's evidence may carry a note on a throttled CPU (test_exercises)
+        assert key in WALL_CLOCK or "Note:" not in report, report
         assert not math.isnan(exercises.get(key).tolerance(1.0))
