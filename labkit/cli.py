@@ -491,7 +491,7 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # an absent device: one line naming the valid ones
     checked_runs_dir(args.runs_dir)
     return exit_code(selfcheck(args.device, args.budget_s, args.runs_dir, args.out,
-                               families=families if args.family else None))
+                               families=families))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

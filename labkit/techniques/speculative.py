@@ -19,8 +19,8 @@ relative) sit far below the logit gaps, and the check is exact: token_agreement 
 failure. With `dtype` bfloat16/float16 the check is relaxed: the tokens must agree up to the
 first position where the reference's top-two logit gap is below
 `labkit.blocks.decoding.NEAR_TIE_LOGITS` (a near-tie that a different kernel may flip), and
-token_agreement is reported. The draft's precision can
-never change the tokens, only the acceptance.
+token_agreement is reported. The draft's precision can never change the tokens, only the
+acceptance.
 
 On the `reference` preset the draft is the trained one (`labkit train-reference --draft`,
 checksum-verified like the reference). Elsewhere the target has random weights, so a trained
@@ -136,7 +136,6 @@ def decode_all(cfg: Config, target: Decoder, texts: torch.Tensor,
     return torch.cat(rows), pooled
 
 
-@torch.inference_mode()
 # --- the experiment ------------------------------------------------------------------------------
 
 def build(cfg: Config) -> Workload:
