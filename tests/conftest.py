@@ -5,13 +5,25 @@ import pytest
 import torch
 
 
+# Session fixtures measured once for many test files: the tests that read one share a worker.
+SHARED = ("report", "shared_runs")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     """A test that starts ranks or executes notebooks is slow whatever else it does; so is one
-    that reads `shared_runs` (every exercise's run, measured once: over a minute)."""
+    that reads `shared_runs` (every exercise's run, measured once: over a minute).
+
+    The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup` in pyproject.toml), one
+    per core: each test file is one unit of work, so its module fixtures (a launch of ranks) run
+    once, and the tests of every file that reads one of the SHARED session fixtures are one unit."""
     for item in items:
+        fixtures = getattr(item, "fixturenames", ())
         if (item.get_closest_marker("multiprocess") or item.get_closest_marker("notebook")
-                or "shared_runs" in getattr(item, "fixturenames", ())):
+                or "shared_runs" in fixtures):
             item.add_marker(pytest.mark.slow)
+        shared = [name for name in SHARED if name in fixtures]
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.path.name))
 
 
 def needs(*packages: str):

@@ -1,6 +1,7 @@
 """The package's shape: few modules at the top, layers in sub-packages, and the old import paths
 still working (each is the moved module itself, not a copy)."""
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,12 @@ def test_no_step_side_technique_subclasses_the_training_step():
                   if isinstance(obj, type) and issubclass(obj, training.Trainer)
                   and obj is not training.Trainer]
     assert subclasses == []
+
+
+def test_a_test_file_is_one_unit_of_work_for_the_two_workers(request):
+    """Under pytest-xdist (the README's command) every test carries its file's group in its id,
+    which is what the scheduler splits the suite by: a file's module fixtures (a launch of ranks)
+    then run once. pytest 9.2's node ids lose the group (pytest-dev/pytest-xdist#1386)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.skip("run without pytest-xdist's workers (-n 0 or -p no:xdist)")
+    assert request.node.nodeid.endswith("@" + Path(__file__).name)
