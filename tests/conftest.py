@@ -1,3 +1,4 @@
+import collections
 import importlib.util
 from pathlib import Path
 
@@ -16,14 +17,21 @@ def pytest_collection_modifyitems(items):
 
     The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup` in pyproject.toml), one
     per core: each test file is one unit of work, so its module fixtures (a launch of ranks) run
-    once, and the tests of every file that reads one of the SHARED session fixtures are one unit."""
+    once, and the tests of every file that reads one of the SHARED session fixtures are one unit.
+    The longest units go first (the SHARED ones, then the files with the most slow tests), so
+    that no worker is left alone with a long one at the end (`--no-loadscope-reorder` keeps this
+    order)."""
+    group = {}
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if (item.get_closest_marker("multiprocess") or item.get_closest_marker("notebook")
                 or "shared_runs" in fixtures):
             item.add_marker(pytest.mark.slow)
         shared = [name for name in SHARED if name in fixtures]
-        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.path.name))
+        group[item] = shared[0] if shared else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group[item]))
+    slow = collections.Counter(group[item] for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: (group[item] not in SHARED, -slow[group[item]]))
 
 
 def needs(*packages: str):
