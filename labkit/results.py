@@ -31,6 +31,9 @@ from typing import Any
 ROW_FIELDS = ("run_id", "timestamp", "experiment", "variant", "params", "metric", "value", "unit",
               "predicted", "status", "message", "rank", "env")
 STATUSES = ("ok", "oom", "error", "skipped")
+# Variants renamed since runs were stored: (experiment, old name) -> the name now, read so. ZeRO's
+# stage 0 is plain DDP, named as in every data-parallel layout
+RENAMED = {("zero", "zero0"): "ddp"}
 
 
 def runs_dir(path: str | os.PathLike | None = None) -> Path:
@@ -200,8 +203,21 @@ def _read_records(folder: Path, pattern: str) -> list[dict[str, Any]]:
         if not isinstance(record, dict) or not {"run_id", "timestamp", "experiment", "rows"} <= set(record):
             warnings.warn(f"skipping {path}: not a labkit run record", stacklevel=3)
             continue
-        records.append({**record, "path": path})
+        records.append({**renamed(record), "path": path})
     return records
+
+
+def renamed(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with every variant RENAMED since it was stored under its name now: in its rows,
+    their params and its config."""
+    def fix(d: Any) -> Any:
+        key = (record["experiment"], d.get("variant")) if isinstance(d, dict) else None
+        return {**d, "variant": RENAMED[key]} if key in RENAMED else d
+
+    rows = [fix({**r, **({"params": fix(r["params"])} if "params" in r else {})})
+            for r in record["rows"]]
+    config = {"config": fix(record["config"])} if "config" in record else {}
+    return {**record, "rows": rows, **config}
 
 
 def load_parts(run_id: str, directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:

@@ -233,6 +233,23 @@ def test_load_results_filters_and_expands_params(tmp_path):
     assert empty.empty and list(empty.columns) == list(ROW_FIELDS)
 
 
+def test_a_variant_renamed_since_its_run_was_stored_is_read_under_its_name_now(tmp_path):
+    old = RunRecord("zero", env={}, config={"variant": "zero0"}, directory=tmp_path, run_id="run-z")
+    old.add([{**_row("grad_bytes", 4.0, variant="zero0"), "variant": "zero0"},
+             {**_row("grad_bytes", 1.0, variant="zero3"), "variant": "zero3"}])
+    other = RunRecord("hybrid", env={}, config={}, directory=tmp_path, run_id="run-h")
+    other.add([{**_row("loss", 1.0), "variant": "zero0"}])  # the name is another experiment's own
+    frame = load_results(tmp_path)
+    assert sorted(zip(frame["experiment"], frame["variant"])) == [
+        ("hybrid", "zero0"), ("zero", "ddp"), ("zero", "zero3")]
+    run = next(r for r in load_runs(tmp_path) if r["run_id"] == "run-z")
+    assert [r["variant"] for r in run["rows"]] == ["ddp", "zero3"]
+    assert [r["params"]["variant"] for r in run["rows"]] == ["ddp", "zero3"]
+    assert run["config"]["variant"] == "ddp"
+    hybrid = next(r for r in load_runs(tmp_path) if r["run_id"] == "run-h")
+    assert [r["variant"] for r in hybrid["rows"]] == ["zero0"]
+
+
 def test_runs_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LABKIT_RUNS_DIR", raising=False)

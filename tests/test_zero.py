@@ -18,14 +18,14 @@ from labkit.techniques import zero
 
 pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a launch)
 
-RAN = ("zero0", "zero1", "zero2", "zero3")  # zero3_offload needs a GPU
+RAN = ("ddp", "zero1", "zero2", "zero3")  # zero3_offload needs a GPU
 RANKS = (0, 1)
 CPU = {**TINY_DIST, "device": "cpu"}  # two gloo ranks, whatever GPUs the machine has
 needs_nccl = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()),
                                 reason="needs CUDA (>= 1 GPU) with NCCL; CPU ranks use gloo")
 
 
-def config(variant="zero0", **overrides):
+def config(variant="ddp", **overrides):
     return resolve(zero.Config, "tiny", {**CPU, "variant": variant, "nproc": 2, **overrides},
                    experiment="zero")
 
@@ -67,21 +67,21 @@ def test_every_stage_trains_exactly_as_ddp(rows):
             assert value(rows, v, "grad_max_rel_diff", rank) <= zero.TOLERANCE["cpu"]
             assert value(rows, v, "weight_max_rel_diff", rank) <= zero.TOLERANCE["cpu"]
             assert value(rows, v, "loss_rel_diff", rank) <= zero.TOLERANCE["cpu"]
-            assert value(rows, v, "loss", rank) == pytest.approx(value(rows, "zero0", "loss", rank),
+            assert value(rows, v, "loss", rank) == pytest.approx(value(rows, "ddp", "loss", rank),
                                                                  rel=zero.TOLERANCE["cpu"])
     # each rank trains on its own half of the batch
-    assert value(rows, "zero0", "loss", 0) != value(rows, "zero0", "loss", 1)
+    assert value(rows, "ddp", "loss", 0) != value(rows, "ddp", "loss", 1)
 
 
 def test_a_corrupted_reduction_fails_every_stage_on_every_rank(corrupted):
     # zero1: rank 1's DDP buckets doubled before the all-reduce; zero2, zero3: its reduce-scatter
     # shard doubled after it. The reference, plain DDP, is left alone.
     for rank in RANKS:
-        assert {r["status"] for r in corrupted if r["variant"] == "zero0" and r["rank"] == rank} == {"ok"}
+        assert {r["status"] for r in corrupted if r["variant"] == "ddp" and r["rank"] == rank} == {"ok"}
         for v in RAN[1:]:
             mine = [r for r in corrupted if r["variant"] == v and r["rank"] == rank]
             assert {r["status"] for r in mine} == {"error"}, v
-            assert all(re.match(r"does not match zero0: (rank 0: )?gradients max relative", r["message"])
+            assert all(re.match(r"does not match ddp: (rank 0: )?gradients max relative", r["message"])
                        for r in mine), mine[0]["message"]
             assert value(corrupted, v, "grad_max_rel_diff", rank) > 0.1, v
 
@@ -100,7 +100,7 @@ def test_nccl_ranks_train_as_ddp_and_flag_a_corrupted_reduction(tmp_path):
 def test_sharding_halves_what_each_rank_keeps(rows):
     for rank in RANKS:
         def ratio(v, metric):
-            return value(rows, v, metric, rank) / value(rows, "zero0", metric, rank)
+            return value(rows, v, metric, rank) / value(rows, "ddp", metric, rank)
 
         assert ratio("zero3", "param_bytes") == pytest.approx(0.5, rel=0.01)
         assert ratio("zero1", "optimizer_bytes") == pytest.approx(0.5, rel=0.10)  # whole tensors
@@ -118,7 +118,7 @@ def test_model_states_equal_the_planner(rows):
             for metric in ("param_bytes", "grad_bytes"):
                 row = get(rows, v, metric, rank)
                 assert row["value"] == row["predicted"], (v, metric, rank)
-        for v in ("zero0", "zero2", "zero3"):  # + one step counter per (sharded) tensor
+        for v in ("ddp", "zero2", "zero3"):  # + one step counter per (sharded) tensor
             row = get(rows, v, "optimizer_bytes", rank)
             assert row["value"] == row["predicted"] + counters, (v, rank)
         row = get(rows, "zero1", "optimizer_bytes", rank)  # whole tensors: near an even split
@@ -136,7 +136,7 @@ def test_ddp_peak_is_the_planners_stage_0_where_the_optimizer_step_sets_it(rows)
                                    precision="fp32", optimizer="adamw", gpus=2, device="cpu")
     assert plan.peak_phase == "step"
     for rank in RANKS:
-        row = get(rows, "zero0", "peak_mem_bytes", rank)
+        row = get(rows, "ddp", "peak_mem_bytes", rank)
         assert row["value"] == pytest.approx(row["predicted"], rel=0.01)
         for v in ("zero1", "zero2", "zero3"):
             assert value(rows, v, "peak_mem_bytes", rank) < row["value"]
@@ -153,7 +153,7 @@ def test_offload_is_skipped_on_cpu_and_planned_on_gpus():
 
 def test_expected_follows_what_each_variant_keeps_at_rest():
     psi = planner.num_params(config().model)
-    for v, (param, grad, opt) in {"zero0": (1, 1, 1), "zero1": (1, 1, 2), "zero2": (2, 2, 2),
+    for v, (param, grad, opt) in {"ddp": (1, 1, 1), "zero1": (1, 1, 2), "zero2": (2, 2, 2),
                                   "zero3": (2, 2, 2), "zero3_offload": (2, 2, 2)}.items():
         want = config(v)
         got = zero.expected(want)

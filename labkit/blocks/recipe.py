@@ -275,7 +275,7 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     return dict(batch_size=micro, seq_len=cfg.seq_len, precision=recipe.precision,
                 optimizer="adamw", zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
-                accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=stage >= 2), ""
+                accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=True), ""
 
 
 def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.MemoryPlan:

@@ -561,7 +561,7 @@ CHECKS: dict[str, list[Check]] = {
         Check("inference", "speculative", "draft model: exactly greedy decoding's tokens",
               checked_ok("speculative", "draft"), ">=", 1.0),
         Check("distributed", "zero", "ZeRO-3 param bytes per rank / ZeRO-0's, 2 ranks (issue 4: 1/2 within 1%)",
-              lambda f: 2 * ratio("zero", "param_bytes", "zero3", "zero0")(f), "within", 0.01),
+              lambda f: 2 * ratio("zero", "param_bytes", "zero3", "ddp")(f), "within", 0.01),
         Check("distributed", "data_parallel", "DDP over gloo matches one process", checked_ok("data_parallel", "ddp"),
               ">=", 1.0),
         Check("distributed", "collectives", "all-gather over gloo: every rank holds every shard",

@@ -176,14 +176,14 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
     if method == "full":
         plan = training_memory(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                checkpointing=checkpointing, device=device, zero_stage=zero_stage,
-                               gpus=gpus, fsdp2=zero_stage >= 2)
+                               gpus=gpus, fsdp2=True)
         return dataclasses.replace(plan, trainable_params=plan.num_params,
                                    linear_weight_bytes=linear_weight_bytes(
                                        m, "full", compute_dtype=DTYPE_OF[precision]))
     check_choice("checkpointing (fine-tuning)", checkpointing, FINETUNE_CHECKPOINTING)
     r = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                  checkpointing=checkpointing, device=device, zero_stage=zero_stage, gpus=gpus,
-                 fsdp2=zero_stage >= 2)
+                 fsdp2=True)
     targets = parse_lora_targets(lora_targets)
     trainable = trainable_params(m, method, lora_rank=lora_rank, lora_targets=targets)
     return _lora_plan(r, method, targets, lora_rank, trainable)

@@ -52,8 +52,9 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
     bf16_pure, pure 16-bit training): the matmuls' activations in 16 bits, the
     residual stream and the norms in fp32, and autocast's cached 16-bit weight copies
     (`weight_copy_bytes`): all of them at the end of the forward, a third phase ("forward"),
-    and those the backward keeps at its start. `fsdp2`: ZeRO stage 2 as FSDP2 builds it
-    (`gathered_bytes`: the whole parameters beside the shards between the passes)."""
+    and those the backward keeps at its start. `fsdp2`: ZeRO stages 2 and 3 as FSDP2 builds them
+    (labkit's runs: `gathered_bytes`, the whole parameters beside the shards between the passes,
+    and its working buffers), not the paper's; nothing changes below stage 2 or on one replica."""
     r = _resolve(m, num_params=num_params, batch_size=batch_size, seq_len=seq_len,
                  precision=precision, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
                  gpus=gpus, checkpointing=checkpointing, checkpointed_layers=checkpointed_layers,

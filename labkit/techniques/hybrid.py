@@ -184,7 +184,7 @@ def expected(cfg: Config) -> dict[str, float]:
     plan = planner.training_memory(cfg.model, batch_size=max(1, cfg.batch_size // dp),
                                    seq_len=cfg.seq_len, precision="fp32", optimizer="adamw",
                                    zero_stage=3 if dp > 1 else 0, tp=tp, gpus=dp * tp,
-                                   device=cfg.device, fsdp2=dp > 1)
+                                   device=cfg.device, fsdp2=True)
     return {"param_bytes": float(plan.param_bytes), "grad_bytes": float(plan.grad_bytes),
             "optimizer_bytes": float(plan.optimizer_bytes), "peak_mem_bytes": float(plan.total_bytes),
             "loss_abs_diff": 0.0, "grad_max_rel_diff": 0.0}

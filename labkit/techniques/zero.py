@@ -5,8 +5,9 @@ rank, nproc x batch_size in all); the gradients are averaged over the ranks, so 
 variant holds the same weights. What differs is which bytes each rank keeps (Rajbhandari et al.,
 "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020, section 5):
 
-- `zero0` (the reference): plain DDP. Every rank keeps all parameters, gradients (DDP's
-  all-reduce buckets, which the gradients live in: `gradient_as_bucket_view`) and AdamW states.
+- `ddp` (the reference): plain DDP, the paper's stage 0. Every rank keeps all parameters,
+  gradients (DDP's all-reduce buckets, which the gradients live in: `gradient_as_bucket_view`)
+  and AdamW states.
 - `zero1`: DDP with `ZeroRedundancyOptimizer`: each rank keeps AdamW's moments for its share of the
   parameter tensors (whole tensors, balanced by size), updates those, then broadcasts them.
 - `zero2`: FSDP2 `fully_shard(reshard_after_forward=False)`: gradients reduce-scattered into
@@ -34,7 +35,7 @@ weights and losses after CHECK_STEPS steps. Both are needed: AdamW's update is n
 to a positive scale of a gradient, so a reduction that scaled every gradient (a missing average)
 would train the same weights. `fault=corrupt_reduction` scales fault_rank's bucket before DDP's
 all-reduce (`zero1`), or its reduce-scatter shard after it (FSDP2's hook: `zero2`, `zero3`); the
-reference `zero0` is left alone.
+reference `ddp` is left alone.
 
 The timed step calls `zero_grad(set_to_none=True)` first, so the gradients of a step are kept until
 the next one and `grad_bytes` is measured at rest, after the step, with everything else.
@@ -48,22 +49,20 @@ import torch
 from labkit import planner
 from labkit.config import ConfigError, knob
 from labkit.blocks.distributed import DistConfig, corrupt_reduction, corrupt_scale, world_size
+from labkit.blocks.layout import ZERO_MODES
 from labkit.blocks.sharded import full_tensor
 from labkit.blocks.training import Trainer, compare_grads, global_relative_difference, gradient_difference
 from labkit.blocks.transforms import apply_data_parallel
 from labkit.workload import Comparison, Workload
 
 DISTRIBUTED = True
-VARIANTS = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
-REFERENCE = "zero0"
+VARIANTS = (*ZERO_MODES, "zero3_offload")  # the data-parallel names compose and the planner use
+REFERENCE = "ddp"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"timed_steps": 3, "seq_len": 32}, {"timed_steps": 2, "seq_len": 32, "num_layers": 2},
              {"timed_steps": 2, "seq_len": 32, "num_layers": 1})
 
-STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
-# how `apply_data_parallel` builds each: plain DDP, DDP + ZeroRedundancyOptimizer, or FSDP2
-DATA_PARALLEL = {"zero0": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-                 "zero3_offload": "zero3"}
+STAGE = {**{mode: stage for stage, mode in enumerate(ZERO_MODES)}, "zero3_offload": 3}
 LR = 1e-3
 CHECK_STEPS = 2  # the second step also checks the sharded optimizer states the first one made
 # Normwise relative difference of the weights after CHECK_STEPS steps, ||w - w_ref|| / ||w_ref||
@@ -73,7 +72,7 @@ CHECK_STEPS = 2  # the second step also checks the sharded optimizer states the 
 # sharded and whole tensors: a few fp32 ulps (1.2e-7 each). On CUDA, backwards that accumulate
 # with atomics (embedding, attention) differ run to run by such ulps, and AdamW's first steps
 # (update ~ lr * g / |g|) turn a sign flip of a near-zero gradient into a whole lr: an H200 measured
-# 3.3e-5 (zero3 against zero0, one rank, small preset), so there 1e-4 is allowed.
+# 3.3e-5 (zero3 against ddp, one rank, small preset), so there 1e-4 is allowed.
 TOLERANCE = {"cpu": 1e-6, "cuda": 1e-4}
 
 
@@ -110,7 +109,8 @@ def build_step(cfg: Config) -> Trainer:
     step drops the previous step's gradients first (so this one's stay at rest, where
     `grad_bytes` is measured); no gradient norm (on DTensors it would add collectives)."""
     trainer = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * world_size(), optimizer=False)
-    apply_data_parallel(trainer, DATA_PARALLEL[cfg.variant], offload=cfg.variant == "zero3_offload")
+    offload = cfg.variant == "zero3_offload"
+    apply_data_parallel(trainer, "zero3" if offload else cfg.variant, offload=offload)
     maybe_corrupt_reduction(trainer.net, cfg)
     trainer.grads_at_rest, trainer.measure_norm = True, False
     trainer.build_optimizer()
@@ -179,10 +179,10 @@ def expected(cfg: Config) -> dict[str, float]:
                                              optimizer="adamw")[i] for i, s in enumerate(stages)]
     out = dict(zip(("param_bytes", "grad_bytes", "optimizer_bytes"), map(float, states)))
     if cfg.variant != "zero3_offload":  # the planner has no offload: its peak is on the device
-        stage = STAGE[cfg.variant]  # stages 2 and 3 as FSDP2 builds them (fsdp2)
         plan = planner.training_memory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                                       precision="fp32", optimizer="adamw", zero_stage=stage,
-                                       gpus=n, device=cfg.device, fsdp2=stage >= 2)
+                                       precision="fp32", optimizer="adamw",
+                                       zero_stage=STAGE[cfg.variant], gpus=n, device=cfg.device,
+                                       fsdp2=True)
         out["peak_mem_bytes"] = float(plan.total_bytes)
     return out
 
@@ -197,8 +197,8 @@ FSDP2_PEAK = ("In the backward FSDP2 also holds a block's reduce-scatter buffers
               "the backward sets the peak (small batches), the measured peak is that much above "
               "the prediction.")
 NOTES = {
-    "zero0": {"grad_bytes": "DDP's all-reduce buckets, which the gradients are views of.",
-              "peak_mem_bytes": DDP_PEAK},
+    "ddp": {"grad_bytes": "DDP's all-reduce buckets, which the gradients are views of.",
+            "peak_mem_bytes": DDP_PEAK},
     "zero1": {"optimizer_bytes": COUNTERS + " The paper's P_os; ZeroRedundancyOptimizer gives each "
                                             "rank whole tensors, balanced by size: near 1/Nd.",
               "peak_mem_bytes": DDP_PEAK + " Its AdamW steps whole tensors: temporaries of the "

@@ -14,7 +14,7 @@ DIST_WORDS = ("Measured on two CPU processes over gloo on any machine, a GPU's i
               "answer (per-rank bytes, the schedule's shape) does not depend on the device.")
 RING_RANKS = 8  # the ring all-reduce scenario's N: at N = 2 its 2 (N - 1) / N factor is 1
 STATES = ("param_bytes", "grad_bytes", "optimizer_bytes")  # the zero Run's per-rank metrics
-VARIANT = {0: "zero0", 1: "zero1", 3: "zero3"}
+VARIANT = {0: "ddp", 1: "zero1", 3: "zero3"}
 
 
 def _psi(s: Setup) -> int:
@@ -80,7 +80,7 @@ def _ring_supports(r: Rows, s: Setup) -> str | None:
     """The size the ring starts from: the gradient bytes DDP reduced (its buckets) are the fp32
     parameter bytes. The bytes a rank sends are not counted by gloo, so not measured here."""
     want = planner.param_bytes(s.cfg().model, "float32")
-    got = r.get("zero0", "grad_bytes")
+    got = r.get("ddp", "grad_bytes")
     return None if _close(got, want) else f"DDP's gradient buckets hold {mib(got)}, not {mib(want)}"
 
 
@@ -131,8 +131,8 @@ def _pipeline_and_ring() -> list[Exercise]:
             "How many MiB does each rank send per step?", "zero",
             answer=lambda s: ring_allreduce_bytes(planner.param_bytes(s.cfg().model, "float32"),
                                                   RING_RANKS) / MiB,
-            evidence=lambda r, s: {"grads": mib(r.get("zero0", "grad_bytes")),
-                                   "step": show(r.get("zero0", "step_ms"), "ms")},
+            evidence=lambda r, s: {"grads": mib(r.get("ddp", "grad_bytes")),
+                                   "step": show(r.get("ddp", "step_ms"), "ms")},
             why="a ring all-reduce is a reduce-scatter then an all-gather, each N - 1 steps in which "
                 "a rank sends one 1/N chunk: 2 (N - 1) / N x gradient bytes (4 bytes x params) = "
                 "{answer}. Measured: the gradients DDP reduced (its buckets) hold {grads}, the size "
@@ -159,7 +159,7 @@ def _zero_states() -> list[Exercise]:
             "fully_shard).", "How many MiB of parameters does each rank hold at rest?", "zero",
             answer=lambda s: _zero_state(s, 3, 0),
             evidence=lambda r, s: {"z3": mib(r.get("zero3", "param_bytes")),
-                                   "z0": mib(r.get("zero0", "param_bytes"))},
+                                   "z0": mib(r.get("ddp", "param_bytes"))},
             why="ZeRO-3 shards the weights too: 4 bytes x params / N = {answer}. Measured from rank 0's "
                 "local shards: {z3} (DDP holds all of them: {z0}).", level=2, unit="MiB", rel_tol=0.02,
             hint="fp32 weights are 4 bytes each; which of the three model states does stage 3 add to "
@@ -174,7 +174,7 @@ def _zero_states() -> list[Exercise]:
             "keep after the backward (reduce-scattered)?", "zero",
             answer=lambda s: _zero_state(s, 3, 1),
             evidence=lambda r, s: {"z3": mib(r.get("zero3", "grad_bytes")),
-                                   "z0": mib(r.get("zero0", "grad_bytes"))},
+                                   "z0": mib(r.get("ddp", "grad_bytes"))},
             why="from stage 2 on, each rank keeps only its shard of the reduced gradients: 4 x params / "
                 "N = {answer}. Measured: {z3} (DDP: {z0}, its all-reduce buckets).", level=2,
             unit="MiB", rel_tol=0.02,
@@ -189,7 +189,7 @@ def _zero_states() -> list[Exercise]:
             "How many MiB of AdamW state does each rank hold?", "zero",
             answer=lambda s: _zero_state(s, 1, 2),
             evidence=lambda r, s: {"z1": mib(r.get("zero1", "optimizer_bytes")),
-                                   "z0": mib(r.get("zero0", "optimizer_bytes"))},
+                                   "z0": mib(r.get("ddp", "optimizer_bytes"))},
             why="AdamW keeps two fp32 moments (8 bytes/param); stage 1 shards them: 8 x params / N = "
                 "{answer}. Measured: {z1} against DDP's {z0} (plus a 4-byte step counter per tensor).",
             level=2, unit="MiB", rel_tol=0.02,
@@ -204,7 +204,7 @@ def _zero_states() -> list[Exercise]:
             "Same two ranks with plain DDP (ZeRO stage 0), AdamW in fp32.",
             "How many MiB of AdamW state does each rank hold?", "zero",
             answer=lambda s: _zero_state(s, 0, 2),
-            evidence=lambda r, s: {"z0": mib(r.get("zero0", "optimizer_bytes")),
+            evidence=lambda r, s: {"z0": mib(r.get("ddp", "optimizer_bytes")),
                                    "z3": mib(r.get("zero3", "optimizer_bytes"))},
             why="DDP replicates everything: 8 bytes x params on every rank = {answer}, however many "
                 "ranks. Measured: {z0}; ZeRO-3 on the same ranks: {z3}.", level=2, unit="MiB",

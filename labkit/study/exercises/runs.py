@@ -37,7 +37,7 @@ RUNS = {
     # output, continuous refills rows as requests finish (no preemption: the pool holds 4 rows)
     "serve": Run("batching", {"num_layers": 1, "num_requests": 8, "max_output_len": 32, "arrival": "closed",
                               "batch_size": 4}, ("sequential", "static", "continuous")),
-    "zero": Run("zero", {**DIST, "batch_size": 2}, ("zero0", "zero1", "zero3")),
+    "zero": Run("zero", {**DIST, "batch_size": 2}, ("ddp", "zero1", "zero3")),
     # bf16 on the two gloo ranks at the ladder's four rungs (RECIPE_RUNGS: autocast on DDP,
     # FSDP2's policy under ZeRO-2); 65 MiB sits between the DDP rungs (70 MiB and more) and
     # ZeRO-2's (41 MiB).
