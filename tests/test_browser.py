@@ -32,8 +32,9 @@ from labkit.cli import lab_command
 from conftest import PARAMETERS, needs
 
 # Slow on purpose (a server, a kernel and a browser; about 30 s each here): the waits below fail
-# first, with what the page showed, well inside this limit.
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow, needs("playwright", "papermill")]
+# first, with what the page showed, well inside the suite's limit (pytest-timeout's 600 s, which
+# also bounds the report fixture's setup when a test here is the first to ask for it).
+pytestmark = [pytest.mark.slow, needs("playwright", "papermill")]
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts" / "browser"
