@@ -35,8 +35,11 @@ def test_timer_runs_warmup_then_at_least_the_repeats_and_measures_the_step():
 
 
 def test_timer_keeps_timing_until_the_minimum_time():
+    """Read off the clock around it, not off a count of 10 ms sleeps: on a throttled CPU a 10 ms
+    sleep takes longer (under a 0.4-core quota three calls filled the 0.1 s)."""
+    start = time.perf_counter()
     timing = time_step(lambda: time.sleep(0.01), warmup=0, min_run_time_s=0.1, min_repeats=1)
-    assert sum(timing.times_s) >= 0.1 * 0.9 and len(timing.times_s) >= 5
+    assert time.perf_counter() - start >= 0.1 and len(timing.times_s) >= 1
 
 
 def test_timing_statistics():
