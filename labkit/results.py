@@ -209,7 +209,10 @@ def _read_records(folder: Path, pattern: str) -> list[dict[str, Any]]:
 
 def renamed(record: dict[str, Any]) -> dict[str, Any]:
     """`record` with every variant RENAMED since it was stored under its name now: in its rows,
-    their params and its config."""
+    their params and its config (any other record as it is)."""
+    if not any(experiment == record["experiment"] for experiment, _ in RENAMED):
+        return record
+
     def fix(d: Any) -> Any:
         key = (record["experiment"], d.get("variant")) if isinstance(d, dict) else None
         return {**d, "variant": RENAMED[key]} if key in RENAMED else d

@@ -27,8 +27,7 @@ def pytest_collection_modifyitems(items):
         if (item.get_closest_marker("multiprocess") or item.get_closest_marker("notebook")
                 or "shared_runs" in fixtures):
             item.add_marker(pytest.mark.slow)
-        shared = [name for name in SHARED if name in fixtures]
-        group[item] = shared[0] if shared else item.path.name
+        group[item] = next((name for name in SHARED if name in fixtures), item.path.name)
         item.add_marker(pytest.mark.xdist_group(group[item]))
     slow = collections.Counter(group[item] for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: (group[item] not in SHARED, -slow[group[item]]))

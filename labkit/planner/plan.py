@@ -77,8 +77,12 @@ class _Run:
 
     @property
     def fsdp2_sharded(self) -> bool:
-        """FSDP2 shards the parameters over data-parallel ranks (ZeRO-2/3, dp > 1)."""
-        return self.fsdp2 and self.zero_stage >= 2 and self.dp > 1
+        return fsdp2_sharded(self.fsdp2, self.zero_stage, self.dp)
+
+
+def fsdp2_sharded(fsdp2: bool, zero_stage: int, dp: int) -> bool:
+    """FSDP2 shards the parameters over data-parallel ranks (ZeRO-2/3, dp > 1)."""
+    return fsdp2 and zero_stage >= 2 and dp > 1
 
 
 def _positive(**values) -> None:
@@ -107,11 +111,11 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
     device = device or hardware.default_device()
     impl = optimizer_impl or ("single" if device.startswith("cpu") else "foreach")
     check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
-    sharded = fsdp2 and zero_stage >= 2 and gpus // (tp * pp) > 1  # _Run.fsdp2_sharded
-    p = precision_bytes(precision, fsdp2_sharded=sharded)
+    dp = gpus // (tp * pp)
+    p = precision_bytes(precision, fsdp2_sharded=fsdp2_sharded(fsdp2, zero_stage, dp))
     return _Run(m=m, num_params=psi, batch_size=batch_size, seq_len=seq_len, precision=precision,
                 prec=p, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
-                dp=gpus // (tp * pp), checkpointing=checkpointing,
+                dp=dp, checkpointing=checkpointing,
                 checkpointed_layers=checkpointed_layers, accumulation_steps=accumulation_steps,
                 impl=impl, fsdp2=fsdp2, stat=p.residual if device.startswith("cpu") else 4,
                 shape=local_shape(m, tp) if m is not None else None)

@@ -372,8 +372,7 @@ def fit_panel(model: str = "llama-2-7b") -> Any:
     controls = {
         "model": W.Dropdown(options=list(PRESETS), value=model, description="model", **style),
         "precision": W.Dropdown(options=list(planner.PRECISIONS), value="bf16_pure",
-                                description="precision",
-                                **style),
+                                description="precision", **style),
         "zero_stage": W.Dropdown(options=list(planner.ZERO_STAGES), value=3, description="ZeRO", **style),
         "checkpointing": W.Dropdown(options=list(planner.CHECKPOINTING), value="full",
                                     description="checkpointing", **style),

@@ -7,6 +7,7 @@ on the device, so every answer here is the same for "cpu" and "cuda"."""
 from __future__ import annotations
 
 from labkit import planner
+from labkit.blocks.layout import ZERO_MODES
 from labkit.study.exercises.core import MiB, TOPICS, Exercise, Rows, Setup, mib, model_words, show
 from labkit.study.exercises.formulas import ring_allreduce_bytes
 
@@ -14,7 +15,6 @@ DIST_WORDS = ("Measured on two CPU processes over gloo on any machine, a GPU's i
               "answer (per-rank bytes, the schedule's shape) does not depend on the device.")
 RING_RANKS = 8  # the ring all-reduce scenario's N: at N = 2 its 2 (N - 1) / N factor is 1
 STATES = ("param_bytes", "grad_bytes", "optimizer_bytes")  # the zero Run's per-rank metrics
-VARIANT = {0: "ddp", 1: "zero1", 3: "zero3"}
 
 
 def _psi(s: Setup) -> int:
@@ -36,7 +36,7 @@ def _zero_words(s: Setup) -> str:
 
 
 def _measured_mib(r: Rows, stage: int, which: int) -> float | None:
-    value = r.get(VARIANT[stage], STATES[which])
+    value = r.get(ZERO_MODES[stage], STATES[which])
     return None if value is None else value / MiB
 
 
@@ -51,7 +51,7 @@ def _zero_supports(stage: int, which: int, contrast: int):
         for st in (stage, contrast):
             got, want = _measured_mib(r, st, which), _zero_state(s, st, which)
             if not _close(got, want):
-                return (f"rank 0's {STATES[which]} under {VARIANT[st]} is {mib((got or 0) * MiB)}, "
+                return (f"rank 0's {STATES[which]} under {ZERO_MODES[st]} is {mib((got or 0) * MiB)}, "
                         f"not the predicted {mib(want * MiB)}")
         return None
     return check
