@@ -525,6 +525,27 @@ def ceilings(device: str | torch.device = "auto", *, num_threads: int = 1) -> Ce
     return _gpu_ceilings(int(resolved.split(":")[1]))
 
 
+def peak_tflops(device: str | torch.device = "auto", *, num_threads: int = 1) -> dict[str, float]:
+    """`ceilings(device, num_threads=num_threads).peak_tflops` without the CPU's calibration:
+    the physical ceiling is read, not measured (what a prediction needs: every rank of a launch
+    asks for it, and each rank is a new process that would calibrate again)."""
+    if _is_cpu(device):
+        return cpu_peak(num_threads).tflops
+    return ceilings(device, num_threads=num_threads).peak_tflops
+
+
+def bandwidth_gbps(device: str | torch.device = "auto", *, num_threads: int = 1) -> float | None:
+    """`ceilings(device, num_threads=num_threads).bandwidth_gbps`; on the CPU the copy alone is
+    measured (once per process and thread count), not the matmul calibration."""
+    if _is_cpu(device):
+        return _cpu_bandwidth(num_threads)
+    return ceilings(device, num_threads=num_threads).bandwidth_gbps
+
+
+def _is_cpu(device: str | torch.device) -> bool:
+    return (default_device() if str(device) == "auto" else str(device)) == "cpu"
+
+
 def _resolve_device(device: str | torch.device) -> str:
     """'cpu' or 'cuda:N'; raises when a GPU is asked for and torch has none."""
     text = default_device() if str(device) == "auto" else str(device)
@@ -590,9 +611,9 @@ def _cpu_ceilings(num_threads: int) -> Ceilings:
             "bfloat16": _matmul_tflops(256, torch.bfloat16),
             "float16": _matmul_tflops(256, torch.float16),
         }
-        bandwidth = _copy_gbps(64 * 2**20)
     finally:
         torch.set_num_threads(previous)
+    bandwidth = _cpu_bandwidth(num_threads)
     peak = cpu_peak(num_threads)
     model = cpu_info().model
     measured = (f"measured on this CPU ({model}, {num_threads} thread(s)), median of 3 after "
@@ -606,6 +627,17 @@ def _cpu_ceilings(num_threads: int) -> Ceilings:
     return Ceilings("cpu", model, peak.tflops, bandwidth, _memory_total_bytes(), source,
                     measured=True, calibrated_tflops=calibrated,
                     notes=over_ceiling(calibrated, peak.tflops), sources=sources)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_bandwidth(num_threads: int) -> float:
+    """A 64 MiB copy's GB/s with `num_threads` torch threads (torch's thread count restored)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        return _copy_gbps(64 * 2**20)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def percent(share: float) -> str:

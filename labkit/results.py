@@ -121,7 +121,7 @@ def write_json_atomic(path: Path, record: dict[str, Any] | bytes) -> None:
             if isinstance(record, bytes):
                 f.write(record)
             else:
-                json.dump(record, f, default=str)
+                f.write(json.dumps(record, default=str))  # dumps: C's encoder; dump: Python's
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -81,7 +81,7 @@ def link_gbps(cfg: DistConfig) -> tuple[float | None, str]:
         spec = hardware.gpu_spec(torch.cuda.get_device_name(cfg.device)) or {}
         gbps = spec.get("interconnect_gbps")
         return gbps, f"{spec.get('interconnect', 'interconnect')} per GPU, one direction (datasheet)"
-    return hardware.ceilings("cpu").bandwidth_gbps, "this CPU's measured copy bandwidth"
+    return hardware.bandwidth_gbps("cpu"), "this CPU's measured copy bandwidth"
 
 
 def scaled_allreduce_hook(scale: float):

@@ -327,7 +327,7 @@ def _flop_rows(wl: Workload, cfg: RunConfig, seconds: float) -> dict[str, float]
     if not wl.count_flops:
         return {}
     flops = count_flops(wl.step)
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads)
     point = roofline(flops, seconds, peak_tflops=peak.get(wl.compute_dtype))
     out = {"flops": float(flops), "tflops": point.tflops}
     if point.pct_peak_flops is not None:

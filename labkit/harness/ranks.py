@@ -157,7 +157,8 @@ def local_env(nproc: int, store: str) -> dict[str, str]:
 # labkit's process start leaves out (about 1 s a rank on the reference CPU), and TorchDynamo,
 # which torch imports on the first call of any function it guards with `_disable_dynamo` (an
 # optimizer's step among them): 0.7 s a rank, a quarter of a tiny run's rank
-RANK_PRELOAD = ["labkit.harness.experiment", "labkit.blocks.transforms", "torch._dynamo"]
+RANK_PRELOAD = ["labkit.harness.experiment", "labkit.blocks.transforms", "torch._dynamo",
+                "labkit.harness.rank_server"]
 
 
 def spawn(fn: Callable[..., None], args: tuple, nproc: int, *, poll: Callable[[], None] | None = None

@@ -226,7 +226,7 @@ def expected(cfg: Config) -> dict[str, float]:
     out = {"peak_mem_bytes": plan.total_bytes, "activation_bytes": plan.activation_bytes,
            "flops": flops, "num_checkpointed_blocks": k, "grad_max_abs_diff": 0.0,
            "grad_max_rel_diff": 0.0}
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(cfg.dtype)
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(cfg.dtype)
     if peak:
         step_s = flops / (peak * 1e12)
         out.update(tflops=peak, step_ms=step_s * 1e3, tokens_per_s=cfg.batch_size * cfg.seq_len / step_s)

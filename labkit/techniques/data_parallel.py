@@ -318,7 +318,7 @@ def predicted_times(cfg: Config, pieces: int, ring_bytes: float) -> dict[str, fl
     not overlapped (so comm_fraction is an upper bound; DDP hides part of it in the backward)."""
     flops = pieces * planner.train_step_flops(cfg.model, batch=piece_size(cfg), seq_len=cfg.seq_len,
                                               attention=cfg.attention)
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(cfg.dtype)
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(cfg.dtype)
     gbps, _ = link_gbps(cfg)
     if not peak or not gbps:
         return {}

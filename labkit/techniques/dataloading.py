@@ -299,7 +299,7 @@ def expected(cfg: Config) -> dict[str, float]:
                                      attention=cfg.attention)
     out = {"flops": flops, "loss_delta": 0.0, "batches_match": 1.0,
            "param_bytes": planner.param_bytes(cfg.model, "float32")}
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get("float32")
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get("float32")
     if peak:
         compute = flops / (peak * 1e12) * 1e3
         data = data_ms(cfg)

@@ -285,7 +285,7 @@ def expected(cfg: Config) -> dict[str, float]:
            "grad_bytes": p.grad_bytes, "optimizer_bytes": p.optimizer_bytes,
            "activation_bytes": p.activation_bytes, "peak_mem_bytes": p.total_bytes,
            "init_logits_equal": 1.0, "base_unchanged": 1.0, "adapter_grad_rel_diff": 0.0}
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(compute_dtype(cfg))
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(compute_dtype(cfg))
     if peak:
         flops = planner.train_step_flops(m, batch=cfg.batch_size, seq_len=cfg.seq_len, attention=cfg.attention)
         out["tokens_per_s"] = cfg.batch_size * cfg.seq_len / (flops / (peak * 1e12))

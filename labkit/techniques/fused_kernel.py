@@ -137,7 +137,7 @@ def per_second(cfg: Config) -> dict[str, float]:
     """Amounts per step that the harness divides by the step's time: GB moved, and the same as a
     percentage of what the device's bandwidth moves in one second."""
     out = {"gbps": bytes_moved(cfg) / 1e9}
-    bandwidth = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).bandwidth_gbps
+    bandwidth = hardware.bandwidth_gbps(cfg.device, num_threads=cfg.num_threads)
     if bandwidth:
         out["peak_bandwidth_pct"] = 100 * bytes_moved(cfg) / (bandwidth * 1e9)
     return out
@@ -161,7 +161,7 @@ def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
 
 def expected(cfg: Config) -> dict[str, float]:
     out: dict[str, float] = {"max_abs_error": 0.0, "max_rel_error": 0.0} if cfg.variant == "eager" else {}
-    bandwidth = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).bandwidth_gbps
+    bandwidth = hardware.bandwidth_gbps(cfg.device, num_threads=cfg.num_threads)
     if bandwidth:  # the floor: the fused bytes at the device's bandwidth
         out.update(step_ms=1e3 * bytes_moved(cfg) / (bandwidth * 1e9), gbps=bandwidth,
                    peak_bandwidth_pct=100.0)

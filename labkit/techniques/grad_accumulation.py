@@ -80,7 +80,7 @@ def expected(cfg: Config) -> dict[str, float]:
                                                          seq_len=cfg.seq_len, attention=cfg.attention)
     out = {"peak_mem_bytes": plan.total_bytes, "activation_bytes": plan.activation_bytes,
            "flops": flops}
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(cfg.dtype)
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(cfg.dtype)
     if peak:
         step_s = flops / (peak * 1e12)
         out.update(tflops=peak, step_ms=step_s * 1e3, tokens_per_s=tokens / step_s)

@@ -41,7 +41,7 @@ CPU_RUNGS = ({"size": 256},)
 
 ALIGNMENTS = ("aligned", "mult8", "off_by_one")
 OFFSET = {"aligned": 0, "mult8": 8, "off_by_one": 1}  # taken off each dimension
-# The key of the dtype in `hardware.ceilings().peak_tflops` (and in data/gpus.json).
+# The key of the dtype in `hardware.peak_tflops()` (and in data/gpus.json).
 COMPUTE_DTYPE = {"fp32": "float32", "tf32": "tf32", "fp16": "float16", "bf16": "bfloat16",
                  "fp8": "float8"}
 INPUT_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,

@@ -162,7 +162,7 @@ def storage(cfg: Config) -> dict[str, int]:
 def expected(cfg: Config) -> dict[str, float]:
     """The bytes each tensor holds; the step at the copy bandwidth for the lines it touches."""
     out: dict[str, float] = {**storage(cfg), "max_abs_diff": 0.0}
-    bandwidth = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).bandwidth_gbps
+    bandwidth = hardware.bandwidth_gbps(cfg.device, num_threads=cfg.num_threads)
     if bandwidth:
         seconds = traffic_bytes(cfg) / (bandwidth * 1e9)
         out.update(step_ms=seconds * 1e3, gbps=useful_bytes(cfg) / seconds / 1e9)

@@ -144,7 +144,7 @@ def expected(cfg: Config) -> dict[str, float]:
     weights = "bfloat16" if cfg.variant == "bf16_weights" else "float32"
     flops = planner.train_step_flops(m, batch=cfg.batch_size, seq_len=cfg.seq_len,
                                      attention=cfg.attention)
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(compute_dtype(cfg.variant))
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(compute_dtype(cfg.variant))
     out = {"param_bytes": planner.param_bytes(m, weights), "flops": flops, "loss_delta": 0.0,
            "optimizer_bytes": planner.adamw_state_bytes(m, master_copy=cfg.variant == "bf16_weights")}
     if peak:

@@ -166,7 +166,7 @@ def expected(cfg: Config) -> dict[str, float]:
         up = (plan.activation_bytes if acts else 0) + (plan.param_bytes if opt else 0)
         seconds = down / (d2h * 1e9) + up / (h2d * 1e9)
         if opt:
-            host_gbps = hardware.ceilings("cpu", num_threads=cfg.num_threads).bandwidth_gbps
+            host_gbps = hardware.bandwidth_gbps("cpu", num_threads=cfg.num_threads)
             seconds += HOST_ADAMW_BYTES_PER_PARAM * plan.num_params / (host_gbps * 1e9)
         out.update(transfer_bytes=down + up, added_step_ms=seconds * 1e3,
                    device_mem_saved_bytes=moved)

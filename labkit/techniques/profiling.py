@@ -221,7 +221,7 @@ def expected(cfg: Config) -> dict[str, float]:
                                      attention=cfg.attention)
     out = {"flops": flops, "loss_delta": 0.0, "param_bytes": planner.param_bytes(cfg.model, cfg.dtype),
            "optimizer_bytes": planner.adamw_state_bytes(cfg.model)}
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(cfg.dtype)
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(cfg.dtype)
     if peak:
         out.update(tflops=peak, step_ms=flops / (peak * 1e12) * 1e3)
     return out

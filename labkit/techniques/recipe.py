@@ -377,7 +377,7 @@ def expected(cfg: Config) -> dict[str, float]:
     if plan is not None:  # autocast's casts that its backward keeps (none without autocast)
         out["saved_weight_copy_bytes"] = plan.kept_weight_copy_bytes
     dtype = "float32" if cfg.variant == REFERENCE else compute_dtype(cfg.precision)
-    peak = hardware.ceilings(cfg.device, num_threads=cfg.num_threads).peak_tflops.get(dtype)
+    peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(dtype)
     if peak:
         step_s = step_flops(cfg) / (peak * 1e12)
         sequences = cfg.batch_size * ((cfg.nproc or 2) // cfg.tensor_parallel if cfg.variant == REFERENCE else 1)

@@ -284,7 +284,7 @@ def expected(cfg: Config) -> dict[str, float]:
     if cfg.variant in FRESH and torch.cuda.is_available():
         out["num_gpus_seen"] = 0.0
     if cfg.work == "elementwise":  # bandwidth-bound: the copy bandwidth at n threads over one
-        ceil = [hardware.ceilings("cpu", num_threads=k).bandwidth_gbps for k in (1, n)]
+        ceil = [hardware.bandwidth_gbps("cpu", num_threads=k) for k in (1, n)]
         out["speedup"] = ceil[1] / ceil[0]
     else:
         out["speedup"] = float(min(n, physical_cores()))
