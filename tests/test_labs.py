@@ -322,7 +322,7 @@ def test_a_lab_played_through_in_a_notebook(lab_runs, tmp_path):
     wrong = labs.DIAGNOSES[3]
     (text,) = execute_notebooks([(lab_path(key), tmp_path / "played.ipynb", {
         "diagnosis": [wrong, lab.diagnosis], "fix": labs.reference_fix(key), "interactive": False,
-        "device": DEVICE, "runs_dir": lab_runs})], tmp_path, kernels=1)
+        "device": DEVICE, "runs_dir": lab_runs})], tmp_path)
     assert lab.symptoms in text and "Evidence (" in text and "inf/nan" in text
     assert f"Diagnosis {wrong!r}: wrong" in text and lab.feedback[wrong] in text
     assert f"Diagnosis {lab.diagnosis!r}: correct" in text

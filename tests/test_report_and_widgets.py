@@ -12,12 +12,13 @@ pytest.importorskip("ipywidgets")
 
 
 def test_report_reports_a_failed_notebook_runs_the_others_and_exits_1(tmp_path, capsys):
-    """`labkit report` end to end on two notebooks in one kernel, one made to fail by a setting
-    its experiment refuses (every notebook runs in conftest's shared report)."""
+    """`labkit report` end to end on two notebooks, each in its own kernel (`--jobs 2`: the
+    shared report in conftest runs every notebook on one), one made to fail by a setting its
+    experiment refuses."""
     pytest.importorskip("papermill")
     out = tmp_path / "report"
     argv = ["report", "--out", str(out), "--preset", "tiny", "--only", "matmul", "--only", "25_quiz",
-            "--jobs", "1", "--set", "size=100"]  # matmul's size must be a multiple of 128
+            "--jobs", "2", "--set", "size=100"]  # matmul's size must be a multiple of 128
     assert main(argv) == 1
     assert "20_matmul failed: ConfigError: m=100 must be a multiple of 128" in capsys.readouterr().err
     index = (out / "index.html").read_text()
