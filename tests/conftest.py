@@ -196,14 +196,14 @@ def shared_runs(tmp_path_factory):
 
 
 def execute_notebooks(jobs, cwd):
-    """Execute `jobs` ((path, output, parameters) each) in order on one warm kernel
-    (labkit.report.kernel: its imports are paid once, not once a notebook; the suite's other
-    worker has the other core); returns each notebook's printed text, in order."""
+    """Execute `jobs` ((path, output, parameters) each) in order on one warm kernel of one
+    thread (labkit.report.kernel: its imports are paid once, not once a notebook; the suite's
+    other worker has the other core); returns each notebook's printed text, in order."""
     import nbformat
 
     from labkit.report.kernel import WarmKernel
 
-    with WarmKernel(cwd, Path(cwd) / "kernel.log") as kernel:
+    with WarmKernel(cwd, Path(cwd) / "kernel.log", threads=1) as kernel:
         for path, out, parameters in jobs:
             kernel.execute(path, out, parameters)
     texts = []

@@ -177,29 +177,38 @@ def test_tolerance_edges():
     assert not math.isnan(ex.tolerance(ref))
 
 
-@pytest.mark.notebook
-def test_every_exercise_notebook_in_solution_mode(shared_runs, tmp_path):
+@pytest.fixture(scope="module")
+def executed(shared_runs, tmp_path_factory):
+    """Every exercise notebook in solution mode, then the first as a learner opens it (its
+    default parameters), on one warm kernel: {(stem, mode): the executed notebook's path} and
+    their printed texts in the same order."""
     pytest.importorskip("papermill")
+    folder = tmp_path_factory.mktemp("exercise-notebooks")
+    solution = {"solution": True, "interactive": False, "device": "cpu", "runs_dir": shared_runs}
+    jobs = [(p, folder / p.name, solution) for p in exercise_notebooks()]
+    first = exercise_notebooks()[0]
+    jobs.append((first, folder / "default.ipynb", {"device": "cpu"}))
+    texts = execute_notebooks(jobs, folder)
+    return {(p.stem, "default" if out.name == "default.ipynb" else "solution"): (out, text)
+            for (p, out, _), text in zip(jobs, texts)}
+
+
+@pytest.mark.notebook
+def test_every_exercise_notebook_in_solution_mode(executed):
     paths = exercise_notebooks()
     assert {p.stem.split("_", 1)[1] for p in paths} == set(exercises.EXERCISES)
-    params = {"solution": True, "interactive": False, "device": "cpu", "runs_dir": shared_runs}
-    texts = execute_notebooks([(p, tmp_path / p.name, params) for p in paths], tmp_path)
-    for path, text in zip(paths, texts):
+    for path in paths:
+        _, text = executed[path.stem, "solution"]
         assert "Graded: correct" in text and "reused" in text, (path.name, text[-2000:])
 
 
 @pytest.mark.notebook
-def test_an_exercise_notebook_by_default_asks_for_a_prediction(tmp_path):
+def test_an_exercise_notebook_by_default_asks_for_a_prediction(executed):
     """What a learner opens: no prediction yet, so nothing is graded or run; the box is shown."""
-    pytest.importorskip("papermill")
     import nbformat
-    import papermill as pm
 
-    out = tmp_path / "default.ipynb"
-    pm.execute_notebook(str(exercise_notebooks()[0]), str(out), kernel_name="python3",
-                        parameters={"device": "cpu"}, progress_bar=False, store_widget_state=False)
+    out, text = executed[exercise_notebooks()[0].stem, "default"]
     outputs = [o for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
-    text = "".join(o.get("text", "") for o in outputs)
     assert "Enter your prediction" in text and "Graded" not in text
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
 
