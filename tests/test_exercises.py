@@ -180,8 +180,8 @@ def test_tolerance_edges():
 @pytest.fixture(scope="module")
 def executed(shared_runs, tmp_path_factory):
     """Every exercise notebook in solution mode, then the first as a learner opens it (its
-    default parameters), on one warm kernel: {(stem, mode): the executed notebook's path} and
-    their printed texts in the same order."""
+    default parameters), on one warm kernel: {(stem, "solution" or "default"): (the executed
+    notebook's path, its printed text)}."""
     pytest.importorskip("papermill")
     folder = tmp_path_factory.mktemp("exercise-notebooks")
     solution = {"solution": True, "interactive": False, "device": "cpu", "runs_dir": shared_runs}
