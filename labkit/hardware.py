@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from labkit.measure.clock import repeat_seconds
+from labkit.measure.timer import cpu_threads
 
 DATA_DIR: Path = Path(__file__).resolve().parents[1] / "data"
 REPO_DIR = Path(__file__).resolve().parents[1]  # the source checkout
@@ -602,17 +603,13 @@ def _spec_ceilings(device: str, name: str, memory_bytes: int | None) -> Ceilings
 def _cpu_ceilings(num_threads: int) -> Ceilings:
     """The physical ceiling of ``num_threads`` cores, and a calibration with that many threads
     (torch's thread count restored after)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
+    with cpu_threads(num_threads):
         calibrated = {
             "float32": _matmul_tflops(1024, torch.float32),
             # small: without avx512_bf16/amx bf16 (avx512_fp16 for fp16) is emulated, ~50x slower
             "bfloat16": _matmul_tflops(256, torch.bfloat16),
             "float16": _matmul_tflops(256, torch.float16),
         }
-    finally:
-        torch.set_num_threads(previous)
     bandwidth = _cpu_bandwidth(num_threads)
     peak = cpu_peak(num_threads)
     model = cpu_info().model
@@ -632,12 +629,8 @@ def _cpu_ceilings(num_threads: int) -> Ceilings:
 @functools.lru_cache(maxsize=None)
 def _cpu_bandwidth(num_threads: int) -> float:
     """A 64 MiB copy's GB/s with `num_threads` torch threads (torch's thread count restored)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
+    with cpu_threads(num_threads):
         return _copy_gbps(64 * 2**20)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def percent(share: float) -> str:

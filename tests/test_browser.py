@@ -57,16 +57,9 @@ def scaled(seconds: float) -> float:
 # Charts drawn: plotly's graph divs that hold an svg (each has more than one svg.main-svg layer).
 DRAWN_JS = ("() => [...document.querySelectorAll('div.js-plotly-plot')]"
             ".filter(gd => gd.querySelector('svg.main-svg')).length")
-# The points (x values over all traces) of each plotly chart inside the output that holds the
-# panel's Run button: [comparison figure, device monitor]; null before the panel exists.
-PANEL_POINTS_JS = """() => {
-  const run = [...document.querySelectorAll('.jp-OutputArea-output button')]
-    .find(b => b.textContent.trim() === 'Run');
-  if (!run) return null;
-  const plots = run.closest('.jp-OutputArea-output').querySelectorAll('.js-plotly-plot');
-  return [...plots].map(gd => (gd.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0));
-}"""
-# Each plotly chart in the panel's output: its title, its traces and their points.
+# Each plotly chart inside the output that holds the panel's Run button ([comparison figure,
+# device monitor]): its title, its traces and their points (x values over all traces); null
+# before the panel exists. PANEL_POINTS_JS: the points alone.
 PANEL_CHARTS_JS = """() => {
   const run = [...document.querySelectorAll('.jp-OutputArea-output button')]
     .find(b => b.textContent.trim() === 'Run');
@@ -75,6 +68,7 @@ PANEL_CHARTS_JS = """() => {
     title: gd.layout?.title?.text ?? null, traces: (gd.data || []).length,
     points: (gd.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0)}));
 }"""
+PANEL_POINTS_JS = f"() => ({PANEL_CHARTS_JS})()?.map(chart => chart.points) ?? null"
 # Every drawn chart's legend box against its plot areas (plotly's drag rectangles, one per
 # subplot) and its title: {legends: how many charts had a legend, overlaps: [[chart, what], ...]}.
 LEGEND_CLEAR_JS = """() => {
