@@ -27,6 +27,11 @@ def outputs_text(panel) -> str:
     return "".join(o.get("text", "") for o in panel.output.outputs)
 
 
+def drawn(panel) -> list[dict]:
+    """The figures the panel's charts area holds (what JupyterLab draws), as plotly's JSON."""
+    return [o["data"]["application/vnd.plotly.v1+json"] for o in panel.charts.outputs]
+
+
 @dataclasses.dataclass(kw_only=True)
 class Knobs(RunConfig):
     heads: int = knob(4, min=1, max=16, help="small range: a slider")
@@ -76,6 +81,10 @@ def test_run_button_measures_in_the_background_and_draws_the_points(tmp_path):
     assert len(panel.monitor.frame()) >= 2
     marks = [t for t in panel.monitor_figure.data if t.mode == "markers"]
     assert marks and all(len(t.x) == 4 for t in marks)
+    # and the browser is sent both as they stand: the last draw landed
+    live, monitor = drawn(panel)
+    assert set(next(t for t in live["data"] if t["name"] == "tokens_per_s")["x"]) == set(bars.x)
+    assert sum(t.get("mode") == "markers" for t in monitor["data"]) == len(marks)
     assert "done: 2 point(s)" in panel.status.value
 
 
@@ -127,3 +136,7 @@ def test_build_panel_returns_a_displayable_widget(tmp_path):
     widget = widgets.build_panel("kv_cache", preset="tiny", device="cpu", overrides=SIZES,
                                  runs_dir=str(tmp_path))
     assert isinstance(widget, W.VBox)
+    charts = next(c for c in widget.children if isinstance(c, W.Output) and c.outputs)
+    titles = [o["data"]["application/vnd.plotly.v1+json"]["layout"]["title"]["text"]
+              for o in charts.outputs]
+    assert titles == ["kv_cache: press Run", "device monitor"]  # drawn before any run

@@ -387,27 +387,22 @@ def plan_figure(panel: RecipePanel) -> Any:
     return viz.legend_above(fig, 420)
 
 
-def plan_bundles(panel: RecipePanel) -> list[dict]:
-    """The plan area as mime bundles (set on an Output, not captured: see views.plan.build_plan_panel)."""
-    import json
-
-    text = {"text/plain": "\n".join(panel.lines())}
+def plan_items(panel: RecipePanel) -> list:
+    """The plan area: the verdict's lines, then the figure and the terms' table."""
+    text = "\n".join(panel.lines())
     if panel.plan is None:
         return [text]
-    figure = json.loads(plan_figure(panel).to_json())
     table = panel.plan_table()
     table["bytes"] = table["bytes"].map(gib)
-    return [text, {"application/vnd.plotly.v1+json": {**figure, "config": {}}, "text/plain": "figure"},
-            {"text/html": table.to_html(index=False), "text/plain": table.to_string(index=False)}]
+    return [text, plan_figure(panel), table]
 
 
-def run_bundles(panel: RecipePanel) -> list[dict]:
+def run_items(panel: RecipePanel) -> list:
     from labkit.views import plots as viz
 
-    out = [{"text/plain": panel.run_line}]
+    out = [panel.run_line]
     if panel.frame is not None and not panel.frame.empty:
-        table = viz.readable(panel.rows_table())
-        out.append({"text/html": table.to_html(index=False), "text/plain": table.to_string(index=False)})
+        out.append(viz.readable(panel.rows_table()))
     return out
 
 
@@ -421,12 +416,11 @@ def recipe_panel(**values: Any) -> Any:
     plan_out, run_out = W.Output(), W.Output()
     run_button = W.Button(description="Run", button_style="primary", icon="play")
 
-    def show(output, bundles):
-        output.outputs = tuple({"output_type": "display_data", "data": b, "metadata": {}} for b in bundles)
+    from labkit.views import plots as viz
 
     def redraw():
-        show(plan_out, plan_bundles(panel))
-        show(run_out, run_bundles(panel))
+        viz.show_items(plan_out, plan_items(panel))
+        viz.show_items(run_out, run_items(panel))
         run_button.disabled = panel.busy
 
     def changed(_=None):

@@ -6,9 +6,9 @@ Stop buttons. A run goes through the same `run_experiment` as the CLI; results l
 The Run button starts the run in a background thread, so the notebook stays responsive and Stop
 works: Stop is a request the harness honours after the variant it is measuring (the `on_rows`
 callback raises `StopRun`; the run record is kept as `interrupted`, every row measured stays in the
-store). Threads are never killed. While it runs, a plotly `FigureWidget` redraws from the rows
-measured so far, at most every `min_interval_s` (a long sweep does not flood the browser; the last
-update always lands), and a device monitor (NVML on a GPU; CPU % and RSS of this process otherwise)
+store). Threads are never killed. While it runs, a plotly figure is redrawn from the rows measured
+so far, at most every `min_interval_s` (a long sweep does not flood the browser; the last update
+always lands), and a device monitor (NVML on a GPU; CPU % and RSS of this process otherwise)
 plots beside it with a marker where each variant at each point began. The monitor samples from
 Python in its own thread: a little CPU, so for the cleanest timings untick `monitor`. Errors appear
 inside the panel (its status line and output area), never only in the log console, and the buttons
@@ -91,21 +91,6 @@ def parse_sweep_text(text: str) -> dict[str, list[str]]:
     return parse_sweep([item for item in text.split(";") if item.strip()])
 
 
-def replace_figure(target: go.FigureWidget, source: go.Figure) -> None:
-    """Make `target` show `source`: only the trace data changes when the traces are the same kind
-    (a small message); otherwise the traces and the layout are replaced. One batch either way."""
-    same = len(target.data) == len(source.data) and all(
-        a.type == b.type and a.name == b.name for a, b in zip(target.data, source.data))
-    with target.batch_update():
-        if same:
-            for old, new in zip(target.data, source.data):
-                old.x, old.y, old.hovertext = new.x, new.y, new.hovertext
-        else:
-            target.data = ()
-            target.add_traces(list(source.data))
-        target.layout = source.layout
-
-
 class Panel(BackgroundRun):
     """Controls, Run and Stop, a live figure, a device monitor and an output area for one
     experiment. `start()` is what Run does (a background thread; `wait()` joins it); `run()` is the
@@ -136,8 +121,10 @@ class Panel(BackgroundRun):
         self.stop_button.on_click(lambda _: self.stop())
         self.status = W.HTML(html.escape(self.sizing))
         self.output = W.Output()
-        self.figure = go.FigureWidget(layout={"height": 440, "title": f"{name}: press Run"})
-        self.monitor_figure = go.FigureWidget(layout={"height": 230, "title": "device monitor"})
+        # the live figure and the monitor: plotly figures drawn in `charts` (viz.show_items)
+        self.charts = W.Output()
+        self.figure = go.Figure(layout={"height": 440, "title": f"{name}: press Run"})
+        self.monitor_figure = go.Figure(layout={"height": 230, "title": "device monitor"})
         self.frame, self.error = None, None  # the last run's rows, or why it could not run
         self.stopped, self.points_done, self.points_total = False, 0, 0
         self.rows: list[dict[str, Any]] = []
@@ -148,7 +135,8 @@ class Panel(BackgroundRun):
             W.GridBox(list(self.controls.values()),
                       layout=W.Layout(grid_template_columns="repeat(3, 1fr)")),
             W.HBox([self.run_button, self.stop_button, self.status]),
-            self.figure, self.monitor_figure, self.output])  # stacked: both at full width
+            self.charts, self.output])  # the figures stacked: both at full width
+        viz.show_items(self.charts, [self.figure, self.monitor_figure])
 
     def load(self, overrides: dict[str, Any]) -> None:
         """Fill the controls with the resolved config of the chosen preset (plus `overrides`),
@@ -248,12 +236,12 @@ class Panel(BackgroundRun):
         self._last_draw = now
         frame = self.frame if self.frame is not None else pd.DataFrame(self.rows)
         if not frame.empty:
-            replace_figure(self.figure, viz.variant_comparison(frame, title=self.name))
+            self.figure = viz.variant_comparison(frame, title=self.name)
         if self.monitor is not None:
             title = f"device monitor ({self.monitor.device}, {self.monitor.source})"
-            replace_figure(self.monitor_figure, timeline_figure(
-                self.monitor.frame(), self.monitor.markers(), title=title, fields=MONITOR_FIELDS,
-                max_fields=2))
+            self.monitor_figure = timeline_figure(self.monitor.frame(), self.monitor.markers(),
+                                                  title=title, fields=MONITOR_FIELDS, max_fields=2)
+        viz.show_items(self.charts, [self.figure, self.monitor_figure])
 
     def _finish(self) -> None:
         """The last update always lands; tables and errors go to the output area; buttons back."""

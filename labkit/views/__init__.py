@@ -304,25 +304,12 @@ def fit_figure(table: pd.DataFrame, *, title: str = "") -> Any:
 
 # --- 4. Panels: thin front-ends over the functions above ------------------------------------------
 
-def _bundle(item: Any) -> dict:
-    """A mime bundle for an Output widget (figures and frames set directly: `with output:`
-    breaks nbclient without stored widget state, see plan_view.build_plan_panel)."""
-    if isinstance(item, pd.DataFrame):
-        item = viz.readable(item)
-        return {"text/html": item.to_html(index=False), "text/plain": item.to_string(index=False)}
-    if isinstance(item, str):
-        return {"text/plain": item}
-    return {"application/vnd.plotly.v1+json": {**json.loads(item.to_json()), "config": {}},
-            "text/plain": "figure"}
-
-
 def _show(output: Any, make: Any) -> None:
     try:
         items = make()
     except ConfigError as e:  # bad input: one line in the panel
         items = [f"error: {e}"]
-    output.outputs = tuple({"output_type": "display_data", "data": _bundle(i), "metadata": {}}
-                           for i in items)
+    viz.show_items(output, [viz.readable(i) if isinstance(i, pd.DataFrame) else i for i in items])
 
 
 def comparison_panel(runs_dir: str | os.PathLike | None = None) -> Any:

@@ -5,7 +5,6 @@ are imported where they are used, so the CLI runs with the core packages only.""
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import pandas as pd
@@ -299,17 +298,13 @@ def build_plan_panel(**defaults: Any) -> Any:
     and the table; redrawn on every change. Bad input shows its one-line error in the panel."""
     import ipywidgets as W
 
+    from labkit.views import plots as viz
+
     controls = _plan_controls(W, defaults)
     output = W.Output()
 
     def redraw(_=None) -> None:
-        # The Output's items are set as mime bundles, not captured with `with output:` (which
-        # breaks nbclient, so papermill, without stored widget state: a KeyError in
-        # nbclient.output_widget) nor through display formatting (a plotly figure displays
-        # itself through _ipython_display_, outside the panel).
-        bundles = plan_items({k: w.value for k, w in controls.items()})
-        output.outputs = tuple({"output_type": "display_data", "data": b, "metadata": {}}
-                               for b in bundles)
+        viz.show_items(output, plan_items({k: w.value for k, w in controls.items()}))
 
     for widget in controls.values():
         widget.observe(redraw, names="value")
@@ -335,10 +330,10 @@ def _plan_controls(W, defaults: dict) -> dict:
     return out
 
 
-def plan_items(values: dict) -> list[dict]:
-    """What the panel shows for these inputs, as mime bundles: the stacked bar of this plan
-    beside the recommended one, the terms' table, fits or not and the recommendation; or the
-    one-line error."""
+def plan_items(values: dict) -> list:
+    """What the panel shows for these inputs: the stacked bar of this plan beside the
+    recommended one, the terms' table, fits or not and the recommendation; or the one-line
+    error."""
     try:
         report = planner.plan_report(**values)
         rec = report["recommendation"]
@@ -346,11 +341,8 @@ def plan_items(values: dict) -> list[dict]:
                                       "checkpointing": rec["checkpointing"],
                                       "zero_stage": rec["zero_stage"], "batch_size": rec["micro_batch"]})
     except planner.ConfigError as e:  # bad input: say it in the panel, as the CLI would
-        return [{"text/plain": f"error: {e}"}]
+        return [f"error: {e}"]
     from labkit.views import plots as viz
 
-    figure = json.loads(stacked_terms({"your plan": report, "recommended": best}).to_json())
-    table = viz.readable(plan_frame(report))
-    return [{"application/vnd.plotly.v1+json": {**figure, "config": {}}, "text/plain": "figure"},
-            {"text/html": table.to_html(index=False), "text/plain": table.to_string(index=False)},
-            {"text/plain": _fits_line(report) + "\n" + _recommendation_line(rec)}]
+    return [stacked_terms({"your plan": report, "recommended": best}), viz.readable(plan_frame(report)),
+            _fits_line(report) + "\n" + _recommendation_line(rec)]

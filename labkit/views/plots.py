@@ -1,6 +1,10 @@
 """Plots and tables: pure functions from result rows (a DataFrame) to plotly figures or frames.
-Nothing here runs an experiment."""
+Nothing here runs an experiment. `show_items` puts figures, frames and text into an ipywidgets
+Output (every panel draws through it)."""
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -319,4 +323,27 @@ def frontier(frame: pd.DataFrame) -> go.Figure:
     fig.update_layout(title="OOM frontier: fits below the line" + _not_run_note(frame),
                       xaxis_title=x, yaxis_title=f"{metric} (fits)")
     return legend_above(fig, 440)
+
+
+def mime_bundle(item: Any) -> dict:
+    """`item` as a mime bundle: a plotly figure as plotly's JSON (JupyterLab's plotly renderer
+    draws it), a frame as HTML and text, anything else as its text."""
+    if isinstance(item, go.Figure):
+        return {"application/vnd.plotly.v1+json": {**json.loads(item.to_json()), "config": {}},
+                "text/plain": "figure"}
+    if isinstance(item, pd.DataFrame):
+        return {"text/html": item.to_html(index=False), "text/plain": item.to_string(index=False)}
+    return {"text/plain": str(item)}
+
+
+def show_items(output: Any, items: list) -> None:
+    """Replace what the ipywidgets Output `output` shows with `items` (figures, frames, text), in
+    one state update. Not `with output:` (it breaks nbclient, so papermill, when no widget state
+    is stored: a KeyError in nbclient.output_widget) nor display formatting (a plotly figure
+    displays itself through _ipython_display_, outside the Output). A figure is data in the
+    Output, not a plotly FigureWidget: a FigureWidget's title and traces reach the browser as
+    updates after its model opens, and under a 0.4-core quota JupyterLab twice drew both of a
+    panel's FigureWidgets without them, the run done."""
+    output.outputs = tuple({"output_type": "display_data", "data": mime_bundle(item), "metadata": {}}
+                           for item in items)
 
