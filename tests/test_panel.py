@@ -24,7 +24,7 @@ def stored(tmp_path):
 
 
 def outputs_text(panel) -> str:
-    return "".join(o.get("text", "") for o in panel.output.outputs)
+    return "".join(o["data"]["text/plain"] for o in panel.output.outputs)
 
 
 def drawn(panel) -> list[dict]:

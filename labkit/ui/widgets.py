@@ -176,7 +176,7 @@ class Panel(BackgroundRun):
         """Run with the panel's settings; errors appear in the panel, measured rows are kept."""
         self._set_running(True)
         self._stop.clear()
-        self.output.clear_output()
+        viz.show_items(self.output, [])
         self.frame, self.error, self.stopped, self.rows = None, None, False, []
         self.monitor = None
         try:
@@ -244,20 +244,24 @@ class Panel(BackgroundRun):
         viz.show_items(self.charts, [self.figure, self.monitor_figure])
 
     def _finish(self) -> None:
-        """The last update always lands; tables and errors go to the output area; buttons back."""
+        """The last update always lands; tables and errors go to the output area (viz.show_items:
+        not ipywidgets' append_display_data, whose InteractiveShell.instance() makes a shell in
+        a plain Python process and so changes every later display() there); buttons back."""
+        items = []
         try:
             self._draw(force=True)
             if self.frame is not None and not self.frame.empty:
-                self.output.append_display_data(viz.readable(viz.predicted_table(self.frame)))
+                items.append(viz.readable(viz.predicted_table(self.frame)))
                 skipped = viz.not_run(self.frame)
                 if not skipped.empty:
-                    self.output.append_display_data(skipped)
+                    items.append(skipped)
         except Exception as e:  # a drawing failure is shown too
             self.error = self.error or f"{type(e).__name__}: {e}"
         finally:
             if self.error:
-                self.output.append_stdout(f"error: {self.error}\n")
+                items.append(f"error: {self.error}")
                 self._set_status(f"<span style='color:#c0392b'>error: {html.escape(self.error)}</span>")
+            viz.show_items(self.output, items)
             self._set_running(False)
 
     def _set_running(self, running: bool) -> None:
