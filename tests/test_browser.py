@@ -246,8 +246,8 @@ def test_notebook_panel_in_jupyterlab_gains_points_on_run(browser, lab):
         try:
             page.wait_for_function(f"() => ({PANEL_POINTS_JS})()[0] > {before[0]}",
                                    timeout=1000 * scaled(PANEL_RUN_S))
-        except PlaywrightTimeout:  # seen twice, only late in the full suite at 5x: the chart
-            # drawn without even its initial title, the panel saying done; what the page held
+        except PlaywrightTimeout:  # what the page held (at 5x, FigureWidget charts once stayed
+            # without even their initial title: the panel now sends its figures as plotly JSON)
             pytest.fail(f"no point drawn; the panel's charts: {page.evaluate(PANEL_CHARTS_JS)}; "
                         f"page errors: {errors}; console errors: {page.console_errors}; "
                         f"refused: {refused}")

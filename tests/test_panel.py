@@ -27,9 +27,9 @@ def outputs_text(panel) -> str:
     return "".join(o["data"]["text/plain"] for o in panel.output.outputs)
 
 
-def drawn(panel) -> list[dict]:
-    """The figures the panel's charts area holds (what JupyterLab draws), as plotly's JSON."""
-    return [o["data"]["application/vnd.plotly.v1+json"] for o in panel.charts.outputs]
+def drawn(charts) -> list[dict]:
+    """The figures a panel's charts area (an Output) holds, what JupyterLab draws, as plotly's JSON."""
+    return [o["data"]["application/vnd.plotly.v1+json"] for o in charts.outputs]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,7 +82,7 @@ def test_run_button_measures_in_the_background_and_draws_the_points(tmp_path):
     marks = [t for t in panel.monitor_figure.data if t.mode == "markers"]
     assert marks and all(len(t.x) == 4 for t in marks)
     # and the browser is sent both as they stand: the last draw landed
-    live, monitor = drawn(panel)
+    live, monitor = drawn(panel.charts)
     assert set(next(t for t in live["data"] if t["name"] == "tokens_per_s")["x"]) == set(bars.x)
     assert sum(t.get("mode") == "markers" for t in monitor["data"]) == len(marks)
     assert "done: 2 point(s)" in panel.status.value
@@ -137,6 +137,5 @@ def test_build_panel_returns_a_displayable_widget(tmp_path):
                                  runs_dir=str(tmp_path))
     assert isinstance(widget, W.VBox)
     charts = next(c for c in widget.children if isinstance(c, W.Output) and c.outputs)
-    titles = [o["data"]["application/vnd.plotly.v1+json"]["layout"]["title"]["text"]
-              for o in charts.outputs]
+    titles = [figure["layout"]["title"]["text"] for figure in drawn(charts)]
     assert titles == ["kv_cache: press Run", "device monitor"]  # drawn before any run
