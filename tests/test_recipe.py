@@ -26,10 +26,12 @@ from labkit.techniques.zero import full_tensor
 
 # the tiny shape, 2 layers, batch 1 x 8 tokens (RunConfig has no `steps`: a test takes its own)
 CPU = {**{k: v for k, v in TINY_TRAIN.items() if k != "steps"}, "device": "cpu"}
-FP32_ROUNDING = 1e-6  # normwise relative: a sum split differently, about 8 float32 ulps
-# The row-wise split of TP sums each matmul's partial products on two ranks, then adds them:
-# every output element's reduction order changes, which measures about 1e-6 here.
-TP_ROUNDING = 5e-6
+FP32_ROUNDING = 1e-6  # normwise relative: one process, a sum split differently, about 8 float32 ulps
+# Across 2 ranks the sums split further: data parallelism adds two half-batch gradients, the
+# row-wise split of TP sums each matmul's partial products on two ranks. Measured: DP 1.0e-6 on
+# an AMD Zen 4 and 1.4e-6 on an Intel Xeon with AMX (oneDNN blocks the matmuls differently),
+# TP about 1e-6. A lost, doubled or mis-scaled micro-batch, or a spoiled reduction, is 1e-2 or more.
+SPLIT_ROUNDING = 5e-6
 # bf16 under FSDP2 is its mixed-precision policy: the whole block in bf16 (autocast, the
 # one-process reference, keeps the norms and the residual adds in fp32), the gradients reduced
 # in fp32: they match autocast's within bf16's rounding (1.6e-2 measured), not fp32's
@@ -356,7 +358,7 @@ def test_a_data_parallel_recipe_matches_the_plain_step_of_the_global_batch(ranks
     sharded = PARALLEL[name][0].zero_stage >= 2
     policy = sharded and PARALLEL[name][0].precision == "bf16"
     for rank in ranks:
-        assert rank[name]["max_rel"] <= (BF16_ROUNDING if policy else FP32_ROUNDING), (name, rank[name]["max_rel"])
+        assert rank[name]["max_rel"] <= (BF16_ROUNDING if policy else SPLIT_ROUNDING), (name, rank[name]["max_rel"])
     assert ranks[0][name]["loss"] != ranks[1][name]["loss"]  # each rank trained its own slice
     assert ranks[0][name]["num_micro_batches"] == PARALLEL[name][0].micro_batches
     assert all((rank[name]["num_sharded"] > 0) == sharded for rank in ranks)
@@ -366,7 +368,7 @@ def test_a_data_parallel_recipe_matches_the_plain_step_of_the_global_batch(ranks
 @pytest.mark.multiprocess  # the module's one launch of 2 gloo ranks (`ranks`)
 def test_a_tensor_parallel_recipe_matches_the_plain_step(ranks, name):
     for rank in ranks:
-        assert rank[name]["max_rel"] <= TP_ROUNDING, (name, rank[name]["max_rel"])
+        assert rank[name]["max_rel"] <= SPLIT_ROUNDING, (name, rank[name]["max_rel"])
         assert rank[name]["num_sharded"] > 0
     assert ranks[0][name]["loss"] == ranks[1][name]["loss"]  # one replica: the same batch
 
