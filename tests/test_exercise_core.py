@@ -1,11 +1,16 @@
 """What every exercise rests on: references for a GPU computed without one (a simulated device's
-datasheet ceilings and GPU implementations), hints before answers, and attempts stored like runs."""
+datasheet ceilings and GPU implementations), hints before answers, attempts stored like runs, and
+the words of every exercise and lab in notebooks/exercises/text/ (one file per key, the format's
+sections, every placeholder filled by labkit)."""
+import string
+
 import pytest
 import torch
 
 from labkit import hardware
 from labkit.config import ConfigError
-from labkit.study.exercises import EXERCISES, RUNS, Setup, attempts, check, describe, get, hint, measure
+from labkit.study.exercises import (DIAGNOSES, EXERCISES, LABS, RUNS, Rows, Setup, attempts, check,
+                                    describe, get, hint, measure, text)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU answers for itself")
@@ -80,3 +85,90 @@ def test_exercise_numbers_use_the_one_number_formatter():
     for x in (0.0, 12345.0, 1234567.0, 0.0001234, 60.03, float("inf")):
         assert show(x, "bytes") == f"{format_number(x)} bytes"
     assert show(12345.0) == "12,345" and show(None) == "none" and show("x") == "'x'"
+
+
+class AnyRows(Rows):
+    """Measured rows that answer 1.0 for every metric (a status-ok row without one): enough for an
+    exercise's evidence to name its keys without measuring."""
+
+    def __init__(self):
+        super().__init__([], "no measurement", None)
+
+    def get(self, variant, metric=None, *, rank=0, **point):
+        return 1.0 if metric else {"variant": variant, "status": "ok", "message": "", "value": 1.0}
+
+
+def placeholders(template: str) -> set[str]:
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+
+
+def test_every_exercise_and_lab_has_one_text_file_and_every_file_one_key():
+    files = sorted(p.stem for p in text.TEXT_DIR.iterdir())
+    assert all(p.suffix == ".md" for p in text.TEXT_DIR.iterdir())
+    assert files == sorted([*EXERCISES, *LABS])
+
+
+def test_every_text_has_the_sections_its_format_requires_and_no_other():
+    """The loader refuses unknown or repeated sections; here each file has exactly its kind's."""
+    for key, ex in EXERCISES.items():
+        want = {"title", "scenario", "question", "hint", "why", *(["mistake_why"] if ex.mistake else []),
+                *(f"{text.FEEDBACK}{c}" for c in ex.choices)}
+        assert set(text.sections(key)) == want, key
+    for key, lab in LABS.items():
+        named = set(text.sections(key)) - {"title", "symptoms", "hint", "why"}
+        assert {n[len(text.FEEDBACK):] for n in named} <= set(DIAGNOSES), key
+        assert f"{text.FEEDBACK}{lab.diagnosis}" in named, key
+        assert all(n.startswith(text.FEEDBACK) for n in named), key
+        assert {"title", "symptoms", "hint", "why"} <= set(text.sections(key)), key
+
+
+@pytest.mark.parametrize("key", list(EXERCISES))
+def test_every_placeholder_of_an_exercise_is_filled_by_labkit(key):
+    """Every section formatted at the exercise's default setup on the CPU (the why with its
+    evidence, answer and prediction): a placeholder nothing supplies is a KeyError, and every
+    `words` entry is used and never shadows an evidence key."""
+    ex = get(key)
+    setup = Setup(RUNS[ex.run], "cpu")
+    with setup.formulas():
+        values = {**ex.evidence(AnyRows(), setup), "answer": "A", "prediction": "P"}
+    assert not set(ex.words) & set(values), key
+    why = ex.why.format(**values)
+    said = [ex.title, ex.scenario, ex.question, ex.hint, why, *ex.feedback.values()]
+    said += [ex.mistake_why] if ex.mistake else []
+    assert all(s and "{" not in s and "}" not in s for s in said), key
+    used = set().union(*(placeholders(t) for t in text.sections(key).values()))
+    assert set(ex.words) <= used, f"{key}: words no text uses: {set(ex.words) - used}"
+
+
+def test_every_placeholder_of_a_lab_is_filled_by_labkit():
+    for key, lab in LABS.items():
+        said = [lab.title, lab.symptoms, lab.hint, lab.why, *lab.feedback.values()]
+        assert all(s and "{" not in s and "}" not in s for s in said), key
+        used = set().union(*(placeholders(t) for t in text.sections(key).values()))
+        assert set(lab.words) <= used, key
+
+
+@pytest.mark.parametrize("content, error", [
+    ("Hello\n\n## title\n\nA", "text before its first"),
+    ("## title\n\nA\n\n## scenery\n\nB", "unknown section 'scenery'"),
+    ("## title\n\nA\n\n## title\n\nB", "section 'title' twice"),
+])
+def test_the_text_format_is_strict(content, error, tmp_path, monkeypatch):
+    (tmp_path / "odd.md").write_text(content)
+    monkeypatch.setattr(text, "TEXT_DIR", tmp_path)
+    text.sections.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=error):
+            text.sections("odd")
+    finally:
+        text.sections.cache_clear()
+
+
+def test_a_section_is_its_text_without_the_surrounding_blank_lines(tmp_path, monkeypatch):
+    (tmp_path / "ok.md").write_text("\n## title\n\nOne {n:,}\n\n\n## feedback: a: b\n\nTwo\nlines\n")
+    monkeypatch.setattr(text, "TEXT_DIR", tmp_path)
+    text.sections.cache_clear()
+    try:
+        assert text.sections("ok") == {"title": "One {n:,}", "feedback: a: b": "Two\nlines"}
+    finally:
+        text.sections.cache_clear()

@@ -35,7 +35,7 @@ def test_counts_topics_and_fields():
     assert topics == set(exercises.TOPICS) - {"Troubleshooting lab"}  # the labs: tests/test_labs.py
     assert len(exercises.LABS) >= 10 and not set(exercises.LABS) & set(exercises.EXERCISES)
     for ex in exercises.EXERCISES.values():
-        assert ex.run in exercises.RUNS and ex.scenario and ex.question and ex.why
+        assert ex.run in exercises.RUNS and ex.title and ex.scenario and ex.question
         assert ex.graded_against in ("formula", "measurement")
         assert (ex.measured is not None) == (ex.graded_against == "measurement")
         assert isinstance(exercises.reference_answer(ex.key, "cpu"), str) == bool(ex.choices)

@@ -1,7 +1,8 @@
 """Writes the exercise notebooks in notebooks/exercises/ from `labkit.study.exercises` (one notebook per
 exercise: the scenario, one `parameters` cell, the graded check, a widget to try again), then one
 per troubleshooting lab (`labkit.study.exercises.labs.LABS`: symptoms, evidence, diagnosis, fix).
-Edit the exercises in labkit/study/exercises/ (a module per topic), then run
+Edit the words in notebooks/exercises/text/KEY.md (the format: `labkit.study.exercises.text`)
+and the mechanism in labkit/study/exercises/ (a module per topic), then run
 `python notebooks/exercises/build_exercises.py` (outputs are never committed). Answer keys:
 `papermill NB.ipynb key.ipynb -p solution True`."""
 from pathlib import Path

@@ -25,6 +25,8 @@ prediction, so `papermill ... -p solution True` produces an answer key.
 
 The exercises live in one module per topic (`memory`, `precision`, `parallel`, `profiling`,
 `inference`, `quantization`, `speculative`, `serving`, `sla`, `recipes`, `finetune`, `labs`); `core` holds what they are made of and `runs` the measurements they share.
+Their words (every exercise's and lab's title, scenario or symptoms, question, hint, why and
+feedback) are Markdown, one file per key in notebooks/exercises/text/, read by `text`.
 """
 from __future__ import annotations
 

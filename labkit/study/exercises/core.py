@@ -1,6 +1,7 @@
 """The parts every exercise is made of: the run behind it, its resolved setup, the measured rows,
-the exercise itself, grading and the measurement (reused when a complete stored run of the same
-settings exists). The exercises live in the topic modules beside this one."""
+the exercise itself (its mechanism here, its words in notebooks/exercises/text/KEY.md, read by
+`text`), grading and the measurement (reused when a complete stored run of the same settings
+exists). The exercises live in the topic modules beside this one."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ from labkit.harness.experiment import plan_points, run_experiment
 from labkit.results import format_number, load_runs
 from labkit.techniques import get_experiment
 from labkit.views import machine_key
+from labkit.study.exercises.text import Text, section
 
 MiB, KiB = 2**20, 2**10
 # The quiz's topics (defined once, in labkit.study.quiz), in this order, plus the troubleshooting lab.
@@ -104,21 +106,17 @@ class Rows:
 
 
 @dataclass(frozen=True)
-class Exercise:
+class Exercise(Text):
+    """An exercise's mechanism; its words (title, scenario, question, hint, why, mistake_why,
+    feedback) are in notebooks/exercises/text/KEY.md (`labkit.study.exercises.text`)."""
+
     key: str
     topic: str
-    title: str
-    scenario: str  # everything the answer needs, in words (with `details` for the setup's numbers)
-    question: str
     run: str  # a key of RUNS
     answer: Callable[[Setup], Any]  # the reference answer: formula, planner or known fault
     evidence: Callable[[Rows, Setup], dict[str, Any]]  # measured numbers (and the formula's)
-    why: str  # the explanation, formatted with {answer}, {prediction} and the evidence
     level: int = 1  # a key of LEVELS
-    hint: str = ""  # a nudge towards the method, shown on request before the answer
     mistake: Callable[[Setup], Any] | None = None  # the most common wrong answer (a number or a choice)
-    mistake_why: str = ""  # the misunderstanding behind `mistake`, said when a learner makes it
-    feedback: dict[str, str] = field(default_factory=dict)  # choice -> why it is right or wrong
     # None when the measurement shows what the answer claims, else the sentence saying what it lacks
     supports: Callable[[Rows, Setup], str | None] | None = None
     unit: str = ""
@@ -128,6 +126,19 @@ class Exercise:
     graded_against: str = "formula"  # formula, measurement or fault
     measured: Callable[[Rows], Any] | None = None  # the measured answer (graded_against measurement)
     details: Callable[[Setup], str] | None = None  # setup facts the learner needs (from configs)
+    words: dict[str, Any] = field(default_factory=dict)  # the text's {placeholders}: labkit's numbers
+
+    scenario = section("scenario", "Everything the answer needs, in words (with `details` for the "
+                                   "setup's numbers).")
+    question = section("question", "The one question: a number or a choice.")
+    mistake_why = section("mistake_why", "The misunderstanding behind `mistake`, said when a learner "
+                                         "makes it.", optional=True)
+
+    @property
+    def why(self) -> str:
+        """The explanation, to format with {answer}, {prediction} and the evidence (its words filled
+        in already)."""
+        return self.template("why")
 
     def tolerance(self, reference: float) -> float:
         return max(self.abs_tol, self.rel_tol * abs(reference))

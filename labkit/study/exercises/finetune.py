@@ -4,7 +4,9 @@ bytes, and why LoRA still runs out of memory at long context. They name RUNS["fi
 
 Every answer is the planner's (`trainable_params`, `finetune_memory`, `nf4_bytes`), computed
 before the measurement; the measured rows are the evidence (`supports` checks that the run's
-counts equal the formulas exactly, and that its activations dwarf the adapters' states)."""
+counts equal the formulas exactly, and that its activations dwarf the adapters' states).
+
+Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
 from labkit import planner
@@ -101,22 +103,12 @@ def params_details(s: Setup) -> str:
 
 def params_exercise() -> Exercise:
     return Exercise(
-        "lora_trainable_params", TOPICS[0], "How many parameters LoRA trains",
-        "LoRA freezes the base and gives each targeted linear W (out x in) two trainable matrices, "
-        "A (r x in) and B (out x r), so that the layer computes W x + (alpha / r) B A x.",
-        "How many parameters does the run's LoRA train?", "finetune",
+        "lora_trainable_params", TOPICS[0], "finetune",
         answer=lora_params, details=params_details,
         evidence=lambda r, s: {"lora": show(r.get("lora", "trainable_params")),
                                "full": show(r.get("full", "trainable_params")),
                                "share": show(100 * lora_params(s) / full_params(s), "%")},
-        why="per layer and target r x (in + out), summed over the targets and the layers: "
-            "{answer}, {share} of full fine-tuning's. The run's adapters counted "
-            "{lora} against full's {full}.",
-        level=1, hint="A is r x in and B is out x r: count each target's in and out from its "
-                      "shape; under grouped-query attention k and v are narrower than q.",
-        mistake=square_mistake,
-        mistake_why="that takes every target as hidden x hidden; under grouped-query attention k "
-                    "and v project to kv_heads x head_dim outputs, so their B is narrower.",
+        level=1, mistake=square_mistake,
         supports=params_supports, unit="parameters")
 
 
@@ -153,24 +145,11 @@ def saving_supports(r: Rows, s: Setup) -> str | None:
 
 def saving_exercise() -> Exercise:
     return Exercise(
-        "lora_optimizer_saving", TOPICS[0], "The optimizer bytes LoRA saves",
-        "Full fine-tuning trains every parameter with AdamW; LoRA trains only its adapters. AdamW "
-        "keeps two fp32 moments (exp_avg and exp_avg_sq) per trainable parameter; a frozen "
-        "parameter has no gradient and no optimizer state. AdamW's step counters (one 4-byte "
-        "scalar per trained tensor) are a few bytes: leave them out.",
-        "How many bytes of optimizer state does the run's LoRA save against full fine-tuning?",
-        "finetune", answer=optimizer_saving, details=params_details,
+        "lora_optimizer_saving", TOPICS[0], "finetune", answer=optimizer_saving, details=params_details,
         evidence=lambda r, s: {"full": mib(r.get("full", "optimizer_bytes")),
                                "lora": show(r.get("lora", "optimizer_bytes"), "bytes"),
                                "psi": f"{full_params(s):,}", "adapters": f"{lora_params(s):,}"},
-        why="8 bytes x (Ψ - adapters) = 8 x ({psi} - {adapters}) = {answer}: LoRA keeps the "
-            "moments of its adapters only. Measured: full's AdamW held {full}, LoRA's {lora} (the "
-            "moments and one 4-byte step counter per trained tensor).",
-        level=2, hint="Count the trainable parameters of each (the adapters as in the first "
-                      "exercise), then 8 bytes for each of them.",
-        mistake=lambda s: 2 * ADAMW_BYTES * (full_params(s) - lora_params(s)),
-        mistake_why="16 bytes per parameter is mixed precision's weights, gradients, master copy "
-                    "and moments together; the optimizer's own state is the two fp32 moments, 8.",
+        level=2, mistake=lambda s: 2 * ADAMW_BYTES * (full_params(s) - lora_params(s)),
         supports=saving_supports, unit="bytes", rel_tol=0.001)
 
 
@@ -213,27 +192,11 @@ def nf4_supports(r: Rows, s: Setup) -> str | None:
 
 def nf4_exercise() -> Exercise:
     return Exercise(
-        "qlora_base_bytes", TOPICS[0], "The bytes of QLoRA's 4-bit base",
-        "QLoRA stores the frozen block linears in NF4 (4-bit NormalFloat) with double quantization: "
-        "each block of 64 weights has an absmax scaler, and the scalers are themselves quantized "
-        "to 8 bits with one fp32 factor per group of them. The embedding, head and norms stay as "
-        "they are.",
-        "How many bytes do the run's block linear weights take in NF4 (codes, scalers and factors)?",
-        "finetune", answer=nf4_base_bytes, details=nf4_details,
+        "qlora_base_bytes", TOPICS[0], "finetune", answer=nf4_base_bytes, details=nf4_details,
         evidence=lambda r, s: {"measured": show(r.get("qlora", "linear_weight_bytes"), "bytes"),
                                "fp32": show(r.get("full", "linear_weight_bytes"), "bytes"),
                                "bits": show(4 * nf4_base_bytes(s) / flat_4bit_bytes(s), "bits")},
-        why="per weight numel / 2 bytes of codes + numel / 64 int8 scalers + a factor per scaler "
-            "block + the mean and the code book, summed over the block linears: {answer}, {bits} per "
-            "weight: the QLoRA paper's 4 + 8/64 + 32/(64 x 256) = 4.127, plus torchao's code book "
-            "and mean per weight, and a factor per 64 scalers where 256 does not divide the block "
-            "count. The run stored {measured}, against {fp32} in fp32.",
-        level=2, hint="Four bits is the codes only: add one byte per 64 weights for the scalers "
-                      "and the few fp32 factors that dequantize them.",
-        mistake=flat_4bit_bytes,
-        mistake_why="half a byte per weight counts the 4-bit codes only; every 64 weights need a "
-                    "scaler to dequantize with, 8 bits after double quantization, 0.127 bits per "
-                    "weight or more.",
+        level=2, mistake=flat_4bit_bytes,
         supports=nf4_supports, unit="bytes", rel_tol=0.005)
 
 
@@ -277,33 +240,11 @@ def long_evidence(r: Rows, s: Setup) -> dict[str, str]:
 
 def long_exercise() -> Exercise:
     return Exercise(
-        "lora_long_context", TOPICS[0], "Why LoRA still runs out of memory at long context",
-        "You fine-tune the run's model with its LoRA adapters at batch 1 and the model's whole "
-        "context window. The base is frozen: no weight gradients, no optimizer state for it. The "
-        "backward still runs through every layer to reach the adapters of the layers below.",
-        "Which of these takes the most memory in the LoRA step at the full context?", "finetune",
+        "lora_long_context", TOPICS[0], "finetune",
         answer=largest_term, details=lambda s: (f"{params_details(s)} Context: "
                                                 f"{model(s).max_seq_len:,} tokens."),
         evidence=long_evidence, choices=(ACTS, WEIGHTS, FROZEN_STATES, ADAPTER_STATES),
-        why="{answer}: at {seq} tokens the planner holds {acts} of activations against {weights} "
-            "of frozen weights and {states} of adapter gradients and moments. Each layer's "
-            "backward needs the norms', attention's and SwiGLU's saved tensors to pass the gradient "
-            "down to the adapters below, so the activations grow with b x s whatever is frozen. At "
-            "the run's {run_seq} tokens LoRA held {run_acts} of activations, full fine-tuning "
-            "{full_acts}. Checkpointing, not a smaller rank, is what shrinks them.",
-        level=2, hint="Which terms grow with the sequence length, and which does freezing the "
-                      "base remove?",
-        mistake=lambda s: FROZEN_STATES,
-        mistake_why="frozen weights get no gradient and no AdamW state; estimators that count "
-                    "them as trainable overstate LoRA's states and miss the activations.",
-        feedback={ACTS: "right: they grow with batch x sequence; freezing drops only the inputs "
-                        "that the frozen linears' weight gradients would have needed.",
-                  WEIGHTS: "they are fixed whatever the context; at long context the activations "
-                           "outgrow them many times over.",
-                  FROZEN_STATES: "there are none: requires_grad=False means no .grad and no "
-                                 "optimizer state for the base.",
-                  ADAPTER_STATES: "the adapters are a fraction of a percent of the parameters: "
-                                  "their gradients and moments are the smallest term here."},
+        level=2, mistake=lambda s: FROZEN_STATES,
         supports=long_supports)
 
 

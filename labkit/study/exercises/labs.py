@@ -14,6 +14,10 @@ participant and the team.
 
 Use: `symptoms(key)`, `investigate(key)` (the evidence), `diagnose(key, diagnosis)`,
 `apply_fix(key, {knob: value})`; `reference_fix(key)` and `Lab.diagnosis` are the answer key.
+
+A lab here is its mechanism: the setup, the evidence's figures, the knobs and the grading. Its
+words (title, symptoms, hint, why, the feedback on each diagnosis) are in
+notebooks/exercises/text/KEY.md, one file per lab (`text` reads them).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from labkit.study.exercises.attempts import record_attempt
 from labkit.study.exercises.core import TOPICS, Rows, Run, Setup, measure_setup, mib, show
 from labkit.study.exercises.formulas import FP16_MAX, tensor_core_friendly
 from labkit.study.exercises.runs import FAST, RUNS, SLOW_STAGE_MS
+from labkit.study.exercises.text import Text, section
 from labkit.techniques import get_experiment
 
 TOPIC = TOPICS[6]
@@ -129,11 +134,12 @@ class FixGrade(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Lab:
+class Lab(Text):
+    """A lab's mechanism; its words (title, symptoms, hint, why, feedback) are in
+    notebooks/exercises/text/KEY.md (`labkit.study.exercises.text`)."""
+
     key: str
-    title: str
     level: int  # 2 or 3 (labkit.study.exercises.LEVELS)
-    symptoms: str  # what a colleague reports: no cause named
     trial: Trial  # the broken setup
     diagnosis: str  # one of DIAGNOSES
     evidence: Callable[[Reading, Setup], dict[str, str]]  # label -> measured figure, before answering
@@ -142,9 +148,10 @@ class Lab:
     solution: dict[str, Any]  # the reference fix (knobs left out keep the broken setting)
     make_trial: Callable[[dict[str, Any]], Trial]  # full knob settings -> what to measure
     grade_fix: Callable[[Reading, Reading, Setup], FixGrade]  # (before, after, setup of after)
-    feedback: dict[str, str]  # diagnosis -> why that reading is right or wrong
-    hint: str
-    why: str  # the explanation after the right diagnosis
+    words: dict[str, Any] = field(default_factory=dict)  # the text's {placeholders}: labkit's numbers
+
+    symptoms = section("symptoms", "What a colleague reports: no cause named.")
+    why = section("why", "The explanation after the right diagnosis.")
 
     def feedback_for(self, diagnosis: str) -> str:
         if diagnosis in self.feedback:
@@ -227,19 +234,10 @@ def _oom_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 def _lab_oom() -> Lab:
     run = LAB_RUNS["oom"]
     return Lab(
-        "lab_oom", "The step that never finishes", 2,
-        "A colleague's fp32 AdamW training run (2 layers, batch 8 x 64 tokens) on a small device "
-        f"({OOM_BUDGET_GIB} GiB, here a virtual budget) stops at the first step, every time.",
+        "lab_oom", 2,
         Trial(run, "none"), DIAGNOSES[0], _oom_evidence, CKPT_KNOBS, {"checkpointing": "none"},
         {"checkpointing": "full"}, lambda f: _variant_trial(run, f["checkpointing"]), _oom_grade,
-        {DIAGNOSES[0]: "Right: the row's status is oom and the planner's peak is above the "
-                       "budget; the saved activations are the part a fix can shrink.",
-         DIAGNOSES[7]: "Recomputation is the cure here, not the cause: this run keeps every "
-                       "activation (no checkpointing), which is why it does not fit.",
-         HEALTHY: "A step that raises an out-of-memory error is not healthy: read its status."},
-        "Compare the planner's peak with the budget, and see which part of it scales with the batch.",
-        "The parameters and AdamW's two moments are fixed; the saved activations grow with batch x "
-        "tokens. Checkpointing every block keeps only each block's input and recomputes the rest.")
+        words={"budget_gib": OOM_BUDGET_GIB})
 
 
 def _loader_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
@@ -256,9 +254,7 @@ def _lab_data() -> Lab:
         n = f["num_workers"]
         return Trial(run, "baseline") if n == 0 else _variant_trial(run, "workers", {"num_workers": n})
     return Lab(
-        "lab_data_loading", "The step slower than the plan", 2,
-        "A tiny model's training step takes many times longer than the planner's FLOPs-at-peak "
-        "estimate, and longer than the same model on the same machine last week.",
+        "lab_data_loading", 2,
         Trial(run, "baseline"), DIAGNOSES[1],
         lambda r, s: {"step time": show(r.get("step_ms"), "ms"),
                       "time blocked waiting for the batch (data_ms)": show(r.get("data_ms"), "ms"),
@@ -266,16 +262,8 @@ def _lab_data() -> Lab:
                       "data_wait_pct": pct(r.get("data_wait_pct")),
                       "FLOPs counted / planner's": f"{r.get('flops') / s.expected('baseline')['flops']:.3f}",
                       "loader processes (num_workers)": "0: the batch is built in the training process"},
-        {"num_workers": (0, 1, 2)}, {"num_workers": 0}, {"num_workers": 2}, trial, _loader_grade,
-        {DIAGNOSES[1]: "Right: the step waits for its batch most of the time (data_wait_pct), "
-                       "and the compute is a small part of it.",
-         DIAGNOSES[7]: "The FLOPs counted are the planner's: nothing runs twice. The time goes "
-                       "to waiting for data, not to compute.",
-         HEALTHY: "A step whose largest part is waiting for the loader is not as planned: the "
-                  "planner's time holds the compute only."},
-        "Split the step into the time it waits for the batch and the time it computes.",
-        "With num_workers = 0 the main process builds every batch between steps. Worker processes "
-        "build batches ahead (prefetch_factor each) while the step computes.")
+        {"num_workers": (0, 1, 2)}, {"num_workers": 0}, {"num_workers": 2}, trial,
+        _loader_grade)
 
 
 def _mp_evidence(r: Reading, s: Setup) -> dict[str, str]:
@@ -316,22 +304,10 @@ def _overflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 def _lab_fp16_overflow() -> Lab:
     run = LAB_RUNS["overflow"]
     return Lab(
-        "lab_fp16_overflow", "Stopped learning after the switch to fp16", 3,
-        "A run that trained fine in fp32 was switched to fp16 autocast (nothing else changed). Now "
-        "the model does not learn: the training log shows no usable loss going down.",
+        "lab_fp16_overflow", 3,
         Trial(run, "fp16"), DIAGNOSES[2], _mp_evidence, MP_KNOBS,
         {"precision": "fp16", "loss_scaling": False}, {"precision": "bf16", "loss_scaling": False},
-        _mp_trial(run), _overflow_grade,
-        {DIAGNOSES[2]: f"Right: the loss is inf/nan at step 1, before any gradient or update exists: "
-                       f"the forward itself left fp16's range (largest finite value {FP16_MAX:g}).",
-         DIAGNOSES[3]: "Underflow shows finite losses and zero gradients; here the very first "
-                       "forward's loss is already not a number. Loss scaling multiplies the loss "
-                       "after the forward: GradScaler would skip every step of this run.",
-         HEALTHY: "A nan loss is never healthy."},
-        "Look at the loss of the first step: it is computed before any backward or update.",
-        "Some activations (the MLP's output here) exceed 65504, the largest fp16 value, and become "
-        "inf; the next norm turns inf into nan. bf16 has fp32's exponent range (up to 3.4e38) "
-        "with fewer mantissa bits: it holds these values; so does fp32.")
+        _mp_trial(run), _overflow_grade, words={"fp16_max": FP16_MAX})
 
 
 def _underflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
@@ -345,22 +321,10 @@ def _underflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 def _lab_fp16_underflow() -> Lab:
     run = LAB_RUNS["underflow"]
     return Lab(
-        "lab_fp16_underflow", "Stopped learning after the switch to fp16, again", 3,
-        "Another run that trained fine in fp32 was switched to fp16 autocast (nothing else "
-        "changed). Now the model does not learn: the loss after a few steps is where it started.",
+        "lab_fp16_underflow", 3,
         Trial(run, "fp16"), DIAGNOSES[3], _mp_evidence, MP_KNOBS,
         {"precision": "fp16", "loss_scaling": False}, {"precision": "fp16", "loss_scaling": True},
-        _mp_trial(run), _underflow_grade,
-        {DIAGNOSES[3]: "Right: the losses are finite but do not move, and every gradient element "
-                       "is exactly 0 where fp32's are not: they fell below fp16's smallest value.",
-         DIAGNOSES[2]: "An overflow makes the loss inf/nan; here every loss is finite. The "
-                       "gradients are the problem: all exactly 0.",
-         HEALTHY: "fp32 learns from the same batch; fp16's gradients are all zero."},
-        "Are the losses finite? Then look at the gradients: how many elements are exactly 0, "
-        "against fp32's?",
-        "fp16's smallest positive (subnormal) value is 2^-24 = 6e-8; smaller gradients round to "
-        "0, so no weight moves. A GradScaler multiplies the loss (by 65536 first) before backward "
-        "and divides the gradients in fp32 before the step; bf16's range avoids it too.")
+        _mp_trial(run), _underflow_grade)
 
 
 def _lab_padding() -> Lab:
@@ -372,9 +336,7 @@ def _lab_padding() -> Lab:
                         f"padding_waste_pct {pct(b)} before, {pct(a)} after",
                         f"at most {PADDING_LIMIT_PCT:g}% of the computed token positions are padding")
     return Lab(
-        "lab_padding", "Batches that deliver less than they promise", 2,
-        "A server runs 8 requests per batch, yet its useful tokens per second are far below 8 "
-        "times what one request alone gets.",
+        "lab_padding", 2,
         Trial(run, "static"), DIAGNOSES[4],
         lambda r, s: {"scheduler": "static: a batch starts together and ends with its longest request",
                       "positions computed for no request (padding_waste_pct)": pct(r.get("padding_waste_pct")),
@@ -382,12 +344,7 @@ def _lab_padding() -> Lab:
                       "useful tokens/s": show(r.get("useful_tokens_per_s")),
                       "useful tokens/s one request at a time": show(r.get("useful_tokens_per_s", variant="sequential"))},
         {"scheduler": ("static", "dynamic", "continuous")}, {"scheduler": "static"},
-        {"scheduler": "continuous"}, lambda f: _variant_trial(run, f["scheduler"]), grade,
-        {DIAGNOSES[4]: "Right: a large share of the positions computed are padding.",
-         HEALTHY: "Almost a third of the computed positions serve no request."},
-        "What share of the computed token positions belong to no request?",
-        "Static batching pads every prompt to the batch's longest and keeps finished rows until "
-        "the longest output is done. Continuous batching refills a finished row at the next step.")
+        {"scheduler": "continuous"}, lambda f: _variant_trial(run, f["scheduler"]), grade)
 
 
 def _pipe_evidence(r: Reading, s: Setup) -> dict[str, str]:
@@ -414,20 +371,11 @@ def _lab_pipeline() -> Lab:
                         f"before, {a:.2f} after", f"at most {BUSY_RATIO_LIMIT:g} (whole blocks and "
                         "the head cannot be split evenly over 2 stages: 1 is out of reach)")
     return Lab(
-        "lab_pipeline", "The pipeline that runs at one stage's pace", 3,
-        "A 2-stage pipeline with 4 micro-batches takes far longer per step than its bubble, "
-        "(p-1)/(m+p-1) = 20%, lets one expect.",
+        "lab_pipeline", 3,
         Trial(run, "gpipe", {"stage_delay_ms": SLOW_STAGE_MS}), DIAGNOSES[5], _pipe_evidence,
         {"rebalance": (False, True)}, {"rebalance": False}, {"rebalance": True},
         lambda f: Trial(run, "gpipe", {"stage_delay_ms": 0.0 if f["rebalance"] else SLOW_STAGE_MS}),
-        grade,
-        {DIAGNOSES[5]: "Right: stage 0 is busy several times longer than stage 1, which waits.",
-         HEALTHY: "The idle share of stage 1 is far above the ideal bubble."},
-        "Compare the stages' busy times per step, and stage 1's idle share with the ideal bubble.",
-        f"Stage 0 does {SLOW_STAGE_MS:g} ms of extra work in every micro-batch's forward (injected), "
-        "so the pipeline moves at its pace. rebalance=True takes that work off stage 0 (what "
-        "moving layers by measured cost achieves at best; labkit's own split already balances "
-        "the layers).")
+        grade, words={"slow_stage_ms": SLOW_STAGE_MS})
 
 
 def _shape_dims(s: Setup, alignment: str) -> tuple[int, int, int]:
@@ -457,18 +405,10 @@ def _lab_shape() -> Lab:
                         "every dimension a multiple of 16 bytes (8 fp16 elements); on A100 and newer "
                         "128 bytes (64) is better still (NVIDIA's matmul performance guide)")
     return Lab(
-        "lab_shape", "The GEMM that misses its rate", 2,
-        "A layer's fp16 GEMM reaches a fraction of the TFLOP/s its GPU reaches on a GEMM of "
-        "nearly the same size.",
+        "lab_shape", 2,
         Trial(run, "fp16", {"alignment": "off_by_one"}), DIAGNOSES[6], evidence,
         {"alignment": ("off_by_one", "mult8", "aligned")}, {"alignment": "off_by_one"},
-        {"alignment": "aligned"}, lambda f: Trial(run, "fp16", {"alignment": f["alignment"]}), grade,
-        {DIAGNOSES[6]: "Right: 255 is not a multiple of 8 fp16 elements (16 bytes).",
-         HEALTHY: "On a GPU an odd GEMM dimension costs tensor-core efficiency."},
-        "Write each dimension in bytes and divide by 16.",
-        "Since cuBLAS 11 tensor cores serve any shape, but they are most efficient when M, N and "
-        "K are multiples of 16 bytes (8 fp16 elements); on A100 and newer multiples of 128 bytes "
-        "are better still. Pad the dimension (a vocabulary or hidden size) to a round multiple.")
+        {"alignment": "aligned"}, lambda f: Trial(run, "fp16", {"alignment": f["alignment"]}), grade)
 
 
 def _lab_healthy() -> Lab:
@@ -478,38 +418,17 @@ def _lab_healthy() -> Lab:
         g = _flops_grade(before, after, s)
         return g._replace(margin=g.margin + "; the healthy setup already meets it: leave it as it is")
     return Lab(
-        "lab_healthy", "Is this step slow?", 2,
-        "A new colleague's training step takes several times longer than the planner's estimate; "
-        "they ask what is wrong with the setup (2 layers, batch 8 x 64 tokens, fp32).",
+        "lab_healthy", 2,
         Trial(run, "none"), HEALTHY, _ckpt_evidence, CKPT_KNOBS, {"checkpointing": "none"},
-        {"checkpointing": "none"}, lambda f: _variant_trial(run, f["checkpointing"]), grade,
-        {HEALTHY: "Right: the FLOPs are the planner's, nothing waits for data, the memory is as "
-                  "planned. The planner's time is a bound at the device's peak, which a small step "
-                  "never reaches.",
-         DIAGNOSES[7]: "The counted FLOPs equal the planner's for one forward + backward: nothing "
-                       "is recomputed.",
-         DIAGNOSES[1]: "This loop has no loader: the batch is already on the device."},
-        "Check each mechanism figure against the planner's; a time is a bound, not a figure.",
-        "Every mechanism figure matches: the step's time is above the FLOPs-at-peak bound because "
-        "a small step reaches only part of the peak.")
+        {"checkpointing": "none"}, lambda f: _variant_trial(run, f["checkpointing"]), grade)
 
 
 def _lab_recompute() -> Lab:
     run = LAB_RUNS["ckpt"]
     return Lab(
-        "lab_recompute", "The step slower than the plan, with memory to spare", 3,
-        "A training step (2 layers, batch 8 x 64 tokens, fp32) takes longer than the planner "
-        "predicts, though the job uses a small fraction of the device's memory.",
+        "lab_recompute", 3,
         Trial(run, "full"), DIAGNOSES[7], _ckpt_evidence, CKPT_KNOBS, {"checkpointing": "full"},
-        {"checkpointing": "none"}, lambda f: _variant_trial(run, f["checkpointing"]), _flops_grade,
-        {DIAGNOSES[7]: "Right: the step counts more FLOPs than one forward + backward, and keeps "
-                       "far fewer activations than the plain plan: forwards run again in backward.",
-         DIAGNOSES[1]: "This loop has no loader; and the counted FLOPs are above the plan: the "
-                       "extra time is extra compute.",
-         HEALTHY: "The counted FLOPs exceed the planner's for the step: something runs twice."},
-        "Compare the counted FLOPs with the planner's, and the saved activations with the plan.",
-        "Activation checkpointing recomputes each block's forward in backward: about one more "
-        "forward of the blocks. Worth it only where memory is short; here it is not.")
+        {"checkpointing": "none"}, lambda f: _variant_trial(run, f["checkpointing"]), _flops_grade)
 
 
 def _lab_kv_cache() -> Lab:
@@ -538,17 +457,10 @@ def _lab_kv_cache() -> Lab:
                         f"before, {a / 1e6:.2f} M after (planner with a cache: {want / 1e6:.2f} M)",
                         f"at most {1 + KV_MARGIN:.2f}x the planner's FLOPs per token with a cache")
     return Lab(
-        "lab_kv_cache", "Each token slower than the last", 2,
-        "A greedy decoder's every new token takes longer than the one before; the prompt is short.",
+        "lab_kv_cache", 2,
         Trial(run, "none"), DIAGNOSES[8], evidence, {"kv_cache": ("none", "dynamic")},
         {"kv_cache": "none"}, {"kv_cache": "dynamic"}, lambda f: _variant_trial(run, f["kv_cache"]),
-        grade,
-        {DIAGNOSES[8]: "Right: the counted FLOPs are the no-cache sum: every token runs the whole "
-                       "prefix through the model again.",
-         HEALTHY: "The FLOPs are those of recomputing the prefix at every token."},
-        "Compare the counted FLOPs with the planner's with and without a cache.",
-        "Without a cache token i runs all prompt_len + i positions; a KV cache keeps every layer's "
-        "keys and values, so each step runs one position.")
+        grade)
 
 
 def build_labs() -> list[Lab]:

@@ -3,7 +3,9 @@ recomputation's FLOPs, the batch that fits, accumulation, KV-cache bytes.
 
 Where torch differs by device, the details say so and the answer follows the device: AdamW is a
 for-loop over the parameters on the CPU and multi-tensor (foreach) on a GPU, so the optimizer
-step's temporaries differ (`step_temporaries`)."""
+step's temporaries differ (`step_temporaries`).
+
+Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
 import math
@@ -89,26 +91,14 @@ def peak_details(s: Setup) -> str:
 
 def peak_memory() -> Exercise:
     return Exercise(
-        "peak_memory", TOPICS[0], "The peak memory of one training step",
-        "You train the tiny Llama-style model in fp32 with AdamW (one step, batch 1 x 8 tokens). "
-        "The peak is the larger of two moments: the start of backward and the optimizer step.",
-        "What is the peak memory of the step, in MiB?", "mp",
+        "peak_memory", TOPICS[0], "mp",
         answer=lambda s: s.expected("fp32")["peak_mem_bytes"] / MiB,
         evidence=lambda r, s: {"peak": mib(r.get("fp32", "peak_mem_bytes")),
                                "params": mib(r.get("fp32", "param_bytes")),
                                "optim": mib(r.get("fp32", "optimizer_bytes")),
                                "acts": mib(r.get("fp32", "activation_bytes")),
                                "temps": mib(step_temporaries(s)[0])},
-        why="the optimizer step is the peak here: weights (4 bytes/param) + gradients (4) + AdamW's "
-            "two moments (8) = 16 bytes per parameter, plus the step's temporaries ({temps} on this "
-            "device): {answer}. The start of backward holds less: the gradients do not exist yet "
-            "and the saved activations ({acts}) are small at 8 tokens. Measured peak {peak}: "
-            "params {params}, optimizer {optim}.",
-        level=2, hint="Add up what is alive at each of the two moments; the optimizer's temporaries "
-                      "depend on the device's AdamW implementation (see the details).",
-        mistake=lambda s: 16 * psi(s) / MiB,
-        mistake_why="16 bytes per parameter counts the model states only; AdamW's step makes "
-                    "temporaries on top of them, and those are the difference between devices.",
+        level=2, mistake=lambda s: 16 * psi(s) / MiB,
         supports=lambda r, s: within(r.get("fp32", "peak_mem_bytes"), s.expected("fp32")["peak_mem_bytes"],
                                      0.10, "the measured peak against the planner's"),
         unit="MiB", rel_tol=0.05, details=peak_details)
@@ -118,24 +108,13 @@ def peak_memory() -> Exercise:
 
 def checkpoint_saving() -> Exercise:
     return Exercise(
-        "checkpoint_saving", TOPICS[0], "What full activation checkpointing saves",
-        "The same model (2 layers) trains on a batch of 2 x 32 tokens in fp32. You wrap every block "
-        "in torch.utils.checkpoint (full recomputation): a checkpointed block keeps only its input "
-        "(b x s x d x 4 bytes) and rebuilds the rest in backward. The embedding and the head (final "
-        "norm, loss) are not checkpointed.",
-        "How many MiB of saved activations does full checkpointing remove?", "ckpt",
+        "checkpoint_saving", TOPICS[0], "ckpt",
         answer=lambda s: saving(s, "full"),
         evidence=lambda r, s: {"none": mib(r.get("none", "activation_bytes")),
                                "full": mib(r.get("full", "activation_bytes")),
                                "per_token": f"{block_bytes_per_token(s):,}"},
-        why="each block drops its {per_token} bytes per token and keeps its input (4d bytes per "
-            "token): layers x b x s x ({per_token} - 4d) = {answer}. Measured saved activations: "
-            "{none} without, {full} with full recomputation (the head's log-probabilities stay).",
-        level=2, hint="Per block and token: what it kept before, less what a checkpointed block still "
-                      "keeps; then times the tokens and the blocks.",
-        mistake=lambda s: s.cfg().model.num_layers * s.cfg().batch_size * s.cfg().seq_len
+        level=2, mistake=lambda s: s.cfg().model.num_layers * s.cfg().batch_size * s.cfg().seq_len
         * block_bytes_per_token(s) / MiB,
-        mistake_why="a checkpointed block still keeps its input, to run its forward again in backward.",
         supports=lambda r, s: within(measured_saving(r, "full"), saving(s, "full"), 0.10,
                                      "the measured drop in saved activations"),
         unit="MiB", rel_tol=0.02, details=lambda s: f"{model_words(s)}\n{plain_block_words(s)}")
@@ -150,12 +129,7 @@ def selective_words(s: Setup) -> str:
 
 def selective_saving() -> Exercise:
     return Exercise(
-        "selective_saving", TOPICS[0], "What selective checkpointing saves",
-        "Same model and batch (2 layers, 2 x 32 tokens, fp32). Now every block is checkpointed "
-        "selectively (torch's create_selective_checkpoint_contexts): the outputs of matmul-type ops "
-        "(the linear layers and SDPA) are kept, the cheap elementwise ops (RMSNorm, RoPE, SiLU, the "
-        "SwiGLU product) are recomputed in backward.",
-        "How many MiB of saved activations does selective checkpointing remove?", "ckpt",
+        "selective_saving", TOPICS[0], "ckpt",
         answer=lambda s: saving(s, "selective"),
         evidence=lambda r, s: {"none": mib(r.get("none", "activation_bytes")),
                                "sel": mib(r.get("selective", "activation_bytes")),
@@ -164,15 +138,7 @@ def selective_saving() -> Exercise:
                                "per_token": f"{block_bytes_per_token(s):,}",
                                "flops_none": show(r.get("none", "flops"), "FLOP"),
                                "flops_sel": show(r.get("selective", "flops"), "FLOP")},
-        why="a selective block keeps 4 x (3d + 2q + 2kv + 2f) + 4 x heads = {kept} bytes per token "
-            "instead of {per_token}: layers x b x s x the difference = {answer}, against {full} for "
-            "full recomputation. Measured saved activations {none} plain, {sel} selective; the "
-            "FLOPs stay ({flops_none} against {flops_sel}): only elementwise ops run again.",
-        level=2, hint="List what a selective block keeps per token (the widths are in the details), "
-                      "subtract it from what a plain block keeps, then scale by tokens and blocks.",
-        mistake=lambda s: saving(s, "full"),
-        mistake_why="selective keeps every matmul's output, most of a block's bytes; it saves much "
-                    "less than full recomputation, which keeps only the block's input.",
+        level=2, mistake=lambda s: saving(s, "full"),
         supports=lambda r, s: (within(measured_saving(r, "selective"), saving(s, "selective"), 0.10,
                                       "the measured drop in saved activations")
                                or within(r.get("selective", "flops"), r.get("none", "flops") or 0, 0.0,
@@ -186,28 +152,12 @@ def recompute_flops(s: Setup) -> int:
 
 def recompute_cost() -> Exercise:
     return Exercise(
-        "recompute_cost", TOPICS[0], "The price of recomputation",
-        "Same setup (2 layers, 2 x 32 tokens): full activation checkpointing on both blocks. In "
-        "backward each block's forward runs again, but torch.utils.checkpoint (non-reentrant) "
-        "stops as soon as it has rebuilt the last tensor backward needs: the block's last matmul, "
-        "the MLP's down-projection w2, is not re-run (no backward needs its output). Count FLOPs as "
-        "FlopCounterMode does: a (m x k) @ (k x n) matmul is 2mkn; SDPA's forward is "
-        "4 x b x s^2 x heads x head_dim per layer (the full score matrix).",
-        "By how many percent does full recomputation raise the FLOPs of a training step?", "ckpt",
+        "recompute_cost", TOPICS[0], "ckpt",
         answer=lambda s: 100 * recompute_flops(s) / s.expected("none")["flops"],
         evidence=lambda r, s: {"none": show(r.get("none", "flops"), "FLOP"),
                                "full": show(r.get("full", "flops"), "FLOP"),
                                "extra": show(recompute_flops(s), "FLOP")},
-        why="per block the recomputation is 2 x b x s x (wq, wk, wv, wo, w1, w3 weights) + SDPA's "
-            "4 x b x s^2 x heads x head_dim, w2 left out; both blocks: {extra}, over the plain step's "
-            "FLOPs = {answer}. The embedding and the head are not recomputed and w2 is skipped, so "
-            "it is well below the 33% rule of thumb. FlopCounterMode counted {none} without and "
-            "{full} with recomputation.",
-        level=2, hint="Count one block's forward FLOPs from its weight shapes without w2, times the "
-                      "blocks, and divide by the plain step's FLOPs (in the details).",
-        mistake=lambda s: 100 / 3,
-        mistake_why="33% assumes one whole extra forward of the model (a step being 3 forwards); "
-                    "only the blocks run again, without the embedding, the head or w2.",
+        level=2, mistake=lambda s: 100 / 3,
         supports=lambda r, s: within((r.get("full", "flops") or 0) - (r.get("none", "flops") or 0),
                                      recompute_flops(s), 0.05, "the measured extra FLOPs"),
         unit="%", abs_tol=2.0,
@@ -254,28 +204,13 @@ def found_supports(r: Rows, s: Setup) -> str | None:
 
 def fitting_batch() -> Exercise:
     return Exercise(
-        "fitting_batch", TOPICS[0], "The micro-batch that fits a memory budget",
-        "A 1-layer model trains at seq_len 32 in fp32 with AdamW under a memory budget of 0.06 GiB "
-        "(a virtual budget on the CPU, a real limit on a GPU), accumulating gradients over "
-        "micro-batches. A micro-batch fits when both moments stay within the budget: the start of "
-        "its backward and the optimizer step.",
-        "What is the largest micro-batch that fits?", "finder",
+        "fitting_batch", TOPICS[0], "finder",
         answer=lambda s: s.expected("fp32")["max_batch_size"],
         evidence=lambda r, s: {"found": show(r.get("fp32", "max_batch_size")),
                                "probes": show(r.get("fp32", "num_probes")),
                                "peak": mib(r.get("fp32", "peak_mem_bytes")),
                                "temps": mib(step_temporaries(s)[0])},
-        why="the start of backward holds 16Ψ + b x (saved activations + the loss's 8 x s x V "
-            "temporaries per sequence) + the fixed bytes; the largest b under the budget is "
-            "{answer}. The optimizer step (16Ψ + {temps} of temporaries on this device) fits at any "
-            "b. The finder doubled, then bisected, through real OOMs: {found} after {probes} probes "
-            "(peak at that size {peak}).",
-        level=3, hint="Write the backward's peak as fixed + b x per-sequence bytes and solve for b; "
-                      "then check that the optimizer step fits too.",
-        mistake=lambda s: no_loss_temporaries(s),
-        mistake_why="at the start of backward the loss's fp32 gradients of the log-probabilities "
-                    "and of the logits (8 bytes per token and vocabulary entry) sit on top of the "
-                    "saved activations.",
+        level=3, mistake=lambda s: no_loss_temporaries(s),
         supports=found_supports, abs_tol=0.0, details=budget_details)
 
 
@@ -297,23 +232,12 @@ def accumulation_supports(r: Rows, s: Setup) -> str | None:
 
 def accumulation_steps() -> Exercise:
     return Exercise(
-        "accumulation_steps", TOPICS[0], "Gradient accumulation for an effective batch",
-        "Same model and budget; the recipe asks for 36 sequences per optimizer step, in "
-        "micro-batches of the largest size that fits (the previous exercise); the last micro-batch "
-        "takes what is left.",
-        "How many micro-batches make up one optimizer step?", "finder",
+        "accumulation_steps", TOPICS[0], "finder",
         answer=lambda s: s.expected("fp32")["accumulation_steps"],
         evidence=lambda r, s: {"found": show(r.get("fp32", "max_batch_size")),
                                "steps": show(r.get("fp32", "accumulation_steps")),
                                "micro": show(s.expected("fp32")["max_batch_size"])},
-        why="ceil(effective batch / micro-batch) = ceil(36 / {micro}) = {answer}: the last "
-            "micro-batch is smaller, and each loss is weighted by its share of the 36 sequences. "
-            "The finder measured a largest micro-batch of {found} and planned {steps} micro-steps.",
-        level=3, hint="First find the largest micro-batch (the details have every term), then "
-                      "divide the effective batch by it; mind the remainder.",
-        mistake=lambda s: s.cfg().effective_batch // s.expected("fp32")["max_batch_size"],
-        mistake_why="rounding down drops the remainder: the step would see fewer sequences than "
-                    "the recipe asks for.",
+        level=3, mistake=lambda s: s.cfg().effective_batch // s.expected("fp32")["max_batch_size"],
         supports=accumulation_supports, abs_tol=0.0, details=budget_details)
 
 
@@ -338,20 +262,11 @@ def kv_supports(r: Rows, s: Setup) -> str | None:
 
 def kv_cache_bytes() -> Exercise:
     return Exercise(
-        "kv_cache_bytes", TOPICS[0], "The size of a KV cache",
-        "A 1-layer model (2 kv heads of 64, fp32) generates 32 tokens after a 64-token prompt with a "
-        "dynamic KV cache (it holds every position but the last generated one, which is never fed "
-        "back).", "How many KiB does the cache hold at the end?", "kv",
+        "kv_cache_bytes", TOPICS[0], "kv",
         answer=lambda s: s.expected("dynamic")["kv_bytes"] / KiB,
         evidence=lambda r, s: {"kv": show(r.get("dynamic", "kv_bytes") / KiB, "KiB"),
                                "per_token": show(r.get("dynamic", "kv_bytes_per_token"), "bytes")},
-        why="2 (K and V) x layers x kv heads x head_dim x bytes per value per token, times batch x "
-            "positions held (prompt + new - 1): {answer}. Measured from the cache tensors' "
-            "storage: {kv} ({per_token} per token).",
-        level=1, hint="Bytes per token first (K and V, every layer and kv head), then the positions "
-                      "the cache holds.",
-        mistake=lambda s: kv_positions_bytes(s, extra=1) / KiB,
-        mistake_why="the last generated token is never fed back, so its K and V are never cached.",
+        level=1, mistake=lambda s: kv_positions_bytes(s, extra=1) / KiB,
         supports=kv_supports, unit="KiB", rel_tol=0.005, details=kv_details)
 
 

@@ -1,5 +1,7 @@
 """Exercises on profiling: the data wait, tensor-core shapes, arithmetic intensity, the roofline,
-strided traffic."""
+strided traffic.
+
+Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
 from labkit.study.exercises.core import TOPICS, Exercise, Rows, Setup, show
@@ -149,53 +151,21 @@ def _loading_and_shapes() -> list[Exercise]:
 
     return [
         Exercise(
-            "data_wait", topic, "How long the step waits for data",
-            "Each sample costs 50 ms of CPU work in the loader (tokenising, augmenting); the loader runs "
-            "in the training process (num_workers = 0), so nothing is prepared ahead, and each batch "
-            "holds 2 sequences.",
-            "How many ms per step does the step wait for its batch?", "data",
+            "data_wait", topic, "data",
             answer=lambda s: dataloading.data_ms(s.cfg("baseline")),
             evidence=lambda r, s: {"data": show(r.get("baseline", "data_ms"), "ms"),
                                    "compute": show(r.get("baseline", "compute_ms"), "ms"),
                                    "wait": show(r.get("baseline", "data_wait_pct"), "%")},
-            why="without workers the step builds its whole batch before computing: batch_size x sample "
-                "cost = {answer}. Measured: data {data}, compute {compute}: the step waits for data "
-                "{wait} of the time. Workers (num_workers > 0) prepare batches while the step computes.",
             level=1, unit="ms", rel_tol=0.15,
-            hint="What must the loader finish, in the training process, before the step can start?",
             mistake=lambda s: s.cfg("baseline").sample_cost_us / 1e3,
-            mistake_why="the loader builds every sample of the batch before the step runs, so the "
-                        "wait is the batch size times the per-sample cost, not one sample's cost.",
             supports=_data_supports),
         Exercise(
-            "tensor_core_shape", topic, "Shapes for tensor cores",
-            f"An fp16 GEMM of m = n = k = {SCENARIO_SHAPE} (a vocabulary one short of a round number) "
-            "runs on an NVIDIA H200 through PyTorch (cuBLAS 12) and reaches a fraction of the tensor-core "
-            "peak that m = n = k = 4096 reaches. NVIDIA's matrix-multiplication guide says: since "
-            "cuBLAS 11 tensor cores can serve any shape, but they are most efficient when M, N and K "
-            "are multiples of 16 bytes, and on A100 and newer multiples of 128 bytes are better still.",
-            "What makes it run efficiently on tensor cores?", "matmul",
+            "tensor_core_shape", topic, "matmul",
             choices=(PAD, NOTHING, "switch to fp32", "transpose B"), mistake=lambda s: NOTHING,
-            mistake_why="served is not served efficiently: since cuBLAS 11 any shape runs, but an "
-                        "unaligned one gets slower kernels.",
             answer=lambda s: NOTHING if tensor_core_friendly(*(SCENARIO_SHAPE,) * 3) else PAD,
             evidence=_shape_evidence,
-            why="16 bytes are 8 fp16 elements and 4095 is not a multiple of 8: {answer} (4096 is, and "
-                "a multiple of 64 fp16 elements, 128 bytes, too, which A100 and newer prefer). Measured "
-                "fp16 rates at 256 (128-byte aligned), 248 (16-byte aligned) and 255 (neither): "
-                "{rates}, {where}.",
             level=2,
-            hint="Convert the guide's 16 bytes into fp16 elements, and check the shape against it.",
-            feedback={
-                PAD: "right: 16 bytes are 8 fp16 elements; padding 4095 to 4096 (a multiple of 64, "
-                     "128 bytes, as A100 and newer prefer) lets cuBLAS pick its efficient kernels.",
-                NOTHING: "tensor cores can serve it since cuBLAS 11, but not efficiently: an "
-                         "unaligned shape gets kernels with narrower loads and ragged tiles.",
-                "switch to fp32": "plain fp32 does not use tensor cores at all (only TF32 mode does, "
-                                  "at half fp16's rate): slower, not friendlier.",
-                "transpose B": "the layout changes which dimension is contiguous, not that each "
-                               "dimension is a multiple of 8 elements."},
-            supports=_shape_supports),
+            supports=_shape_supports, words={"shape": SCENARIO_SHAPE}),
     ]
 
 
@@ -205,74 +175,31 @@ def _roofline() -> list[Exercise]:
 
     return [
         Exercise(
-            "matmul_intensity", topic, "The arithmetic intensity of a matmul",
-            "C = A @ B with A 256 x 256 and B 256 x 256 in fp32 (4 bytes a value). Count the least "
-            "memory traffic: A and B read once, C written once.",
-            "What is its arithmetic intensity, in FLOP per byte?", "matmul",
+            "matmul_intensity", topic, "matmul",
             answer=_intensity,
             evidence=lambda r, s: {"flops": show(r.get("fp32", "flops", alignment="aligned"), "FLOP"),
                                    "inputs": show(r.get("fp32", "input_bytes", alignment="aligned"), "bytes")},
-            why="2mnk FLOPs (one multiply and one add per term) over (mk + kn + mn) x 4 bytes = "
-                "{answer}. Counted in the run: {flops} (FlopCounterMode) and {inputs} of inputs, plus "
-                "the output's m x n x 4. It grows with the size (2n / 12 for a square fp32 matmul).",
             level=1, unit="FLOP/byte", rel_tol=0.02,
-            hint="A matmul does m x n x k multiply-adds; how many FLOPs is each, and how many bytes "
-                 "do A, B and C hold?",
             mistake=lambda s: _intensity(s) / 2,
-            mistake_why="a multiply-add is two FLOPs: a matmul does 2mnk of them, not mnk.",
             supports=_intensity_supports),
         Exercise(
-            "roofline_bound", topic, "Compute-, memory- or launch-bound",
-            "A 256 x 256 x 256 fp32 matmul on this device (its ceilings are below).",
-            "Which bound sets its time?", "matmul",
+            "roofline_bound", topic, "matmul",
             choices=BOUNDS, answer=_roofline_bound,
             mistake=lambda s: "compute-bound" if _roofline_bound(s) != "compute-bound" else "memory-bound",
-            mistake_why="the roofline needs both ceilings and the op's fixed cost: a high intensity "
-                        "alone does not make a small op compute-bound, and a matmul is rarely "
-                        "memory-bound at this size.",
             evidence=lambda r, s: {"tflops": show(r.get("fp32", "tflops", alignment="aligned"), "TFLOP/s"),
                                    "ms": show(r.get("fp32", "step_ms", alignment="aligned"), "ms"),
                                    "pct": show(r.get("fp32", "peak_flops_pct", alignment="aligned"), "%"),
                                    "compute_us": show(_roof(s)["compute_s"] * 1e6, "µs"),
                                    "memory_us": show(_roof(s)["memory_s"] * 1e6, "µs")},
-            why="at the ceilings, the FLOPs take {compute_us} and the bytes {memory_us}. The longer of "
-                f"the two is the roofline's time; were it under {SMALL_US:g} µs, the fixed cost of "
-                "launching the op would set the time, else the longer side names the bound: {answer}. "
-                "Measured here: {ms} a call, {tflops} ({pct} of the peak).",
             level=3,
-            hint="Compute the time at the peak FLOP/s and the time at the bandwidth; compare the longer "
-                 "one with the fixed cost of one op before comparing the two.",
-            feedback={
-                "compute-bound": "right when the FLOPs at the peak take longer than the bytes at the "
-                                 "bandwidth and longer than a launch: intensity above the ridge point.",
-                "memory-bound": "a matmul of this size has an intensity of about 43 FLOP/byte, above "
-                                "the ridge point of common devices; memory-bound ops are those with "
-                                "few FLOPs per byte (elementwise, reductions).",
-                "launch/overhead-bound": "right when the roofline's time is a fraction of a "
-                                         "microsecond, as on a big GPU: the launch (a few µs) sets the "
-                                         "time, and batching or fusing ops (CUDA graphs) helps, not "
-                                         "faster math."},
-            supports=_roof_supports, details=_roof_details),
+            supports=_roof_supports, details=_roof_details, words={"small_us": SMALL_US}),
         Exercise(
-            "strided_traffic", topic, "The cost of a stride",
-            "A copy reads every 4th fp32 value (stride 4) of a buffer and writes them contiguously, "
-            "against a copy of the same number of contiguous values. Memory moves whole lines: 64-byte "
-            "cache lines on a CPU, 32-byte sectors on a GPU. Count the bytes read (whole lines) plus "
-            "the bytes written (each written byte once).",
-            "How many times more bytes must memory move for the strided copy?", "access",
+            "strided_traffic", topic, "access",
             answer=lambda s: ma.traffic_bytes(s.cfg("strided")) / ma.traffic_bytes(s.cfg("contiguous")),
             evidence=lambda r, s: {"t_strided": show(r.get("strided", "step_ms"), "ms"),
                                    "t_contig": show(r.get("contiguous", "step_ms"), "ms"),
                                    "src": show(r.get("strided", "src_bytes") / r.get("contiguous", "src_bytes"))},
-            why="at stride 4 the values used are 16 bytes apart, so each one read brings 16 bytes in "
-                "(a 64-byte line holds 4 of them, a 32-byte sector 2), against 4 bytes contiguous; both "
-                "copies write 4 bytes a value: (16 + 4) / (4 + 4) = {answer}. Measured: the strided view "
-                "spans a buffer {src} x the contiguous one; {t_strided} against {t_contig}; the time "
-                "ratio can differ from the bytes ratio (prefetchers, caches, write-allocate reads).",
             level=2, rel_tol=0.05,
-            hint="Bytes per value: what does one read fetch at stride 4, and what does each write cost?",
             mistake=lambda s: _reads_ratio(s.cfg("strided")),
-            mistake_why="the stride ratio counts only the reads; the copy also writes every value "
-                        "once, the same 4 bytes in both copies, which dilutes the ratio.",
             supports=_strided_supports),
     ]

@@ -1,5 +1,7 @@
 """Exercises on weight-only quantization: the bytes of an int4 linear with a shorter last group,
-and the decode speed-up that the bytes ratio bounds. They name RUNS["quant"]."""
+and the decode speed-up that the bytes ratio bounds. They name RUNS["quant"].
+
+Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
 from labkit.blocks import quant
@@ -75,42 +77,18 @@ def build_exercises() -> list[Exercise]:
     topic = TOPICS[5]
     return [
         Exercise(
-            "int4_group_bytes", topic, "The bytes of an int4 linear with a shorter last group",
-            "Weight-only int4 stores each weight in 4 bits and, per group of inputs, a scale and a "
-            "zero point to dequantize with: w = (q - 8) x scale + zero.",
-            "How many bytes does the int4 w2 take (packed values, scales and zero points)?", "quant",
+            "int4_group_bytes", topic, "quant",
             answer=down_proj_bytes, details=bytes_words,
             evidence=lambda r, s: {"measured": show(r.get("int4", "weight_bytes"), "bytes"),
                                    "ratio": show(r.get("int4", "weight_bytes_ratio"))},
-            why="out x ceil(in / 2) bytes of packed values plus 2 x 2 bytes x out x ceil(in / 64) "
-                "groups = {answer} bytes. The whole model's int4 linears measured {measured} from "
-                "storage, {ratio} of fp32: the same formula, layer by layer.",
-            level=1, hint="Count the groups per row with a ceiling, not a floor; each group costs "
-                          "two 16-bit numbers per output channel.",
-            mistake=floor_groups_bytes,
-            mistake_why="that counts in // 64 groups per row; the inputs past the last full group "
-                        "form a shorter group that still needs its own scale and zero point.",
+            level=1, mistake=floor_groups_bytes,
             supports=measured_weight_bytes, unit="bytes"),
         Exercise(
-            "int4_speedup_bound", topic, "The decode speed-up that the bytes allow",
-            "At batch 1 each decode step reads every weight once and does little arithmetic per "
-            "byte, so the step time is bounded below by bytes / bandwidth. Assume a step reads only "
-            "the quantized linears (the embedding rows, the norms and the short cache are "
-            "negligible) and that the kernel reads the packed bytes themselves.",
-            "By what factor at most can int4 (group_size 64) decode faster than fp32?", "quant",
+            "int4_speedup_bound", topic, "quant",
             answer=speedup_bound, details=weights_words,
             evidence=lambda r, s: {"none_tps": show(r.get("none", "tokens_per_s"), "tokens/s"),
                                    "int4_tps": show(r.get("int4", "tokens_per_s"), "tokens/s"),
                                    "paths": r.get("int4", "packed_layers")},
-            why="fp32 bytes / int4 bytes of the same linears = {answer}x: 32 bits against "
-                "4 + 32/64 = 4.5 bits per weight, a little more where a row ends in a shorter "
-                "group. It is a bound: here fp32 ran at {none_tps} and int4 at {int4_tps} ({paths} "
-                "layers on the packed kernel); small matmuls on a CPU are bound by per-step "
-                "overhead and by how fast the kernel unpacks, not by bytes.",
-            level=2, hint="Write the bits per weight of each: data plus the scale and zero point "
-                          "shared by a group of 64.",
-            mistake=lambda s: 8.0,
-            mistake_why="32 / 4 = 8 forgets the 16-bit scale and zero point of every group: int4 "
-                        "with group 64 is 4.5 bits per weight, not 4.",
+            level=2, mistake=lambda s: 8.0,
             supports=measured_bytes_ratio, unit="x", rel_tol=0.03),
     ]

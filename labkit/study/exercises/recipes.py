@@ -8,7 +8,9 @@ is the same for "cpu" and "cuda": per-rank bytes do not depend on it.
 
 The peak exercise is predicted from the planner's terms (`recipe.planned`, the prediction each
 measured row carries); the ladder's reference is the first rung whose planned peak fits the budget,
-and the measurement shows it: every earlier rung is an `oom` row on every rank."""
+and the measurement shows it: every earlier rung is an `oom` row on every rank.
+
+Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
 from labkit import planner
@@ -159,26 +161,10 @@ def gathered_as_fp32(s: Setup) -> float:
 
 def recipe_peak() -> Exercise:
     return Exercise(
-        "recipe_peak", TOPICS[0], "The peak memory per rank of a recipe",
-        "Two ranks train the tiny model with a recipe of four techniques: bf16, full activation "
-        "checkpointing of every block, 2 micro-batches per step (gradients accumulate) and ZeRO-2 "
-        "as FSDP2 builds it, where bf16 is FSDP2's mixed-precision policy (fp32 shards, gradient "
-        "shards and AdamW; each unit gathered and computed in bf16, gradients reduced in fp32).",
-        "What is the peak memory of one training step on one rank, in MiB?", "recipe",
+        "recipe_peak", TOPICS[0], "recipe",
         answer=lambda s: peak_of(s, TOP) / MiB,
         evidence=peak_evidence,
-        why="the {moment} is the peak: {terms} = {total} bytes = {answer}; {others}. The "
-            "policy keeps every model state in fp32 (shards, gradient shards, AdamW); only what "
-            "it gathers is bf16, and only between a unit's forward and its backward: the "
-            "reduce-scatter after the backward and the optimizer step hold no gathered weights "
-            "and no activations. Measured peaks, rank 0 and 1: {peaks} ({ratio} of the "
-            "prediction).",
-        level=3, hint="Write down what is alive at each of the three moments (the details give "
-                      "every term); which terms exist only between a forward and its backward?",
-        mistake=gathered_as_fp32,
-        mistake_why="FSDP2's bf16 policy gathers the whole weights in bf16 (2Ψ), not in fp32 "
-                    "(4Ψ): it casts the fp32 shards before the all-gather. Autocast, over DDP or "
-                    "ZeRO-1, is what keeps fp32 weights and casts them for each matmul.",
+        level=3, mistake=gathered_as_fp32,
         supports=peak_supports, unit="MiB", rel_tol=0.02, details=peak_details)
 
 
@@ -261,43 +247,12 @@ def ladder_supports(r: Rows, s: Setup) -> str | None:
     return None if answer == NONE else f"no rung {answer!r} measured"
 
 
-FEEDBACK = {
-    "bf16 on DDP": "autocast leaves every model state in fp32 and adds bf16 weight casts; it "
-                   "shrinks only the matmuls' saved outputs: far over the budget.",
-    "+ full checkpointing": "it cuts the blocks' activations, but 16Ψ of DDP model states, the "
-                            "head's log-probabilities and the loss's temporaries remain: over.",
-    "+ 2 micro-batches": "halving the micro-batch halves activations and the loss's temporaries, "
-                         "but from the second micro-batch on the first one's .grad (4Ψ) sits "
-                         "beside DDP's buckets: the peak rises.",
-    "+ ZeRO-2": "right: sharding the moments and the gradients (and the weights at rest) saves "
-                "more than FSDP2's gathered copy costs.",
-    NONE: "the last rung fits: ZeRO-2 holds 16Ψ/N of model states at rest (DDP: 16Ψ), plus "
-          "the whole weights it gathers in bf16 between the passes (2Ψ).",
-}
-
-
 def ladder_fit() -> Exercise:
     return Exercise(
-        "ladder_fit", TOPICS[3], "The first rung of a ladder that fits",
-        "The same two ranks train with bf16 autocast on DDP and exceed their memory budget. You "
-        "climb a ladder, adding one technique per rung and keeping the ones before: full "
-        "activation checkpointing, then 2 micro-batches per step (gradients accumulate, the batch "
-        "per step is unchanged), then ZeRO-2 (FSDP2, where bf16 becomes its mixed-precision "
-        "policy) instead of DDP. Each rung is measured under the budget: a rung over it is an "
-        "oom row.",
-        "Which rung is the first whose peak per rank fits the budget?", "recipe",
+        "ladder_fit", TOPICS[3], "recipe",
         answer=first_fit, evidence=ladder_evidence,
-        why="{rungs}. Against the {budget} budget the first that fits is {answer}. Accumulation "
-            "on DDP does not pay here: the first micro-batch's gradients (4Ψ) stay beside DDP's "
-            "buckets while the second runs, more than its halved activations save.",
-        level=3, hint="For each rung, add the model states its layout holds to each of its "
-                      "moments (on DDP the end of the forward and the start of backward); what "
-                      "does a rank hold between two micro-batches?",
-        mistake=lambda s: first_fit(s, forget_accumulated=True),
-        mistake_why="with accumulation under DDP the earlier micro-batch's .grad is a second set "
-                    "of fp32 gradients beside DDP's buckets (4Ψ more), held through the later "
-                    "micro-batch's forward and backward.",
-        feedback=FEEDBACK, supports=ladder_supports, choices=(*RUNGS, NONE), details=ladder_details)
+        level=3, mistake=lambda s: first_fit(s, forget_accumulated=True),
+        supports=ladder_supports, choices=(*RUNGS, NONE), details=ladder_details)
 
 
 def build_exercises() -> list[Exercise]:

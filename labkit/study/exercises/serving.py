@@ -5,7 +5,9 @@ Both share one Run (RUNS["serve_prefix"] in `labkit.study.exercises.runs`):
 the first 8 requests of `shared_prefix` (each prompt one of 3 system prompts of 64 tokens, then
 8 to 32 tokens of its own), all queued at t = 0, a pool that never runs out, `continuous` with the
 prefix cache. The answers come from the tokens alone (`batching.prefix_savings`), before the
-replay; with no preemption and no eviction the measured rows equal them exactly."""
+replay; with no preemption and no eviction the measured rows equal them exactly.
+
+Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
 from labkit.study.exercises.core import TOPICS, Exercise, Rows, Setup, show
@@ -52,14 +54,6 @@ def prefix_words(s: Setup) -> str:
             f"{cfg.kv_budget_tokens} positions (nothing is preempted or evicted); {cfg.batch_size} rows.")
 
 
-PREFIX_WORDS = ("Continuous batching with vLLM's automatic prefix caching serves the requests below. "
-                "Every full KV block a request computes is cached by a hash of its tokens and of the "
-                "blocks before it. A new request reuses the cached blocks its prompt starts with and "
-                "prefills only the rest, but it always computes at least its last prompt position "
-                "(its logits give the first output token). Requests are prefilled one at a time in "
-                "arrival order, each after the previous one's blocks are cached.")
-
-
 def measured_is(metric: str, predicted: float, r: Rows) -> str | None:
     value = r.get(VARIANT, metric)
     if value is None or abs(value - predicted) > 1e-9:
@@ -71,42 +65,20 @@ def build_exercises() -> list[Exercise]:
     topic = TOPICS[5]
     return [
         Exercise(
-            "prefix_prefill_tokens", topic, "Prefill tokens with a prefix cache",
-            PREFIX_WORDS, "How many prompt positions does prefill compute for all the requests?",
-            "serve_prefix", answer=prefill_with_cache, details=prefix_words,
+            "prefix_prefill_tokens", topic, "serve_prefix", answer=prefill_with_cache, details=prefix_words,
             evidence=lambda r, s: {"measured": show(r.get(VARIANT, "prefill_tokens")),
                                    "total": sum(q.prompt_len for q in requests_of(s)[1]),
                                    "saved": savings(s)[0] * requests_of(s)[0].block_size,
                                    "fraction": show(r.get(VARIANT, "shared_prefix_fraction"))},
-            why="without the cache every prompt token is computed: {total}. The first request of "
-                "each system prompt computes it in full; every later one reuses its full blocks "
-                "(all of them: each prompt is longer than its system prompt), {saved} positions in "
-                "all (the shared_prefix_fraction, {fraction} of the prompt tokens). {answer} are "
-                "left; measured {measured}.",
-            level=2, hint="Total the prompt tokens, then subtract the system prompt's full blocks "
-                          "once for every request that is not the first to use its system prompt.",
-            mistake=all_share,
-            mistake_why="that lets every request skip its system prompt; the first request of each "
-                        "system prompt finds nothing cached and must compute it.",
+            level=2, mistake=all_share,
             supports=lambda r, s: measured_is("prefill_tokens", prefill_with_cache(s), r),
             unit="tokens", abs_tol=0.0),
         Exercise(
-            "prefix_hit_rate", topic, "The prefix cache's hit rate",
-            PREFIX_WORDS + " The hit rate counts, over all requests, the blocks reused against the "
-                           "full prompt blocks looked up: a prompt of n tokens looks up "
-                           "floor((n - 1) / block size) blocks (its last position is always computed).",
-            "What fraction of the blocks looked up is found in the cache?", "serve_prefix",
+            "prefix_hit_rate", topic, "serve_prefix",
             answer=lambda s: savings(s)[0] / savings(s)[1], details=prefix_words,
             evidence=lambda r, s: {"measured": show(r.get(VARIANT, "prefix_hit_rate")),
                                    "reused": savings(s)[0], "looked_up": savings(s)[1]},
-            why="{reused} blocks reused (the system prompts' blocks, for every request but the first "
-                "of each) out of {looked_up} looked up: {answer}. Measured {measured}. The own "
-                "tokens after a system prompt never hit: only a prefix shared token for token is reused.",
-            level=2, hint="Per request, floor((n - 1) / 16) blocks are looked up; a later request of "
-                          "the same system prompt finds 64 / 16 of them cached.",
-            mistake=lambda s: savings(s)[0] / touched_blocks(s),
-            mistake_why="that divides by every block a prompt touches, its partial last block "
-                        "included; only full blocks are cached and looked up.",
+            level=2, mistake=lambda s: savings(s)[0] / touched_blocks(s),
             supports=lambda r, s: measured_is("prefix_hit_rate", savings(s)[0] / savings(s)[1], r),
             unit="", abs_tol=0.01),
     ]

@@ -4,7 +4,8 @@ output length and step time, and the cost per million tokens from a price and a 
 Both are predicted from their formulas (`labkit.blocks.slo`) on the numbers their scenarios state,
 then shown beside the tiny run (`RUNS["sla"]` in `labkit.study.exercises.runs`), where the same
 formulas meet the measured step and throughput.
-"""
+
+Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
 from labkit.blocks import slo as slos
@@ -71,39 +72,17 @@ def build_exercises() -> list[Exercise]:
     topic = TOPICS[5]  # inference
     return [
         Exercise(
-            "sla_saturation", topic, "The request rate a server saturates at",
-            f"A server decodes with continuous batching on {ROWS} rows; a full decode step takes "
-            f"{STEP_MS:g} ms and advances every row by one token. Requests average {MEAN_OUTPUT} "
-            "output tokens. Leave prefill, host work and waiting out.",
-            "At what request rate (requests/s) does it saturate: the most requests per second it "
-            "can finish?", "sla",
+            "sla_saturation", topic, "sla",
             answer=saturation_answer, evidence=tiny_saturation,
-            why=(f"each of the {ROWS} rows finishes a request every {MEAN_OUTPUT} steps of "
-                 f"{STEP_MS:g} ms: {ROWS} / ({MEAN_OUTPUT} x {STEP_MS / 1e3:g} s) = {{answer}}. The "
-                 "tiny run: {rows} rows, {mean_out} output tokens on average, a measured step of "
-                 "{step}: the formula says {napkin}, the backlog replay measured {measured} "
-                 "(prefill and host work are not free), and the SLO search found {max_rate}: "
-                 "queueing misses the SLO before the server saturates."),
-            level=1, hint="Each row finishes one request every (mean output) steps; the server has "
-                          "`rows` of them, and a step takes the step time.",
-            mistake=lambda s: slos.saturation_rate(1, MEAN_OUTPUT, STEP_MS / 1e3),
-            mistake_why="that serves one request at a time; all the rows decode in the same step.",
-            supports=saturation_supported, unit="requests/s", rel_tol=0.02),
+            level=1, mistake=lambda s: slos.saturation_rate(1, MEAN_OUTPUT, STEP_MS / 1e3),
+            supports=saturation_supported, unit="requests/s", rel_tol=0.02,
+            words={"server_rows": ROWS, "server_step_ms": STEP_MS, "server_mean_output": MEAN_OUTPUT,
+                   "server_step_s": STEP_MS / 1e3}),
         Exercise(
-            "sla_cost", topic, "Cost per million tokens",
-            f"A GPU rents at {PRICE_PER_HOUR:.2f} USD per hour. At the batch limit you chose it "
-            f"produces {TOKENS_PER_S:,.0f} output tokens per second, around the clock.",
-            "What does one million output tokens cost, in USD?", "sla",
+            "sla_cost", topic, "sla",
             answer=lambda s: slos.usd_per_million_tokens(PRICE_PER_HOUR, TOKENS_PER_S),
             evidence=tiny_cost,
-            why=f"{PRICE_PER_HOUR:g} USD per hour is {PRICE_PER_HOUR:g} / 3600 USD per second; a "
-                f"million tokens take 1e6 / {TOKENS_PER_S:g} s; the product is {{answer}} USD. The "
-                "tiny run, priced at {price} USD per device-hour, measured {tiny_tps}: {tiny_cost} "
-                "per million tokens. A larger batch raises tokens/s per device and so cuts the cost; "
-                "each user's tokens/s falls: the Pareto figure's trade-off.",
-            level=1, hint="Turn the price into USD per second, the throughput into seconds per "
-                          "million tokens, and multiply.",
-            mistake=lambda s: PRICE_PER_HOUR / TOKENS_PER_S * 1e6,
-            mistake_why="that treats the hourly price as a price per second; divide by 3600 first.",
-            supports=cost_supported, unit="USD", rel_tol=0.02),
+            level=1, mistake=lambda s: PRICE_PER_HOUR / TOKENS_PER_S * 1e6,
+            supports=cost_supported, unit="USD", rel_tol=0.02,
+            words={"price_per_hour": PRICE_PER_HOUR, "tokens_per_s": TOKENS_PER_S}),
     ]

@@ -1,6 +1,8 @@
 """Exercises on speculative decoding: Leviathan et al.'s expected tokens per target forward, and
 the speed-up once the draft's cost is paid. They name RUNS["spec"]: the tiny preset, whose random draft agrees by
-chance and whose prompt lookup finds the loops greedy decoding falls into."""
+chance and whose prompt lookup finds the loops greedy decoding falls into.
+
+Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
 from labkit.blocks import speculative as spec
@@ -48,38 +50,15 @@ def build_exercises() -> list[Exercise]:
     topic = TOPICS[5]
     return [
         Exercise(
-            "spec_tokens_per_step", topic, "Tokens per target forward",
-            "Speculative decoding: a proposer guesses k tokens, the target checks all of them in "
-            "one forward and keeps the longest agreeing prefix plus its own next token.",
-            "How many tokens does one target forward emit on average?", "spec",
+            "spec_tokens_per_step", topic, "spec",
             answer=lambda s: spec.expected_tokens_per_step(ALPHA, k(s)), details=tokens_words,
             evidence=lambda r, s: {f"pl_{m}": v for m, v in measured(r, "prompt_lookup").items()},
-            why="(1 - alpha^(k+1)) / (1 - alpha) = 1 + alpha + ... + alpha^k = {answer}: token i "
-                "is emitted only if the i guesses before it were all accepted. Prompt lookup on "
-                "the run measured alpha {pl_alpha} and {pl_per_step} tokens per forward (its "
-                "steps propose fewer than k tokens when the text matches less).",
-            level=1, hint="The j-th guess counts only if guesses 1..j were all accepted: sum the "
-                          "probabilities alpha^j, and add the target's own token.",
-            mistake=lambda s: 1 + ALPHA * k(s),
-            mistake_why="1 + k alpha counts every guess as judged on its own; a step stops at its "
-                        "first rejection, so the later guesses count only with alpha^j.",
+            level=1, mistake=lambda s: 1 + ALPHA * k(s),
             supports=tokens_supported, rel_tol=0.01),
         Exercise(
-            "spec_draft_speedup", topic, "What the draft costs",
-            f"Now the guesses come from a draft model whose decode forward costs c = {COST_RATIO} "
-            "of the target's. A step runs the draft k times and the target once (the k + 1-token "
-            "verify taken to cost one target forward).",
-            "By what factor does speculative decoding beat plain greedy decoding?", "spec",
+            "spec_draft_speedup", topic, "spec",
             answer=lambda s: spec.expected_speedup(ALPHA, k(s), COST_RATIO), details=tokens_words,
             evidence=lambda r, s: {f"d_{m}": v for m, v in measured(r, "draft").items()},
-            why="tokens per step / (k c + 1) = {answer}x. Leviathan et al.'s formula: a draft "
-                "half the target's cost eats most of the gain at alpha 0.8. The run's random draft "
-                "(tiny preset: nothing trained) measured alpha {d_alpha}, c {d_c} and a speed-up of "
-                "{d_speedup}: guesses that are never right cost k c per token for nothing.",
-            level=2, hint="Divide the tokens one step emits by what the step costs in target "
-                          "forwards: k draft forwards at c each, plus one verify.",
-            mistake=lambda s: spec.expected_tokens_per_step(ALPHA, k(s)),
-            mistake_why="that is the tokens per target forward; the draft's k forwards per step "
-                        "are time too.",
-            supports=draft_cost_supported, unit="x", rel_tol=0.01),
+            level=2, mistake=lambda s: spec.expected_tokens_per_step(ALPHA, k(s)),
+            supports=draft_cost_supported, unit="x", rel_tol=0.01, words={"cost_ratio": COST_RATIO}),
     ]
