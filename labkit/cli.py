@@ -157,7 +157,8 @@ def _add_plan_parser(sub) -> None:
     pl.add_argument("--checkpointing", default="none", help="none, selective or full")
     pl.add_argument("--effective-batch", type=int,
                     help="sequences per optimizer step (default: batch size x dp)")
-    pl.add_argument("--finetune", help="full, lora or qlora: plan a fine-tuning step on one GPU "
+    pl.add_argument("--finetune", help="full, lora, qlora, lora_int8 or lora_int4 (LoRA on an "
+                    "NF4, int8 or int4 base): plan a fine-tuning step on one GPU "
                     "(frozen base, adapters; and the longest sequence / largest micro-batch per method)")
     pl.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
     pl.add_argument("--lora-alpha", type=float, default=16.0,

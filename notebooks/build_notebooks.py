@@ -211,7 +211,7 @@ FINETUNE_LONG_CONTEXT = '''import pandas as pd
 from labkit import planner
 from labkit.config import MODELS
 
-kinds = {"full": {"method": "full"}, "lora": {"method": "lora"}, "qlora": {"method": "qlora"},
+kinds = {**{method: {"method": method} for method in planner.FINETUNE_METHODS},
          "qlora + full checkpointing": {"method": "qlora", "checkpointing": "full"}}
 plans = {name: planner.finetune_memory(MODELS[long_model], batch_size=1, seq_len=long_seq_len,
                                        compute_dtype="bf16", device="cuda", **kw)

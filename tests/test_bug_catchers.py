@@ -88,20 +88,21 @@ def test_lora_adapters_are_scaled_by_the_configured_alpha_over_rank():
 # --- 3. NF4's backward ----------------------------------------------------------------------------
 
 def test_nf4_matmul_backward_returns_the_input_gradient():
-    """Bug: `NF4Matmul.backward` returns no input gradient. dL/dx must be g deq(W), the
-    gradient of x deq(W)^T, exactly as for the dequantized weight in a plain matmul."""
+    """Bug: `NF4Matmul.backward` (now `FrozenMatmul`, QLoRA's and the int8/int4 bases' matmul)
+    returns no input gradient. dL/dx must be g deq(W), the gradient of x deq(W)^T, exactly as
+    for the dequantized weight in a plain matmul."""
     pytest.importorskip("torchao")
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
     from labkit import planner
-    from labkit.blocks.lora import NF4Matmul
+    from labkit.blocks.lora import FrozenMatmul
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(128, 256, generator=gen) * 0.02
     nf4 = to_nf4(w, 64, planner.nf4_scaler_block(w.numel(), 64))
     x = torch.randn(3, 256, generator=gen, requires_grad=True)
     g = torch.randn(3, 128, generator=gen)
-    NF4Matmul.apply(x, nf4).backward(g)
+    FrozenMatmul.apply(x, nf4).backward(g)
     deq = nf4.get_original_weight()
     assert x.grad is not None
     torch.testing.assert_close(x.grad, g @ deq, rtol=1e-5, atol=1e-6)

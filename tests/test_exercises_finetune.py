@@ -72,12 +72,14 @@ LEARNER = {
     "lora_trainable_params": lambda x: lora_params(x),
     "lora_optimizer_saving": lambda x: 8 * (psi(x) - lora_params(x)),
     "qlora_base_bytes": nf4_base,
+    "int8_base_bytes": lambda x: x["L"] * sum(o * i + 2 * o for o, i in x["linears"].values()),
     "lora_long_context": lambda x: ft.ACTS,
 }
 MISTAKE = {
     "lora_trainable_params": lambda x: lora_params(x, square=True),
     "lora_optimizer_saving": lambda x: 16 * (psi(x) - lora_params(x)),
     "qlora_base_bytes": lambda x: x["L"] * sum(o * i // 2 for o, i in x["linears"].values()),
+    "int8_base_bytes": lambda x: x["L"] * sum(o * i for o, i in x["linears"].values()),
     "lora_long_context": lambda x: ft.FROZEN_STATES,
 }
 # Other wrong answers the tolerance must reject too.
@@ -85,6 +87,9 @@ ALSO_WRONG = {
     "lora_trainable_params": [lambda x: lora_params(x, r_squared=True)],
     "lora_optimizer_saving": [lambda x: 8 * psi(x), lambda x: 12 * (psi(x) - lora_params(x))],
     "qlora_base_bytes": [lambda x: nf4_base(x, double_quant=False)],
+    # an fp32 scale per row; a 16-bit scale per 64 weights (int4's grouping)
+    "int8_base_bytes": [lambda x: x["L"] * sum(o * i + 4 * o for o, i in x["linears"].values()),
+                        lambda x: x["L"] * sum(o * i + 2 * o * i // 64 for o, i in x["linears"].values())],
     "lora_long_context": [lambda x: ft.WEIGHTS, lambda x: ft.ADAPTER_STATES],
 }
 

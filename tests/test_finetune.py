@@ -66,6 +66,35 @@ def test_adapter_gradients_match_autograd_on_a_hand_built_weight():
     assert all(p.grad is None for p in trainer.model.parameters())  # dropped afterwards
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_lora_on_a_weight_only_base_trains_as_lora_on_its_dequantized_weights(scheme):
+    """The int8 / int4 base (`apply_weight_only`) against a plain model holding the same
+    dequantized weights: equal loss, and equal gradients for every adapter (those of the first
+    block reach it through every later block's input gradient, `FrozenMatmul.backward`)."""
+    cfg = config("lora")
+    quantized = build_model(cfg.model)
+    plain = build_model(cfg.model)
+    plain.load_state_dict(quantized.state_dict())
+    lora.apply_weight_only(quantized, scheme)
+    with torch.no_grad():
+        for (_, q), (_, p) in zip(lora.block_linears(quantized), lora.block_linears(plain)):
+            p.weight.copy_(q.quantized.dequantize(torch.float32))
+    grads = []
+    for model in (quantized, plain):
+        torch.manual_seed(0)  # the same adapters' initialisation
+        lora.apply_lora(model, ("q", "v"), rank=4, alpha=8.0)
+        for _, _, B, _ in lora.adapters(model):
+            torch.nn.init.normal_(B.weight, std=0.02)  # B != 0: gradients reach A
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        grads.append((loss.item(), [p.grad for n, p in model.named_parameters() if p.requires_grad]))
+    (loss_q, grads_q), (loss_p, grads_p) = grads
+    assert loss_q == pytest.approx(loss_p, rel=1e-6) and len(grads_q) == len(grads_p) == 8
+    for gq, gp in zip(grads_q, grads_p):
+        torch.testing.assert_close(gq, gp, rtol=1e-5, atol=1e-7)
+
+
 def test_nf4_error_stays_within_the_bound_and_the_bound_is_tight():
     model = build_model(config("qlora").model)
     ratio = lora.apply_nf4(model)

@@ -14,6 +14,7 @@ import torch
 from labkit import planner
 from labkit.cli import main
 from labkit.config import MODELS, ConfigError
+from labkit.measure.memory import storage_bytes
 
 TINY, REF = MODELS["tiny"], MODELS["reference"]
 
@@ -111,6 +112,61 @@ def test_nf4_dequantization_peak_equals_the_measured_one():
     assert tracker.peak_bytes == planner.nf4_dequant_bytes(688, 256, dtype="fp32")
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(688, 256), (256, 688), (128, 100)])  # 100: a short last group
+def test_weight_only_dequantization_peak_equals_the_measured_one(scheme, shape):
+    """What one matmul's dequantization holds, forward and backward (`FrozenMatmul`), byte for
+    byte against the planner's term."""
+    from labkit.blocks import quant
+    from labkit.blocks.lora import FrozenMatmul
+    from labkit.measure.memory import LiveTensorTracker
+
+    w = torch.randn(*shape)
+    holder = quant.Int8Linear(w, None, False) if scheme == "int8" else quant.Int4Linear(w, None, 64, False)
+    x = torch.randn(8, shape[1], requires_grad=True)
+    with LiveTensorTracker() as tracker:
+        y = FrozenMatmul.apply(x, holder)
+        forward = tracker.peak_bytes
+        grad = torch.ones_like(y)
+        tracker.reset_peak()
+        start = tracker.current_bytes
+        y.backward(grad)
+        backward = tracker.peak_bytes - start
+    assert forward == backward == planner.weight_only_dequant_bytes(*shape, scheme, dtype="fp32")
+
+
+@pytest.mark.parametrize("method", ["lora_int8", "lora_int4"])
+def test_a_weight_only_base_stores_the_planners_bytes(method):
+    from labkit.blocks import lora
+    from labkit.blocks.model import build_model
+
+    model = build_model(TINY)
+    lora.apply_weight_only(model, planner.BASE_FORMAT[method])
+    stored = lora.linear_weights(model)
+    assert {t.dtype for t in stored} == ({torch.int8, torch.bfloat16} if method == "lora_int8"
+                                         else {torch.uint8, torch.bfloat16})
+    assert storage_bytes(stored) == planner.linear_weight_bytes(TINY, method)
+    assert not any(p.requires_grad and p.ndim == 2 for n, p in model.named_parameters() if ".layers." in f".{n}")
+
+
+def test_the_int8_base_question_states_the_planners_bytes():
+    """finetune-09's figures, from the planner at llama-2-7b (bf16 compute)."""
+    from labkit.study.quiz import load_bank
+
+    q = next(q for q in load_bank() if q.id == "finetune-09")
+    m, gib = MODELS["llama-2-7b"], lambda b: f"{b / 2**30:.2f} GiB"
+    shapes = planner.linear_shapes(m).values()
+    stored = {method: planner.linear_weight_bytes(m, method, compute_dtype="bf16")
+              for method in ("lora", "lora_int8", "lora_int4", "qlora")}
+    text = q.question + q.explanation + "".join(q.choices)
+    for figure in (f"{m.num_layers * sum(o * i for o, i in shapes):,} weights", gib(stored["lora"]),
+                   f"= {2 * m.num_layers * sum(o for o, _ in shapes):,} bytes more",
+                   f"{stored['lora_int8']:,} bytes = {gib(stored['lora_int8'])}",
+                   f"takes {gib(stored['lora_int4'])}, NF4 {gib(stored['qlora'])}"):
+        assert figure in text, figure
+    assert q.choices[q.answer] == gib(stored["lora_int8"])
+
+
 # --- The memory terms -----------------------------------------------------------------------------
 
 def lora_plan(method="lora", m=TINY, **kw):
@@ -174,10 +230,11 @@ def test_frontier_orders_full_lora_qlora():
     m = MODELS["llama-2-7b"]
     rows = planner.finetune_frontier(m, gpu_mem_bytes=12 * 2**30, seq_len=1024)
     by = {(r["method"], r["checkpointing"]): r for r in rows}
-    for ckpt in planner.FINETUNE_CHECKPOINTING:
-        seqs = [by[(method, ckpt)]["max_seq_len"] for method in planner.FINETUNE_METHODS]
-        batches = [by[(method, ckpt)]["max_micro_batch"] for method in planner.FINETUNE_METHODS]
-        assert seqs == sorted(seqs) and batches == sorted(batches)
+    for ckpt in planner.FINETUNE_CHECKPOINTING:  # fewer bytes a base weight, more fits
+        for chain in (("full", "lora", "lora_int8", "qlora"), ("lora_int8", "lora_int4")):
+            seqs = [by[(method, ckpt)]["max_seq_len"] for method in chain]
+            batches = [by[(method, ckpt)]["max_micro_batch"] for method in chain]
+            assert seqs == sorted(seqs) and batches == sorted(batches)
     row = by[("qlora", "none")]
     fits = lambda s: planner.finetune_memory(m, method="qlora", batch_size=1, seq_len=s,  # noqa: E731
                                              compute_dtype="bf16", device="cuda").total_bytes <= 12 * 2**30
@@ -201,7 +258,7 @@ def test_cli_plan_finetune_json_has_trainable_params_at_the_top():
     assert report["trainable_params"] == planner.trainable_params(TINY, "lora", lora_targets="attn")
     assert {"param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
             "linear_weight_bytes", "total_bytes"} <= set(report["per_gpu"])
-    assert len(report["finetune_frontier"]) == 6
+    assert len(report["finetune_frontier"]) == 2 * len(planner.FINETUNE_METHODS)  # with and without checkpointing
     rc, text, _ = run_cli(["plan", "--finetune", "qlora"])
     assert rc == 0 and "trainable parameters" in text and "max seq" in text
 

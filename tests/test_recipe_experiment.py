@@ -9,6 +9,7 @@ and cached weight copies, and the peaks they make)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -109,14 +110,18 @@ def test_a_budget_makes_composed_an_oom_row_while_plain_still_runs(rows):
         assert plain["status"] == "ok" and plain["value"] > budget * 2**30  # not bound by it
 
 
-# --- the model converters: QLoRA + full checkpointing + ZeRO-2, one more launch ------------------
+# --- the model converters: a quantized base + LoRA + full checkpointing + ZeRO, one more launch --
 
-QLORA = {"finetune": "qlora", "checkpointing": "full", "precision": "fp32"}
+QLORA = {"checkpointing": "full", "precision": "fp32"}
 # ZeRO-2 with 2 micro-batches: each micro-batch's forward gathers FSDP2's units anew; ZeRO-3:
-# the blocks gathered again for the backward, the root unit kept from its forward
-QLORA_POINTS = ({"zero_stage": 2, "micro_batches": 1}, {"zero_stage": 2, "micro_batches": 2},
-                {"zero_stage": 3, "micro_batches": 1})
-QLORA_IDS = [f"zero{p['zero_stage']}-x{p['micro_batches']}" for p in QLORA_POINTS]
+# the blocks gathered again for the backward, the root unit kept from its forward. QLoRA's NF4
+# base, and the weight-only int8 and int4 bases (labkit.blocks.lora.apply_weight_only)
+QLORA_POINTS = ({"finetune": "qlora", "zero_stage": 2, "micro_batches": 1},
+                {"finetune": "qlora", "zero_stage": 2, "micro_batches": 2},
+                {"finetune": "qlora", "zero_stage": 3, "micro_batches": 1},
+                {"finetune": "lora_int8", "zero_stage": 2, "micro_batches": 1},
+                {"finetune": "lora_int4", "zero_stage": 3, "micro_batches": 2})
+QLORA_IDS = [f"{p['finetune']}-zero{p['zero_stage']}-x{p['micro_batches']}" for p in QLORA_POINTS]
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +164,9 @@ def test_qlora_zero_terms_are_the_planners_and_the_peak_within_3_percent(qlora_r
         plain, composed = (qlora_at(qlora_rows, v, "grad_bytes", rank, point)["value"]
                            for v in recipe.VARIANTS)
         assert composed == pytest.approx(plain / 2, rel=0.01)
+        # the quantized base's cost, measured on the reference: not 0 (the base was converted)
+        delta = qlora_at(qlora_rows, "plain", "base_loss_delta", rank, point)["value"]
+        assert math.isfinite(delta) and delta != 0.0
 
 
 REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
@@ -170,6 +178,7 @@ REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
            ({"zero_stage": 0, "tensor_parallel": 2, "nproc": 4}, "DDP cannot wrap"),
            ({"zero_stage": 0, "tensor_parallel": 3, "nproc": 4}, "tensor parallel degree 3"),
            ({"finetune": "qlora", "zero_stage": 1}, "NF4 weights are buffers"),
+           ({"finetune": "lora_int9"}, "valid: none, lora, qlora, lora_int8, lora_int4"),
            ({"finetune": "lora", "tensor_parallel": 2, "zero_stage": 0}, "use tensor_parallel=1 with finetune"),
            ({"finetune": "lora", "lora_targets": "q,x"}, "unknown LoRA target 'x'")]
 

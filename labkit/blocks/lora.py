@@ -1,4 +1,5 @@
-"""LoRA adapters and a 4-bit NF4 base for labkit's decoder, applied from outside (the model stays plain).
+"""LoRA adapters and a quantized frozen base (NF4, int8, int4) for labkit's decoder, applied from
+outside (the model stays plain).
 
 - `apply_lora(model, targets, rank=, alpha=)`: PEFT's `LoraConfig` and `get_peft_model`. PEFT fits
   this decoder as it is: its block linears are plain `nn.Linear`s named by attribute (`attn.wq`,
@@ -13,11 +14,14 @@
   `block_size` weights, the scalers themselves double-quantized to int8 with one factor per
   `planner.nf4_scaler_block(numel, block_size)` scalers (torchao needs that block to divide the
   number of scalers; the planner counts the same bytes). Each matmul dequantizes it to the
-  input's dtype, forward and backward (`NF4Matmul`), and keeps only the 4-bit weight.
+  input's dtype, forward and backward (`FrozenMatmul`), and keeps only the 4-bit weight.
+- `apply_weight_only(model, scheme)`: the same for weight-only int8 (a scale per output channel)
+  or int4 (a scale and zero point per 64 inputs), `labkit.blocks.quant`'s formats: LoRA on an
+  8- or 4-bit round-to-nearest base (methods `lora_int8`, `lora_int4`), no extra library.
 - A tensor subclass's bytes are its inner tensors' storage (`labkit.measure.memory.storage_bytes`;
   an `NF4Tensor`'s own storage is a placeholder of the unquantized size).
 
-Both libraries are optional (`pip install labkit[finetune]`): imported inside the functions.
+PEFT and torchao are optional (`pip install labkit[finetune]`): imported inside the functions.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ from torch import nn
 from labkit import planner
 from labkit.measure.memory import inner_tensors
 
-NEEDS = {"lora": ("peft",), "qlora": ("peft", "torchao")}  # the libraries of each method
+NEEDS = {"lora": ("peft",), "qlora": ("peft", "torchao"), "lora_int8": ("peft",),
+         "lora_int4": ("peft",)}  # the libraries of each method
 
 
 def missing_library(method: str) -> str | None:
@@ -97,31 +102,58 @@ def apply_nf4(model: nn.Module, block_size: int = planner.NF4_BLOCK_SIZE) -> flo
         worst = max(worst, float((error.amax(1) / nf4_error_bound(w, nf4)).max()))
         del linear.weight
         linear.register_buffer("weight", nf4)
-        linear.forward = functools.partial(nf4_linear, linear)
+        linear.forward = functools.partial(frozen_linear, linear)
     return worst
 
 
-class NF4Matmul(torch.autograd.Function):
-    """y = x deq(W)^T, and dL/dx = g deq(W) in backward: the dequantized copy lives only for
-    each matmul. As torchao's LinearNF4, except that the NF4 weight is kept on `ctx` rather
-    than with save_for_backward, which detaches it into a second wrapper whose placeholder
-    storage (the unquantized size) labkit's CPU memory tracker would count as a new tensor;
-    the weight is a leaf that needs no grad, so keeping it on ctx makes no reference cycle."""
+class FrozenMatmul(torch.autograd.Function):
+    """y = x deq(W)^T, and dL/dx = g deq(W) in backward, for a frozen weight stored quantized:
+    the dequantized copy lives only for each matmul. `weight` is an NF4Tensor (its `.to(dtype)`
+    dequantizes) or a QuantLinear holder (its `dequantize(dtype)`). As torchao's LinearNF4,
+    except that the weight is kept on `ctx` rather than with save_for_backward, which detaches
+    an NF4Tensor into a second wrapper whose placeholder storage (the unquantized size) labkit's
+    CPU memory tracker would count as a new tensor; the weight is a leaf that needs no grad, so
+    keeping it on ctx makes no reference cycle."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight) -> torch.Tensor:
         ctx.weight = weight
-        return F.linear(x, weight.to(x.dtype))  # .to(dtype) dequantizes an NF4Tensor
+        return F.linear(x, dequantized(weight, x.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad @ ctx.weight.to(grad.dtype), None
+        return grad @ dequantized(ctx.weight, grad.dtype), None
 
 
-def nf4_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The forward of a linear whose weight is NF4 (its bias, if any, stays in its dtype)."""
-    y = NF4Matmul.apply(x, linear.weight)
+def dequantized(weight, dtype: torch.dtype) -> torch.Tensor:
+    return weight.dequantize(dtype) if isinstance(weight, nn.Module) else weight.to(dtype)
+
+
+def frozen_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a linear whose weight is stored quantized (NF4: `linear.weight`; int8 or
+    int4: `linear.quantized`); its bias, if any, stays in its dtype."""
+    y = FrozenMatmul.apply(x, linear.quantized if hasattr(linear, "quantized") else linear.weight)
     return y if linear.bias is None else y + linear.bias
+
+
+def apply_weight_only(model: nn.Module, scheme: str,
+                      group_size: int = planner.INT4_GROUP_SIZE) -> None:
+    """Every block linear's weight stored in `scheme` (int8: per output channel; int4: per
+    `group_size` inputs), in place: the weight leaves the nn.Linear (which PEFT still wraps),
+    its quantized form (`labkit.blocks.quant`'s dequant layout, the bytes `weight_only_bytes`
+    counts) becomes the child `quantized`, and each matmul dequantizes it (`FrozenMatmul`)."""
+    from labkit.blocks import quant
+
+    for _, linear in list(block_linears(model)):
+        w = linear.weight.detach()
+        holder = (quant.Int8Linear(w, None, packed=False) if scheme == "int8"
+                  else quant.Int4Linear(w, None, group_size, packed=False))
+        del linear.weight
+        linear.quantized = holder
+        # what PEFT reads to place and cast the adapters: an empty stand-in of the weight's dtype
+        # and device (a plain attribute, not a buffer: the holder's tensors are the stored ones)
+        linear.weight = torch.empty(0, dtype=w.dtype, device=w.device)
+        linear.forward = functools.partial(frozen_linear, linear)
 
 
 # NF4's 16 codes (the QLoRA paper's, as torchao stores them): normal quantiles scaled to [-1, 1].
@@ -153,8 +185,10 @@ def base_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def linear_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The base's block linear weights as stored (NF4 or plain), adapters left out."""
-    return [linear.weight for _, linear in block_linears(model)]
+    """The base's block linear weights as stored (NF4, int8 or int4 with their scales, or plain),
+    adapters left out."""
+    return [t for _, linear in block_linears(model) for t in
+            (linear.quantized.stored() if hasattr(linear, "quantized") else [linear.weight])]
 
 
 def digest(tensors: Iterable[torch.Tensor]) -> str:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit import planner
 from labkit.blocks.model import Decoder, build_model
 from labkit.blocks.reference import CODE_DTYPES, read_header
 from labkit.config import ModelConfig
@@ -137,16 +138,7 @@ def quantize_fp8(w: torch.Tensor, sdtype: torch.dtype = torch.bfloat16) -> tuple
 
 # --- bytes: the exact formula -----------------------------------------------------------------------
 
-def weight_bytes(out_features: int, in_features: int, scheme: str, group_size: int = 64,
-                 dtype_bytes: int = 4) -> int:
-    """Bytes one (N, K) linear weight is stored in: data plus 16-bit scales and zero points.
-    `none`: N K dtype_bytes; int8 and fp8: N K + 2 N; int4: N ceil(K / 2) + 4 N ceil(K / group)."""
-    N, K = out_features, in_features
-    if scheme == "none":
-        return N * K * dtype_bytes
-    if scheme in ("int8", "fp8"):
-        return N * K + 2 * N
-    return N * -(-K // 2) + 2 * 2 * N * num_groups(K, group_size)
+weight_bytes = planner.weight_only_bytes  # the planner's formula: the bytes each scheme stores
 
 
 def bits_per_weight(in_features: int, scheme: str, group_size: int = 64, dtype_bytes: int = 4) -> float:

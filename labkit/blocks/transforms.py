@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from labkit import planner
 from labkit.blocks.layout import SHARDED, Layout
 from labkit.blocks.model import Decoder
 from labkit.blocks.training import CopyAdamW, Trainer
@@ -91,15 +92,15 @@ def apply_precision(trainer: Trainer, precision: str, *, loss_scaling: bool = Tr
 
 # --- model converters: what trains, and how the base is stored -----------------------------------
 
-FINETUNE = ("none", "lora", "qlora")
+FINETUNE = ("none", *planner.FINETUNE_METHODS[1:])  # the planner's methods but full: lora, qlora, ...
 
 
 def apply_finetune(trainer: Trainer, method: str, *, rank: int = 8, alpha: float = 16.0,
                    targets: tuple[str, ...] = ("q", "v")) -> Trainer:
     """The model converted in place (torchtitan's model converters): `lora` freezes the base and
     puts rank-`rank` adapters on the `targets` linears (PEFT); `qlora` first stores the base's
-    block linears in NF4 (torchao), from the weights in their dtype, which is what they
-    dequantize to. The optimizer, built later, keeps state for the adapters alone
+    block linears in NF4 (torchao), `lora_int8` and `lora_int4` in int8 or int4 (weight-only,
+    labkit.blocks.quant), from the weights in their dtype, which is what they dequantize to. The optimizer, built later, keeps state for the adapters alone
     (`Trainer.build_optimizer`: what requires grad)."""
     if method not in FINETUNE:
         raise ValueError(f"unknown finetune {method!r}; valid: {', '.join(FINETUNE)}")
@@ -109,6 +110,8 @@ def apply_finetune(trainer: Trainer, method: str, *, rank: int = 8, alpha: float
 
     if method == "qlora":
         lora.apply_nf4(trainer.model)
+    elif method in planner.BASE_FORMAT:
+        lora.apply_weight_only(trainer.model, planner.BASE_FORMAT[method])
     lora.apply_lora(trainer.model, targets, rank=rank, alpha=alpha)
     return trainer
 

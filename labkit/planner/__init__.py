@@ -18,19 +18,20 @@ Where each part lives (each module imports only those above it in this list):
 - `training`: `training_memory`, the step's timeline and its temporaries;
 - `inference`: the KV cache, `inference_memory`;
 - `search`: `recommend`, the cheapest plan that fits;
-- `finetune`: LoRA/QLoRA/NF4 terms, `finetune_memory`, `finetune_frontier`;
+- `quantized`: a frozen base's bytes in NF4, int8 or int4, and one matmul's dequantization;
+- `finetune`: full, LoRA, QLoRA and LoRA on int8/int4 bases, `finetune_memory`,
+  `finetune_frontier`;
 - `report`: `plan_report`, the answer of `labkit plan` and the notebook.
 
 Every name is re-exported here: callers write `planner.training_memory`.
 """
 from labkit.config import PRESETS, ConfigError
 from labkit.planner.activations import korthikanti_activation_bytes, layer_activation_bytes
-from labkit.planner.finetune import (FINETUNE_CHECKPOINTING, FINETUNE_METHODS, LORA_MODULES,
-                                     LORA_TARGET_ALIASES, LORA_TARGET_NAMES, NF4_BLOCK_SIZE,
-                                     NF4_SCALER_BLOCKS, finetune_compute_dtype, finetune_frontier,
-                                     finetune_memory, linear_shapes, linear_weight_bytes,
-                                     lora_module_names, nf4_bytes, nf4_dequant_bytes,
-                                     nf4_scaler_block, parse_lora_targets, trainable_params)
+from labkit.planner.finetune import (BASE_FORMAT, FINETUNE_CHECKPOINTING, FINETUNE_METHODS,
+                                     LORA_MODULES, LORA_TARGET_ALIASES, LORA_TARGET_NAMES,
+                                     finetune_compute_dtype, finetune_frontier, finetune_memory,
+                                     linear_shapes, linear_weight_bytes, lora_module_names,
+                                     parse_lora_targets, trainable_params)
 from labkit.planner.inference import inference_memory, kv_bytes_per_token, kv_cache_bytes
 from labkit.planner.model import (LocalShape, StageParams, adamw_state_bytes, attention_flops,
                                   block_linear_params, block_tensors, check_tp, forward_flops,
@@ -40,6 +41,9 @@ from labkit.planner.plan import CHECKPOINTING, OPTIMIZER_IMPLS, ZERO_STAGES, Mem
 from labkit.planner.precision import (DTYPE_OF, FSDP2_BF16, OPTIMIZERS, PRECISION_BYTES,
                                       PRECISIONS, PrecisionBytes, optimizer_bytes_per_param,
                                       precision_bytes)
+from labkit.planner.quantized import (INT4_GROUP_SIZE, NF4_BLOCK_SIZE, NF4_SCALER_BLOCKS, nf4_bytes,
+                                      nf4_dequant_bytes, nf4_scaler_block, weight_only_bytes,
+                                      weight_only_dequant_bytes)
 from labkit.planner.report import GIB, plan_report
 from labkit.planner.search import RECOMMENDED_PRECISIONS, SEARCH, Recommendation, recommend
 from labkit.planner.sharding import fsdp2_all_gather_bytes, root_unit_params, zero_model_state_bytes
@@ -51,9 +55,9 @@ from labkit.planner.finetune import _kept_norm_bytes, _lora_layer_bytes  # noqa:
 from labkit.planner.plan import _resolve  # noqa: F401
 from labkit.planner.sharding import _zero_buffers  # noqa: F401
 
-__all__ = ["CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_CHECKPOINTING",
-           "FINETUNE_METHODS", "FSDP2_BF16", "GIB", "LORA_MODULES", "LORA_TARGET_ALIASES",
-           "LORA_TARGET_NAMES", "LocalShape", "MemoryPlan", "NF4_BLOCK_SIZE", "NF4_SCALER_BLOCKS",
+__all__ = ["BASE_FORMAT", "CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_CHECKPOINTING",
+           "FINETUNE_METHODS", "FSDP2_BF16", "GIB", "INT4_GROUP_SIZE", "LORA_MODULES",
+           "LORA_TARGET_ALIASES", "LORA_TARGET_NAMES", "LocalShape", "MemoryPlan", "NF4_BLOCK_SIZE", "NF4_SCALER_BLOCKS",
            "OPTIMIZERS", "OPTIMIZER_IMPLS", "PRECISIONS", "PRECISION_BYTES", "PRESETS",
            "PrecisionBytes", "RECOMMENDED_PRECISIONS", "Recommendation", "SEARCH", "StageParams",
            "ZERO_STAGES", "adamw_state_bytes", "attention_flops", "block_linear_params",
@@ -65,4 +69,5 @@ __all__ = ["CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_CHECKPOINTING",
            "nf4_dequant_bytes", "nf4_scaler_block", "num_params", "optimizer_bytes_per_param",
            "param_bytes", "parse_lora_targets", "plan_report", "precision_bytes", "recommend",
            "root_unit_params", "stage_params", "stage_tensors", "train_step_flops",
-           "trainable_params", "training_memory", "zero_model_state_bytes"]
+           "trainable_params", "training_memory", "weight_only_bytes", "weight_only_dequant_bytes",
+           "zero_model_state_bytes"]

@@ -1,4 +1,5 @@
-"""Fine-tuning: full, LoRA and QLoRA on one GPU (`finetune_memory`, `finetune_frontier`).
+"""Fine-tuning: full, LoRA, QLoRA and LoRA on int8/int4 bases (`finetune_memory`,
+`finetune_frontier`).
 
 - LoRA (Hu et al. 2021) as PEFT builds it: each targeted nn.Linear W (out x in) gets A (r x in)
   and B (out x r), output W x + (alpha / r) B A x; the base is frozen (no gradients, no optimizer
@@ -11,6 +12,10 @@
   scaler block); the embedding, the norms and the head stay in the compute dtype. The paper's
   arithmetic: fp32 scales per 64 weights cost 32/64 = 0.5 bits per weight, 8-bit scales with
   fp32 second-level scales per 256 cost 8/64 + 32/(64·256) = 0.127.
+- LoRA on a weight-only int8 or int4 base (`lora_int8`, `lora_int4`): the block linears in
+  labkit.blocks.quant's round-to-nearest formats (`weight_only_bytes`: a byte a weight and a
+  16-bit scale per row; 4-bit codes and a 16-bit scale and zero point per 64 inputs), each
+  matmul dequantizing its weight (`weight_only_dequant_bytes`), as QLoRA does its NF4.
 - A frozen linear saves nothing for backward (the input's gradient needs only the weight), so
   what LoRA keeps is what the adapters and the non-linear ops need: the norms, attention's
   inputs and output, the MLP's activation inputs; `_lora_layer_bytes` walks a block in order
@@ -27,11 +32,15 @@ from labkit.planner.model import block_linear_params, local_shape
 from labkit.planner.model import num_params as _count_params
 from labkit.planner.plan import MemoryPlan, _positive, _resolve, _Run
 from labkit.planner.precision import DTYPE_OF
+from labkit.planner.quantized import (_dtype_name, nf4_bytes, nf4_dequant_bytes,
+                                      weight_only_bytes, weight_only_dequant_bytes)
 from labkit.planner.sharding import _fsdp2_units
 from labkit.planner.training import training_memory
 
 
-FINETUNE_METHODS = ("full", "lora", "qlora")
+FINETUNE_METHODS = ("full", "lora", "qlora", "lora_int8", "lora_int4")
+# the methods whose frozen base's block linears are stored quantized, and in what
+BASE_FORMAT = {"qlora": "nf4", "lora_int8": "int8", "lora_int4": "int4"}
 LORA_TARGET_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 LORA_TARGET_ALIASES = {"attn": ("q", "k", "v", "o"), "all": LORA_TARGET_NAMES}
 # labkit's module names (labkit.blocks.model): SwiGLU is w2(silu(w1 x) * w3 x); GPT-2's MLP is
@@ -39,8 +48,6 @@ LORA_TARGET_ALIASES = {"attn": ("q", "k", "v", "o"), "all": LORA_TARGET_NAMES}
 LORA_MODULES = {"llama": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w1", "up": "w3", "down": "w2"},
                 "gpt2": {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w1", "down": "w2"}}
 FINETUNE_CHECKPOINTING = ("none", "full")
-NF4_BLOCK_SIZE = 64  # weights per int8 absmax scaler (the QLoRA paper's and torchao's default)
-NF4_SCALER_BLOCKS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # torchao's default first: 256
 
 
 def parse_lora_targets(spec: str | tuple | list) -> tuple[str, ...]:
@@ -91,58 +98,17 @@ def trainable_params(m: ModelConfig, method: str, *, lora_rank: int = 8,
                               for t in parse_lora_targets(lora_targets))
 
 
-def nf4_scaler_block(numel: int, block_size: int = NF4_BLOCK_SIZE) -> int:
-    """The scaler block size for one weight: the largest of 256, 128, ..., 1 that divides its
-    number of blocks (torchao asserts that it divides). ConfigError when `block_size` does not
-    divide `numel`."""
-    _positive(numel=numel, block_size=block_size)
-    if numel % block_size or numel % 2:
-        raise ConfigError(f"a weight of {numel} elements does not split into NF4 blocks of "
-                          f"{block_size} (valid: an even number of elements divisible by it)")
-    blocks = numel // block_size
-    return next(n for n in NF4_SCALER_BLOCKS if blocks % n == 0)
-
-
-def nf4_bytes(out_features: int, in_features: int, *, block_size: int = NF4_BLOCK_SIZE,
-              double_quant: bool = True, dtype: str = "fp32") -> int:
-    """One weight as NF4 stores it. double_quant (torchao's NF4Tensor, quantized from a `dtype`
-    weight): 4-bit codes two per byte, an int8 scaler per block, one `dtype` factor per scaler
-    block (`nf4_scaler_block`; with a single scaler block torchao keeps a view of a whole
-    scaler-block-long tensor, so that many), the scalers' mean and the 16-entry code book, both
-    in `dtype`. Without double quantization (the QLoRA paper's baseline, not a torchao option):
-    codes plus one fp32 absmax per block."""
-    numel = out_features * in_features
-    sb = nf4_scaler_block(numel, block_size)
-    blocks, w = numel // block_size, DTYPE_BYTES[_dtype_name(dtype)]
-    if not double_quant:
-        return numel // 2 + 4 * blocks
-    factors = blocks // sb if blocks // sb > 1 else blocks
-    return numel // 2 + blocks + w * factors + w + 16 * w
-
-
-def nf4_dequant_bytes(out_features: int, in_features: int, *, dtype: str = "fp32",
-                      block_size: int = NF4_BLOCK_SIZE) -> int:
-    """The peak of torchao's dequantization of one weight (get_original_weight, in forward and
-    again in backward): two int64 code tensors (numel/2 each: 8·numel), the two looked-up halves
-    and their scaled copies (w·numel/2 each), the stacked weight (w·numel) and the dequantized
-    scalers (w per block); measured with LiveTensorTracker in the tests."""
-    numel, w = out_features * in_features, DTYPE_BYTES[_dtype_name(dtype)]
-    return numel * (8 + 3 * w) + w * (numel // block_size)
-
-
-def _dtype_name(dtype: str) -> str:
-    from labkit.config import DTYPE_ALIASES
-
-    return DTYPE_ALIASES[check_choice("compute dtype", dtype, tuple(DTYPE_ALIASES))]
-
-
 def linear_weight_bytes(m: ModelConfig, method: str, *, compute_dtype: str = "fp32") -> int:
     """The base's block linear weights as stored (biases and adapters not included): NF4 for
-    qlora, the compute dtype otherwise."""
+    qlora, int8 or int4 with their scales for lora_int8 and lora_int4, the compute dtype
+    otherwise."""
     w = DTYPE_BYTES[_dtype_name(compute_dtype)]
     shapes = linear_shapes(m).values()
-    if method == "qlora":
+    scheme = BASE_FORMAT.get(method)
+    if scheme == "nf4":
         return m.num_layers * sum(nf4_bytes(o, i, dtype=compute_dtype) for o, i in shapes)
+    if scheme:
+        return m.num_layers * sum(weight_only_bytes(o, i, scheme) for o, i in shapes)
     return m.num_layers * w * sum(o * i for o, i in shapes)
 
 
@@ -164,11 +130,12 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
     """One fine-tuning step's memory on one of `gpus` data-parallel ranks (ZeRO `zero_stage`,
     2 and 3 as FSDP2 builds them: `_lora_sharded`). full: `training_memory` with every weight in
     the compute dtype (fp32, or pure bf16: weights, gradients and AdamW moments in 16 bits).
-    lora / qlora: the frozen base (block linears in the compute dtype, or NF4 for qlora; the
-    rest in the compute dtype) plus adapters in the compute dtype; gradients and AdamW state
-    (two moments in the compute dtype: 8 B per trainable parameter in fp32, and a step counter
-    per adapter tensor) for the adapters alone; the activations a frozen model still keeps
-    (`_lora_layer_bytes`); qlora's dequantization buffer (`nf4_dequant_bytes`, the largest
+    lora / qlora / lora_int8 / lora_int4: the frozen base (block linears in the compute dtype,
+    or as BASE_FORMAT stores them; the rest in the compute dtype) plus adapters in the compute
+    dtype; gradients and AdamW state (two moments in the compute dtype: 8 B per trainable
+    parameter in fp32, and a step counter per adapter tensor) for the adapters alone; the
+    activations a frozen model still keeps (`_lora_layer_bytes`); a quantized base's
+    dequantization buffer (`nf4_dequant_bytes` or `weight_only_dequant_bytes`, of the largest
     linear) at the backward's peak. checkpointing: none or full (each block keeps its input)."""
     check_choice("finetune method", method, FINETUNE_METHODS)
     precision = {"float32": "fp32", "bfloat16": "bf16_pure",
@@ -214,13 +181,14 @@ def _lora_sharded(plan: MemoryPlan, r: _Run, method: str, trainable: int,
         root = w * _fsdp2_units(r)[0]
         block = (dense - root) // m.num_layers
         loss, in_block = moments
-        terms.update(param=-(-dense // dp) + (linears if method == "qlora" else 0),
+        terms.update(param=-(-dense // dp) + (linears if method in BASE_FORMAT else 0),
                      grad=-(-w * trainable // dp), forward_gathers=2 * (root + block))
         if r.zero_stage == 2:
             terms["gathered"] = dense
         else:  # the block's moment: the root and two blocks; the loss's: the root alone
             terms.update(gathered=root + 2 * block, backward_temporaries=max(loss - 2 * block, in_block))
-        nf4 = " + the NF4 block linears whole (buffers)" if method == "qlora" else ""
+        nf4 = (f" + the {BASE_FORMAT[method]} block linears whole (buffers)"
+               if method in BASE_FORMAT else "")
         formulas.update(param=f"every Parameter (frozen base and adapters) / {dp} ranks{nf4}",
                         grad=f"the adapters' gradients / {dp} ranks",
                         gathered="FSDP2's whole parameters in the backward: every unit (ZeRO-2) "
@@ -262,9 +230,8 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
     # AdamW's m and v in the adapters' dtype, and its fp32 step counter per tensor (A and B)
     grad, opt = w * trainable, 2 * w * trainable + 4 * 2 * len(targets) * m.num_layers
     act, per_layer = _lora_activations(r, targets, rank)
-    dequant = max(nf4_dequant_bytes(o, i, dtype=DTYPE_OF[r.precision])
-                  for o, i in linear_shapes(m).values()) \
-        if method == "qlora" else 0
+    dequant = max((_dequant_bytes(method, o, i, DTYPE_OF[r.precision])
+                   for o, i in linear_shapes(m).values()), default=0)
     # under full checkpointing a block's backward first recomputes its forward: what the block
     # keeps without checkpointing is held again, one block at a time
     recomputed = tokens * _lora_layer_bytes(r, targets, rank, grad_in=True)[0] \
@@ -285,6 +252,14 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
                       linear_weight_bytes=linears)
     plan = dataclasses.replace(plan, formulas=_lora_formulas(r, method, targets, rank, dequant))
     return _lora_sharded(plan, r, method, trainable, moments) if r.dp > 1 and r.zero_stage >= 1 else plan
+
+
+def _dequant_bytes(method: str, out_features: int, in_features: int, dtype: str) -> int:
+    """One weight's dequantization for a matmul under `method` (0: the base is not quantized)."""
+    scheme = BASE_FORMAT.get(method)
+    if scheme == "nf4":
+        return nf4_dequant_bytes(out_features, in_features, dtype=dtype)
+    return weight_only_dequant_bytes(out_features, in_features, scheme, dtype=dtype) if scheme else 0
 
 
 def _lora_activations(r: _Run, targets: tuple[str, ...], rank: int) -> tuple[int, int]:
@@ -354,7 +329,9 @@ def _lora_backward_moments(r: _Run, tokens: int, extra: int = 0) -> tuple[int, i
 
 
 def _lora_formulas(r: _Run, method: str, targets: tuple[str, ...], rank: int, dequant: int) -> dict[str, str]:
-    base = "NF4 block linears (nf4_bytes) + the rest" if method == "qlora" else "the base"
+    scheme = BASE_FORMAT.get(method)
+    base = ("the base" if scheme is None else "NF4 block linears (nf4_bytes) + the rest"
+            if scheme == "nf4" else f"{scheme} block linears (weight_only_bytes) + the rest")
     w = r.prec.weight
     return {"param": f"{base} in {r.precision} + {r.precision} adapters r·(in + out) per target, "
                      f"r = {rank}, targets {','.join(targets)}",
@@ -364,7 +341,7 @@ def _lora_formulas(r: _Run, method: str, targets: tuple[str, ...], rank: int, de
             "activation": "frozen layers still keep norms, attention's q/k/v/output and the MLP's "
                           "activation inputs; + each adapter's input and A x (r wide)",
             "overhead": "backward: max(loss 8·b·s·V, a block's gradients"
-                        + (f" + one weight's NF4 dequantization ({dequant:,} B))" if dequant else ")")}
+                        + (f" + one weight's dequantization ({dequant:,} B))" if dequant else ")")}
 
 
 def finetune_frontier(m: ModelConfig, *, gpu_mem_bytes: int, seq_len: int, lora_rank: int = 8,

@@ -7,8 +7,9 @@ import dataclasses
 import math
 
 from labkit.config import MODELS, PRESETS, ConfigError, ModelConfig, check_choice
-from labkit.planner.finetune import (FINETUNE_METHODS, NF4_BLOCK_SIZE, finetune_frontier, finetune_memory,
+from labkit.planner.finetune import (FINETUNE_METHODS, finetune_frontier, finetune_memory,
                                      lora_module_names, parse_lora_targets)
+from labkit.planner.quantized import NF4_BLOCK_SIZE
 from labkit.planner.inference import inference_memory, kv_bytes_per_token
 from labkit.planner.model import num_params as _count_params
 from labkit.planner.plan import MemoryPlan, _positive

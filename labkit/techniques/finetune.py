@@ -1,10 +1,14 @@
-"""Fine-tuning on a small memory: full, LoRA and QLoRA training steps, measured beside the planner.
+"""Fine-tuning on a small memory: full, LoRA, QLoRA and LoRA on an int8 or int4 base, measured
+beside the planner.
 
 - `full` (the reference): every weight trained, AdamW.
 - `lora`: the base frozen; rank-`lora_rank` adapters (PEFT) on `lora_targets`, output
   W x + (lora_alpha / r) B A x; AdamW holds state for the adapters only.
 - `qlora`: as `lora`, the base's block linear weights in NF4 with double-quantized scalers
   (torchao's NF4Tensor), dequantized to the compute dtype for each matmul.
+- `lora_int8`, `lora_int4`: as `lora`, the base's block linear weights in weight-only int8 (a
+  scale per output channel) or int4 (a scale and zero point per 64 inputs), labkit's
+  round-to-nearest formats (`labkit.blocks.quant`), dequantized for each matmul as NF4 is.
 - `lora_ckpt`: `lora` with every block checkpointed (recomputed in backward).
 Compute dtype: bf16 where the device has native bf16 (AVX-512 BF16 / AMX on a CPU, compute
 capability 8.0+ on a GPU), fp32 otherwise (`compute` overrides): weights, adapters, gradients and
@@ -15,7 +19,7 @@ the NF4 base live in `labkit.blocks.lora`.
 checks are its own mechanisms (`compare` ignores the reference's outputs): at initialisation the
 LoRA model's logits equal the base's exactly (B = 0); after the steps the frozen base is bitwise
 unchanged; the adapters' gradients equal the low-rank update's computed by hand; the NF4 weights
-stay within the format's error bound; on the `reference` preset, the QLoRA base's perplexity
+stay within the format's error bound; on the `reference` preset, a quantized base's perplexity
 against the fp32 base's on held-out text. `frontier()` finds the longest sequence each variant
 fits in a memory budget: batch_finder's grow-then-bisect search, started at the planner's answer.
 """
@@ -36,7 +40,7 @@ from labkit.config import ConfigError, MODELS, RunConfig, knob, torch_dtype
 from labkit.measure.memory import MemoryMeter, fits_in_memory, storage_bytes
 from labkit.workload import Comparison, SkipVariant, Workload
 
-VARIANTS = ("full", "lora", "qlora", "lora_ckpt")
+VARIANTS = ("full", "lora", "qlora", "lora_int8", "lora_int4", "lora_ckpt")
 REFERENCE = "full"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
 CPU_RUNGS = ({"batch_size": 2, "seq_len": 32}, {"batch_size": 1, "seq_len": 32, "num_layers": 2})
@@ -111,16 +115,18 @@ def base_model(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
 
 def finetune_step(cfg: Config, before_adapters=None) -> tuple[Trainer, float]:
     """The variant's training step, and the NF4 weights' worst error against its bound (nan when
-    not quantized). Order: the base in the compute dtype, then NF4 (from the weights in that
-    dtype, which is what it dequantizes to), then `before_adapters(model)` (the B = 0 check's
-    base logits), then the adapters on the (quantized) linears, then checkpointing around the
-    blocks, then the optimizer over what trains."""
+    not quantized). Order: the base in the compute dtype, then NF4, int8 or int4 (from the
+    weights in that dtype, which is what it dequantizes to), then `before_adapters(model)` (the
+    B = 0 check's base logits), then the adapters on the (quantized) linears, then checkpointing
+    around the blocks, then the optimizer over what trains."""
     dtype = torch_dtype(compute_dtype(cfg))
     trainer = Trainer(cfg, weights=dtype, lr=cfg.lr, optimizer=False)
     loaded = base_model(cfg, dtype)
     if loaded is not None:
         trainer.model = trainer.net = loaded
     nf4_ratio = lora.apply_nf4(trainer.model) if cfg.variant == "qlora" else math.nan
+    if cfg.variant in ("lora_int8", "lora_int4"):
+        lora.apply_weight_only(trainer.model, planner.BASE_FORMAT[cfg.variant])
     if before_adapters is not None:
         before_adapters(trainer.model)
     if cfg.variant != "full":
@@ -188,9 +194,9 @@ def base_perplexities(cfg: Config, model: torch.nn.Module) -> dict[str, float]:
 def build(cfg: Config) -> Workload:
     init: dict = {}
 
-    def before_adapters(model):  # the base as the adapters will find it (NF4 for qlora)
+    def before_adapters(model):  # the base as the adapters will find it (quantized or not)
         init["logits"] = logits_of(model, step_inputs(cfg))
-        init.update(base_perplexities(cfg, model) if cfg.variant == "qlora" else {})
+        init.update(base_perplexities(cfg, model) if cfg.variant in planner.BASE_FORMAT else {})
 
     trainer, nf4_ratio = finetune_step(cfg, before_adapters)
     model, grads = trainer.model, {}
@@ -301,11 +307,14 @@ def notes(cfg: Config) -> dict[str, str]:
            "tokens_per_s": "predicted: the full step's FLOPs at the device's peak (a bound; a "
                            "frozen base skips its weight gradients, a third of the FLOPs).",
            "linear_weight_bytes": "the base's block linear weights as stored (NF4: 4-bit codes, "
-                                  "int8 scalers per 64, a factor per scaler block), adapters excluded.",
+                                  "int8 scalers per 64, a factor per scaler block; int8: a byte and "
+                                  "a 16-bit scale per row; int4: 4-bit codes, a 16-bit scale and "
+                                  "zero point per 64), adapters excluded.",
            "grad_bytes": "measured on the final gradients before the update: trainable weights only."}
-    if cfg.variant == "qlora":
-        out["activation_bytes"] = ("each matmul dequantizes its NF4 weight to the compute dtype: a "
-                                   "transient copy, freed after the matmul; only the 4-bit weight is saved.")
+    if cfg.variant in planner.BASE_FORMAT:
+        out["activation_bytes"] = (f"each matmul dequantizes its {planner.BASE_FORMAT[cfg.variant]} "
+                                   "weight to the compute dtype: a transient copy, freed after the "
+                                   "matmul; only the quantized weight is saved.")
     return out
 
 

@@ -17,7 +17,9 @@ The knobs each turn one technique on (every default is off), and `composed` is
 - `compile`: each block through torch.compile; `attention`: sdpa or naive;
 - `finetune`: the model converters, applied before any parallelism: `lora` freezes the base and
   trains rank-`lora_rank` adapters on `lora_targets` (PEFT); `qlora` also stores the base's block
-  linears in NF4 (torchao). The optimizer keeps state for the adapters alone.
+  linears in NF4 (torchao), `lora_int8` and `lora_int4` in weight-only int8 or int4
+  (labkit.blocks.quant). The optimizer keeps state for the adapters alone. A quantized base is
+  lossy: `base_loss_delta` is the first batch's loss on it against the base before quantizing.
 
 Variants:
 - `plain` (the reference): fp32, nothing applied but the model converters (they say what
@@ -93,7 +95,8 @@ class Config(DistConfig):
                                 "replica (must divide nproc)")
     compile: bool = knob(False, help="torch.compile each block")
     finetune: str = knob("none", choices=FINETUNE, help="lora: the base frozen, rank-lora_rank "
-                         "adapters trained; qlora: the base's block linears also in NF4")
+                         "adapters trained; qlora, lora_int8, lora_int4: the base's block "
+                         "linears also in NF4, int8 or int4")
     lora_rank: int = knob(8, min=1, help="finetune: the adapters' rank r")
     lora_alpha: float = knob(16.0, min=0.0, help="finetune: outputs add (alpha / r) B A x")
     lora_targets: str = knob("q,v", help="finetune: comma list of q, k, v, o, gate, up, down "
@@ -155,15 +158,41 @@ def skip_reason(cfg: Config) -> str | None:
     return None
 
 
+class Observed:
+    """What the check sees of a step that the harness's meters cannot: the gradients' bytes at
+    the update (they are dropped after it), the activations one micro-batch's forward keeps, the
+    bytes all-gathered per step, this variant's own live-tensor peak over build and check (the
+    budget's measure), and plain's loss on a quantized base less its loss before (`plain_step`)."""
+
+    def __init__(self):
+        self.grad_bytes, self.activation_bytes, self.weight_copy_bytes = 0, None, 0
+        self.all_gather_bytes, self.build_peak_bytes, self.base_loss_delta = 0.0, 0, None
+        self.tracker = LiveTensorTracker()
+
+    def record_grads(self, trainer: Trainer) -> None:
+        self.grad_bytes = storage_bytes(p.grad for p in trainer.model.parameters() if p.grad is not None)
+
+
 # --- the two steps --------------------------------------------------------------------------------
 
-def plain_step(cfg: Config) -> Trainer:
+def plain_step(cfg: Config, seen: Observed) -> Trainer:
     """The plain fp32 step on the whole global batch (replicas x batch_size), on every rank,
-    with the recipe's model converters (they say what trains: the reference trains the same)."""
+    with the recipe's model converters (they say what trains: the reference trains the same).
+    A quantized base's cost: the batch's loss on it less the loss before the converters (the
+    adapters start at zero: only the base differs), in `seen.base_loss_delta`."""
     trainer = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg), optimizer=False)
+    quantized = cfg.finetune in planner.BASE_FORMAT
+    before = first_loss(trainer) if quantized else None
     recipes.apply_converters(trainer, recipe_of(cfg))
+    if quantized:
+        seen.base_loss_delta = first_loss(trainer) - before
     trainer.build_optimizer()
     return trainer
+
+
+def first_loss(trainer: Trainer) -> float:
+    with torch.no_grad():
+        return trainer.forward().item()
 
 
 def composed_step(cfg: Config) -> Trainer:
@@ -185,21 +214,6 @@ def global_loss(loss: float, trainer: Trainer) -> float:
     t = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(t)  # gloo and NCCL: a CPU tensor goes through gloo's default group too
     return t.item() / world_size()
-
-
-class Observed:
-    """What the check sees of a step that the harness's meters cannot: the gradients' bytes at
-    the update (they are dropped after it), the activations one micro-batch's forward keeps, the
-    bytes all-gathered per step, and this variant's own live-tensor peak over build and check
-    (the budget's measure)."""
-
-    def __init__(self):
-        self.grad_bytes, self.activation_bytes, self.weight_copy_bytes = 0, None, 0
-        self.all_gather_bytes, self.build_peak_bytes = 0.0, 0
-        self.tracker = LiveTensorTracker()
-
-    def record_grads(self, trainer: Trainer) -> None:
-        self.grad_bytes = storage_bytes(p.grad for p in trainer.model.parameters() if p.grad is not None)
 
 
 def observed_forward(trainer: Trainer, seen: Observed):
@@ -252,7 +266,7 @@ def build(cfg: Config) -> Workload:
     seen = Observed()
     budget = int(cfg.budget_gib * 2**30) if cfg.budget_gib and cfg.variant != REFERENCE else None
     with seen.tracker:  # the budget's measure starts with the build
-        trainer = plain_step(cfg) if cfg.variant == REFERENCE else composed_step(cfg)
+        trainer = plain_step(cfg, seen) if cfg.variant == REFERENCE else composed_step(cfg)
     seen.build_peak_bytes = seen.tracker.peak_bytes
     trainer.grad_hooks.append(seen.record_grads)
     trainer.forward = observed_forward(trainer, seen)
@@ -271,6 +285,8 @@ def report(seen: Observed) -> dict[str, float]:
     if seen.activation_bytes is not None:
         out["activation_bytes"] = float(seen.activation_bytes)
         out["saved_weight_copy_bytes"] = float(seen.weight_copy_bytes)
+    if seen.base_loss_delta is not None:
+        out["base_loss_delta"] = seen.base_loss_delta
     return out
 
 
@@ -329,14 +345,14 @@ def step_flops(cfg: Config) -> int:
 
 
 def gathered_params(cfg: Config) -> int:
-    """The parameters FSDP2 gathers: every Parameter, adapters included (QLoRA's NF4 weights are
-    buffers: each rank keeps them whole, never gathered)."""
+    """The parameters FSDP2 gathers: every Parameter, adapters included (a quantized base's
+    block linears are buffers: each rank keeps them whole, never gathered)."""
     m, n = cfg.model, planner.num_params(cfg.model)
     if cfg.finetune == "none":
         return n
     n += planner.trainable_params(m, cfg.finetune, lora_rank=cfg.lora_rank,
                                   lora_targets=planner.parse_lora_targets(cfg.lora_targets))
-    return n - (m.num_layers * planner.block_linear_params(m, biases=False) if cfg.finetune == "qlora" else 0)
+    return n - (m.num_layers * planner.block_linear_params(m, biases=False) if cfg.finetune in planner.BASE_FORMAT else 0)
 
 
 def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int | None:
@@ -397,13 +413,17 @@ def notes(cfg: Config) -> dict[str, str]:
            "build_peak_bytes": "the live tensors' peak while the step was built: under ZeRO-2/3 "
                                "the model is built on the meta device, sharded, then each "
                                "parameter drawn whole in turn and its shard kept (not with "
-                               "finetune: NF4 and the adapters start from real weights).",
+                               "finetune: a quantized base and the adapters start from real weights).",
            "all_gather_bytes": "per step, what this rank's all-gathers delivered (each whole "
                                "output): FSDP2's parameters, in bf16 under its mixed-precision "
                                "policy (precision=bf16 with zero_stage 2 or 3), else in their "
                                "own dtype (fp32 under autocast, which casts after the gather)."}
     if cfg.variant == REFERENCE:
         out["tokens_per_s"] = "every rank computes the whole global batch (as one process would)."
+    if cfg.variant == REFERENCE and cfg.finetune in planner.BASE_FORMAT:
+        out["base_loss_delta"] = (f"the first batch's loss on the {planner.BASE_FORMAT[cfg.finetune]} "
+                                  "base less its loss before quantizing (lossy: what the "
+                                  "quantized base costs; both variants train on it)")
     if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:
         out["saved_weight_copy_bytes"] = ("autocast's cached 16-bit casts of the weights that "
                                           "the backward keeps (none in checkpointed blocks); "

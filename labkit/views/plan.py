@@ -41,6 +41,11 @@ def format_plan(report: dict) -> str:
     return "\n".join(lines)
 
 
+BASE_WORDS = {"qlora": " (NF4: 4-bit codes + int8 scalers per 64 + double-quantized factors)",
+              "lora_int8": " (int8: 1 byte a weight + a 16-bit scale per output channel)",
+              "lora_int4": " (int4: 4-bit codes + a 16-bit scale and zero point per 64 inputs)"}
+
+
 def _finetune_lines(r: dict) -> list[str]:
     """Fine-tuning: what is trained and stored, and per method the longest sequence and the
     largest micro-batch that fit the GPU (`finetune_frontier`)."""
@@ -51,12 +56,11 @@ def _finetune_lines(r: dict) -> list[str]:
            f"{','.join(ft['lora_targets'])} ({', '.join(ft['lora_modules']) or 'every weight'}); "
            f"compute {ft['compute_dtype']}, adapters {ft['adapter_dtype']}",
            f"block linear weights as stored: {gib(g['linear_weight_bytes']):.2f} GiB"
-           + (" (NF4: 4-bit codes + int8 scalers per 64 + double-quantized factors)"
-              if ft["method"] == "qlora" else ""),
+           + BASE_WORDS.get(ft["method"], ""),
            f"what fits {gib(r['gpu_mem_bytes']):.2f} GiB (longest sequence at micro-batch 1; "
            f"largest micro-batch at {r['inputs']['seq_len']} tokens):"]
     for row in r["finetune_frontier"]:
-        out.append(f"  {row['method']:<6} checkpointing {row['checkpointing']:<5} "
+        out.append(f"  {row['method']:<9} checkpointing {row['checkpointing']:<5} "
                    f"max seq {row['max_seq_len']:>7,}  max micro-batch {row['max_micro_batch']:>6,}")
     return out
 

@@ -1,6 +1,7 @@
 """Exercises on fine-tuning with LoRA and QLoRA (`labkit.techniques.finetune`): the adapters'
 trainable parameters, the AdamW bytes they save against full fine-tuning, the QLoRA base's NF4
-bytes, and why LoRA still runs out of memory at long context. They name RUNS["finetune"].
+bytes, an int8 base's bytes (LoRA on weight-only int8), and why LoRA still runs out of memory at
+long context. They name RUNS["finetune"].
 
 Every answer is the planner's (`trainable_params`, `finetune_memory`, `nf4_bytes`), computed
 before the measurement; the measured rows are the evidence (`supports` checks that the run's
@@ -200,7 +201,35 @@ def nf4_exercise() -> Exercise:
         supports=nf4_supports, unit="bytes", rel_tol=0.005)
 
 
-# --- 4. Why LoRA still runs out of memory at long context ----------------------------------------
+# --- 4. An int8 base's bytes ----------------------------------------------------------------------
+
+def int8_base_bytes(s: Setup) -> int:
+    return planner.linear_weight_bytes(model(s), "lora_int8")
+
+
+def int8_codes_only(s: Setup) -> int:
+    """The common mistake: one byte per weight, no scales."""
+    return sum(n * o * i for (o, i), n in linear_counts(s).items())
+
+
+def int8_supports(r: Rows, s: Setup) -> str | None:
+    return unequal(r.get("lora_int8", "linear_weight_bytes"), int8_base_bytes(s),
+                   "lora_int8 linear_weight_bytes")
+
+
+def int8_exercise() -> Exercise:
+    return Exercise(
+        "int8_base_bytes", TOPICS[0], "finetune", answer=int8_base_bytes,
+        details=lambda s: f"{shapes_words(s)} The scales are bf16 (fp16 for an fp16 model).",
+        evidence=lambda r, s: {"measured": show(r.get("lora_int8", "linear_weight_bytes"), "bytes"),
+                               "qlora": show(r.get("qlora", "linear_weight_bytes"), "bytes"),
+                               "fp32": show(r.get("full", "linear_weight_bytes"), "bytes"),
+                               "rows": f"{sum(n * o for (o, _), n in linear_counts(s).items()):,}"},
+        level=2, mistake=int8_codes_only,
+        supports=int8_supports, unit="bytes", rel_tol=0.001)
+
+
+# --- 5. Why LoRA still runs out of memory at long context ----------------------------------------
 
 def long_plan(s: Setup) -> planner.MemoryPlan:
     return plan(s, "lora", batch_size=LONG_BATCH, seq_len=model(s).max_seq_len)
@@ -249,5 +278,5 @@ def long_exercise() -> Exercise:
 
 
 def build_exercises() -> list[Exercise]:
-    return [params_exercise(), saving_exercise(), nf4_exercise(), long_exercise()]
+    return [params_exercise(), saving_exercise(), nf4_exercise(), int8_exercise(), long_exercise()]
 

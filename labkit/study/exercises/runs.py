@@ -59,7 +59,7 @@ RUNS = {
     # LoRA r=8 on q,v (the defaults), 2 tiny layers; compute pinned to fp32 so CPU and GPU give
     # the same answers (AdamW's 8 bytes per trainable parameter, fp32 NF4 factors)
     "finetune": Run("finetune", {**FAST, "batch_size": 1, "seq_len": 32, "num_layers": 2,
-                                 "compute": "fp32"}, ("lora", "qlora")),
+                                 "compute": "fp32"}, ("lora", "qlora", "lora_int8")),
     # 8 requests of at most 16 tokens on 4 rows, two bisection steps: seconds on any CPU
     "sla": Run("sla", {"num_layers": 2, "num_requests": 8, "max_output_len": 16,
                        "batch_size": 4, "search_steps": 2}, ("continuous",)),
