@@ -25,15 +25,15 @@ STEPS = {"micro_batches": 2, "checkpointing": "full", "precision": "bf16"}  # an
 
 
 def test_rungs_follow_the_composition_roots_order():
-    calls = {"precision": "apply_precision", "checkpointing": "apply_checkpointing",
+    calls = {"precision": "apply_precision", "loss": "apply_loss", "checkpointing": "apply_checkpointing",
              "compile": "apply_compile", "zero_stage": "apply_data_parallel",
              "micro_batches": "apply_accumulation", "offload": "apply_offload"}
     source = inspect.getsource(recipes.compose)
     assert sorted(calls, key=lambda k: source.index(f"transforms.{calls[k]}(")) == list(ladder.ORDER)
     every = {"precision": "bf16", "offload": "activations", "micro_batches": 2, "zero_stage": 1,
-             "compile": True, "checkpointing": "selective"}
+             "compile": True, "checkpointing": "selective", "loss": "chunked"}
     labels = [r.label for r in ladder.build_rungs(every, nproc=2)]
-    assert labels == ["plain", "+ ddp", "+ bf16", "+ checkpointing=selective", "+ compile",
+    assert labels == ["plain", "+ ddp", "+ bf16", "+ loss=chunked", "+ checkpointing=selective", "+ compile",
                       "+ zero_stage=1", "+ micro_batches=2", "+ offload=activations"]
     assert [r.label for r in ladder.build_rungs({"precision": "fp16"}, nproc=1)] == ["plain", "+ fp16"]
 
@@ -58,7 +58,7 @@ def test_each_rung_differs_from_the_one_below_by_one_technique():
 def test_a_rung_that_changes_nothing_or_is_no_knob_is_refused():
     with pytest.raises(ConfigError, match="default"):
         ladder.build_rungs({"zero_stage": 0}, nproc=2)
-    with pytest.raises(ConfigError, match="precision, checkpointing"):
+    with pytest.raises(ConfigError, match="precision, loss, checkpointing"):
         ladder.build_rungs({"batch_size": 6}, nproc=2)
     with pytest.raises(ConfigError, match="give them as its steps"):
         ladder.ladder_rungs({"checkpointing": "full"}, preset="tiny", overrides={**SIZES, "precision": "bf16"})

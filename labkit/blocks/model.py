@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.blocks import losses
 from labkit.config import ModelConfig
 
 StartPos = int | torch.Tensor  # a batch's first position, or one per row (B,)
@@ -177,7 +178,11 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """tokens (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with `last_only`."""
+    """tokens (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with `last_only`; with `targets`,
+    the mean loss instead, its head and loss fused `loss_chunk` tokens at a time when that is
+    set (`labkit.blocks.losses`: the logits are never whole)."""
+
+    loss_chunk = 0  # 0: the plain loss on whole logits
 
     def __init__(self, cfg: ModelConfig, attention: str = "sdpa"):
         super().__init__()
@@ -191,7 +196,8 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor, *, start_pos: StartPos = 0, cache=None,
-                last_only: bool | torch.Tensor = False) -> torch.Tensor:
+                last_only: bool | torch.Tensor = False, targets: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """`start_pos`: the position of tokens[:, 0], one for the batch or one per row (a (B,)
         tensor: rows of different lengths in one batch, as continuous batching runs them).
         `last_only`: logits at the last position only, or at one index per row ((B,): each
@@ -211,7 +217,11 @@ class Decoder(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), last_only][:, None]
         elif last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        if targets is None:
+            return self.lm_head(self.norm(x))
+        if self.loss_chunk:
+            return losses.chunked_lm_loss(self.norm(x), self.lm_head.weight, targets, self.loss_chunk)
+        return losses.lm_loss(self.lm_head(self.norm(x)), targets)
 
 
 def init_weights(model: Decoder) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch.distributed as dist
 
 from labkit import planner
-from labkit.blocks import hf, transforms
+from labkit.blocks import hf, losses, transforms
 from labkit.blocks.layout import HOST_OPTIMIZER, SHARDED, ZERO_MODES, Layout, data_mode
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
@@ -24,7 +24,7 @@ from labkit.config import ConfigError, RunConfig, check_choice
 
 OFFLOADS = ("none", "activations", "optimizer", "both")
 # The recipe's knobs in the order compose applies them (its steps 1 to 8): the ladder's order too
-ORDER = ("precision", "finetune", "tensor_parallel", "checkpointing", "compile", "zero_stage",
+ORDER = ("precision", "finetune", "loss", "tensor_parallel", "checkpointing", "compile", "zero_stage",
          "micro_batches", "offload")
 
 
@@ -44,6 +44,8 @@ class Recipe:
     lora_rank: int = 8                   # the adapters' rank r
     lora_alpha: float = 16.0             # their scale: outputs add (alpha / r) B A x
     lora_targets: str = "q,v"            # the linears adapted (planner.parse_lora_targets)
+    loss: str = "plain"                  # losses.LOSSES: chunked fuses the head and the loss
+    loss_chunk: int = 1024               # chunked: tokens of logits at a time
 
     def techniques(self) -> list[str]:
         """The fields that differ from the plain step, as `name=value`."""
@@ -71,15 +73,16 @@ def _unknown(recipe: Recipe) -> str | None:
                                ("checkpointing", recipe.checkpointing, transforms.CHECKPOINT_MODES),
                                ("zero_stage", recipe.zero_stage, range(len(ZERO_MODES))),
                                ("offload", recipe.offload, OFFLOADS),
-                               ("finetune", recipe.finetune, transforms.FINETUNE)):
+                               ("finetune", recipe.finetune, transforms.FINETUNE),
+                               ("loss", recipe.loss, losses.LOSSES)):
         try:
             check_choice(name, value, valid)
         except ConfigError as e:
             return str(e)
     if recipe.checkpointing == "blocks":
         return "checkpointing=blocks needs the block list the checkpointing experiment's budget chooses"
-    if recipe.micro_batches < 1 or recipe.tensor_parallel < 1 or recipe.checkpoint_every < 1:
-        return "micro_batches, tensor_parallel and checkpoint_every are counts: 1 or more"
+    if min(recipe.micro_batches, recipe.tensor_parallel, recipe.checkpoint_every, recipe.loss_chunk) < 1:
+        return "micro_batches, tensor_parallel, checkpoint_every and loss_chunk are counts: 1 or more"
     if recipe.finetune != "none":
         try:
             planner.parse_lora_targets(recipe.lora_targets)
@@ -147,6 +150,9 @@ def _offload_clash(recipe: Recipe, mode: str, device: str) -> str | None:
 
 
 def _converter_clash(recipe: Recipe, mode: str) -> str | None:
+    if recipe.loss == "chunked" and recipe.tensor_parallel > 1:
+        return ("loss=chunked takes a whole row of logits per token from the head's weight, which "
+                "tensor parallelism shards over the vocabulary: use tensor_parallel=1 with it")
     if recipe.finetune != "none" and recipe.tensor_parallel > 1:
         return ("LoRA's adapters wrap the linears that tensor parallelism's plan shards by name: "
                 "use tensor_parallel=1 with finetune")
@@ -202,6 +208,9 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     #    `parallelize`): NF4 from the weights in their training dtype, which is what they
     #    dequantize to; the adapters in the base's dtype; everything else frozen.
     apply_converters(trainer, recipe)
+    #    The loss, fused with the head in the model's own forward (so under any wrapper), when
+    #    chunked: the head's weight is read where the model's forward has it whole.
+    transforms.apply_loss(trainer, recipe.loss, recipe.loss_chunk)
     # 3. tensor parallel on the plain modules: its plan names the linear layers, which a
     #    checkpoint or compile wrapper would hide.
     if layout.tp_enabled:
@@ -258,6 +267,8 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     micro-batch), or (None, why not) where the planner has no case for the recipe."""
     if recipe.offload != "none" or recipe.compile:
         return None, "the planner does not model offload or compile"
+    if recipe.finetune != "none" and recipe.loss == "chunked":
+        return None, "the planner's fine-tuning steps have no case for loss=chunked yet"
     if recipe.finetune != "none" and recipe.precision != "fp32":
         return None, (f"the planner's fine-tuning steps compute in one dtype; precision="
                       f"{recipe.precision} with finetune is not one of its cases (use fp32)")
@@ -275,7 +286,8 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     return dict(batch_size=micro, seq_len=cfg.seq_len, precision=recipe.precision,
                 optimizer="adamw", zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
-                accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=True), ""
+                accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=True,
+                loss_chunk=recipe.loss_chunk if recipe.loss == "chunked" else 0), ""
 
 
 def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.MemoryPlan:

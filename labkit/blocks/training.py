@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit.blocks.losses import lm_loss
 from labkit.config import RunConfig
 from labkit.model import build_model
 from labkit.workload import Comparison
@@ -32,11 +32,6 @@ def make_batch(cfg: RunConfig, batch_size: int | None = None) -> tuple[torch.Ten
     batch = torch.randint(0, cfg.model.vocab_size, (batch_size or cfg.batch_size, cfg.seq_len + 1),
                           generator=gen).to(cfg.device)
     return batch[:, :-1], batch[:, 1:]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed on fp32 logits whatever the model's dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -165,6 +160,8 @@ class Trainer:
         with contextlib.ExitStack() as stack:
             for context in self.contexts:
                 stack.enter_context(context())
+            if getattr(self.model, "loss_chunk", 0):  # the head and the loss fused in its forward
+                return self.net(inputs, targets=targets)
             return lm_loss(self.net(inputs), targets)
 
     def micro_batches(self):

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from labkit import planner
+from labkit.blocks import losses
 from labkit.blocks.layout import SHARDED, Layout
 from labkit.blocks.model import Decoder
 from labkit.blocks.training import CopyAdamW, Trainer
@@ -113,6 +114,15 @@ def apply_finetune(trainer: Trainer, method: str, *, rank: int = 8, alpha: float
     elif method in planner.BASE_FORMAT:
         lora.apply_weight_only(trainer.model, planner.BASE_FORMAT[method])
     lora.apply_lora(trainer.model, targets, rank=rank, alpha=alpha)
+    return trainer
+
+
+def apply_loss(trainer: Trainer, mode: str, chunk: int) -> Trainer:
+    """`chunked`: the model computes its loss with the head fused in, `chunk` tokens of logits at
+    a time (`labkit.blocks.losses`); `plain`: the whole logits, then the loss."""
+    if mode not in losses.LOSSES:
+        raise ValueError(f"unknown loss {mode!r}; valid: {', '.join(losses.LOSSES)}")
+    trainer.model.loss_chunk = chunk if mode == "chunked" else 0
     return trainer
 
 

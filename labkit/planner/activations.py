@@ -109,8 +109,13 @@ def _embedding_side_bytes(r: _Run) -> int:
 def _head_bytes(r: _Run) -> int:
     """Per micro-batch on the last stage: the final norm (as a block's), cross-entropy's fp32
     log-probabilities (b·s·V, kept by log_softmax for its backward; the logits themselves are
-    freed), the int64 targets nll_loss keeps, and its fp32 total_weight scalar."""
+    freed), the int64 targets nll_loss keeps, and its fp32 total_weight scalar. Chunked
+    (`loss_chunk`): no logits at all, one fp32 log-sum-exp per token beside the targets, and the
+    final norm's output kept in the residual stream's dtype rather than as the head's 16-bit
+    input under autocast."""
     tokens = r.batch_size * r.seq_len
+    if r.loss_chunk:
+        return tokens * (_norm_bytes(r) + 4 + 8 + (r.prec.residual - r.prec.act) * r.shape.d)
     return tokens * (_norm_bytes(r) + 4 * r.shape.logits + 8) + 4
 
 

@@ -49,9 +49,11 @@ def _k_words(r: _Run) -> str:
 
 def _overhead_words(r: _Run, plan: MemoryPlan) -> str:
     if plan.peak_phase == "backward":
-        return ("backward: the largest of the loss's fp32 gradients (8·b·s·V), the head's "
-                "gradients, a block's backward (its recomputed forward, w2's gradient and the "
-                "MLP's f-wide gradients) + ZeRO working buffers")
+        loss = (f"the chunked loss's backward ({r.loss_chunk} tokens of logits at a time, the "
+                "head's gradient and the hidden states')" if r.loss_chunk else
+                "the loss's fp32 gradients (8·b·s·V), the head's gradients")
+        return (f"backward: the largest of {loss}, a block's backward (its recomputed forward, "
+                "w2's gradient and the MLP's f-wide gradients) + ZeRO working buffers")
     if plan.peak_phase == "forward":
         return ("forward: FSDP2's first all-gathers, the root unit's and the first block's, each "
                 "flat output beside the parameters it is copied out to")

@@ -74,6 +74,7 @@ class _Run:
     fsdp2: bool  # ZeRO stages 2-3 as FSDP2 builds them (shards kept beside gathered parameters)
     stat: int  # bytes of LayerNorm's mean/rstd: fp32 on CUDA, the activation dtype on the CPU
     shape: LocalShape | None
+    loss_chunk: int = 0  # the chunked loss's tokens of logits at a time (0: the plain loss)
 
     @property
     def fsdp2_sharded(self) -> bool:
@@ -96,10 +97,13 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
              zero_stage: int = 0, tp: int = 1, pp: int = 1, gpus: int = 1,
              checkpointing: str = "none", checkpointed_layers: int | None = None,
              accumulation_steps: int = 1, device: str | None = None,
-             optimizer_impl: str | None = None, fsdp2: bool = False) -> _Run:
+             optimizer_impl: str | None = None, fsdp2: bool = False, loss_chunk: int = 0) -> _Run:
     """Check every input (ConfigError naming the valid choices) and derive the rest."""
     _positive(batch_size=batch_size, seq_len=seq_len, tp=tp, pp=pp, gpus=gpus,
               accumulation_steps=accumulation_steps)
+    if loss_chunk < 0 or (loss_chunk and tp > 1):
+        raise ConfigError(f"loss_chunk={loss_chunk}: 0 (the plain loss) or a count of tokens, "
+                          "with tp=1 (the chunks need the head's whole vocabulary)")
     check_choice("precision", precision, PRECISIONS), check_choice("optimizer", optimizer, OPTIMIZERS)
     check_choice("checkpointing", checkpointing, CHECKPOINTING)
     if zero_stage not in ZERO_STAGES:
@@ -118,7 +122,7 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
                 dp=dp, checkpointing=checkpointing,
                 checkpointed_layers=checkpointed_layers, accumulation_steps=accumulation_steps,
                 impl=impl, fsdp2=fsdp2, stat=p.residual if device.startswith("cpu") else 4,
-                shape=local_shape(m, tp) if m is not None else None)
+                shape=local_shape(m, tp) if m is not None else None, loss_chunk=loss_chunk)
 
 
 def _check_model(m: ModelConfig | None, num_params: int | None, *, seq_len: int, tp: int,

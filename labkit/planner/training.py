@@ -29,7 +29,7 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
                     gpus: int = 1, checkpointing: str = "none",
                     checkpointed_layers: int | None = None, accumulation_steps: int = 1,
                     device: str | None = None, optimizer_impl: str | None = None,
-                    fsdp2: bool = False) -> MemoryPlan:
+                    fsdp2: bool = False, loss_chunk: int = 0) -> MemoryPlan:
     """Predict one training step's memory on one GPU (the busiest pipeline stage when pp > 1).
 
     The step, as `labkit.blocks.training.Trainer` runs it (zero_grad(set_to_none=True)):
@@ -54,12 +54,14 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
     (`weight_copy_bytes`): all of them at the end of the forward, a third phase ("forward"),
     and those the backward keeps at its start. `fsdp2`: ZeRO stages 2 and 3 as FSDP2 builds them
     (labkit's runs: `gathered_bytes`, the whole parameters beside the shards between the passes,
-    and its working buffers), not the paper's; nothing changes below stage 2 or on one replica."""
+    and its working buffers), not the paper's; nothing changes below stage 2 or on one replica.
+    `loss_chunk`: the head and the loss fused, that many tokens of logits at a time
+    (`labkit.blocks.losses.chunked_lm_loss`; 0: the plain loss on whole logits)."""
     r = _resolve(m, num_params=num_params, batch_size=batch_size, seq_len=seq_len,
                  precision=precision, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
                  gpus=gpus, checkpointing=checkpointing, checkpointed_layers=checkpointed_layers,
                  accumulation_steps=accumulation_steps, device=device, optimizer_impl=optimizer_impl,
-                 fsdp2=fsdp2)
+                 fsdp2=fsdp2, loss_chunk=loss_chunk)
     if r.m is None:
         psi = -(-r.num_params // (tp * pp))
         return _stage_plan(r, StageParams(psi, psi, 2 * psi, psi, 0), "all", first=False, last=False)
@@ -148,22 +150,45 @@ def _weight_casts(r: _Run, sp: StageParams, last: bool) -> tuple[int, int]:
     """Autocast's 16-bit copies of the matmul weights (cast once per forward and cached for it,
     also in checkpointed blocks and for FSDP2's gathered units): (all of them, held until the
     forward ends; those the backward keeps: the plain blocks' and the head's, since a
-    checkpointed block casts again when it recomputes). 0 without autocast."""
+    checkpointed block casts again when it recomputes, and so does the chunked loss for the
+    head). 0 without autocast."""
     if not r.prec.cast:
         return 0, 0
     block = _matmul_weights(r.shape, r.m.arch)
     head = r.shape.vocab * r.shape.d if last else 0
     k = _checkpointed_on_stage(r, sp.num_layers)
     return (r.prec.cast * (sp.num_layers * block + head),
-            r.prec.cast * ((sp.num_layers - k) * block + head))
+            r.prec.cast * ((sp.num_layers - k) * block + (0 if r.loss_chunk else head)))
 
 
 def _forward_temporaries(r: _Run, last: bool) -> int:
     """At the end of an autocast forward, while log_softmax writes its output (an activation):
-    the 16-bit logits and their fp32 copy (b·s·V each), which the loss alone holds."""
+    the 16-bit logits and their fp32 copy (b·s·V each), which the loss alone holds. Chunked: one
+    chunk's logits and fp32 copy (c·V each), or in fp32 its logits beside two c-long results
+    (its log-sum-exp and its targets' logits)."""
     if not last:
         return 0
+    if r.loss_chunk:
+        c = _chunk(r)
+        return 4 * c * r.shape.logits + max(r.prec.cast * c * r.shape.logits, 8 * c)
     return (r.prec.cast + 4) * r.batch_size * r.seq_len * r.shape.logits
+
+
+def _chunk(r: _Run) -> int:
+    """The chunked loss's tokens of logits at once: its chunk, or the whole micro-batch."""
+    return min(r.loss_chunk, r.batch_size * r.seq_len)
+
+
+def _chunked_loss_backward(r: _Run, head_grad: int) -> int:
+    """The chunked loss's backward, beyond the activations (`chunked_lm_loss`): the head's
+    weight gradient accumulated in fp32 (its whole gradient when the weight is fp32, else beside
+    it), the hidden states' gradient (b·s·d), autocast's 16-bit copy of the head's weight made
+    again, and one chunk's logits remade, its fp32 softmax gradient and its share of the hidden
+    states' gradient: c·((cast + 4)·V + (cast or 4)·d), measured."""
+    s, p, tokens, c = r.shape, r.prec, r.batch_size * r.seq_len, _chunk(r)
+    accumulator = 4 * s.vocab * s.d + (head_grad if p.whole_grad != 4 else 0)
+    return (accumulator + p.residual * tokens * s.d + p.cast * s.vocab * s.d
+            + c * ((p.cast + 4) * s.logits + (p.cast or 4) * s.d))
 
 
 def _backward_temporaries(r: _Run, sp: StageParams, last: bool, resident: bool) -> int:
@@ -186,6 +211,8 @@ def _backward_temporaries(r: _Run, sp: StageParams, last: bool, resident: bool) 
         head_grad = 0 if resident else p.whole_grad * s.vocab * s.d
         loss = 8 * tokens * s.logits
         head = head_grad + p.act * tokens * s.d + (p.act - 4) * tokens * s.logits
+        if r.loss_chunk:  # the loss and the head's backward are one, chunk by chunk
+            loss, head = _chunked_loss_backward(r, head_grad), 0
         after_head += head_grad - _head_bytes(r)
     first, per_block = _block_backward(r, sp, resident)
     # the j-th block the backward goes through: j blocks finished before it

@@ -52,6 +52,7 @@ from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
 from labkit.blocks.layout import Layout
+from labkit.blocks.losses import LOSSES
 from labkit.blocks.recipe import Recipe, compose
 from labkit.blocks.training import Trainer, global_relative_difference, gradient_difference
 from labkit.blocks.sharded import check_tp_shape, full_tensor
@@ -101,6 +102,9 @@ class Config(DistConfig):
     lora_alpha: float = knob(16.0, min=0.0, help="finetune: outputs add (alpha / r) B A x")
     lora_targets: str = knob("q,v", help="finetune: comma list of q, k, v, o, gate, up, down "
                              "(or attn, all)")
+    loss: str = knob("plain", choices=LOSSES, help="chunked: the head's matmul and the loss "
+                     "fused, loss_chunk tokens of logits at a time (the logits never whole)")
+    loss_chunk: int = knob(1024, min=1, help="loss=chunked: tokens of logits at a time")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
