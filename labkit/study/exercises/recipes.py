@@ -1,6 +1,6 @@
 """Exercises on recipes: several techniques on one training step (`labkit.techniques.recipe`).
 
-Both share one Run ("recipe"): bf16 on two CPU ranks over gloo at the ladder's four rungs (DDP
+The peak and the ladder share one Run ("recipe"): bf16 on two CPU ranks over gloo at the ladder's four rungs (DDP
 with autocast, then full checkpointing, 2 micro-batches and ZeRO-2 added one at a time; under
 ZeRO-2, FSDP2's bf16 mixed-precision policy in place of autocast), each composed recipe under a
 virtual budget. The Run pins device "cpu" (one GPU cannot hold two NCCL ranks), so every answer
@@ -8,7 +8,9 @@ is the same for "cpu" and "cuda": per-rank bytes do not depend on it.
 
 The peak exercise is predicted from the planner's terms (`recipe.planned`, the prediction each
 measured row carries); the ladder's reference is the first rung whose planned peak fits the budget,
-and the measurement shows it: every earlier rung is an `oom` row on every rank.
+and the measurement shows it: every earlier rung is an `oom` row on every rank. The chunked loss's
+exercise has its own Run ("chunked": one process, the plain loss and `loss=chunked`): the
+activations it takes off are the planner's, and the measured rows hold them exactly.
 
 Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
@@ -255,5 +257,50 @@ def ladder_fit() -> Exercise:
         supports=ladder_supports, choices=(*RUNGS, NONE), details=ladder_details)
 
 
+# --- The chunked loss's activations --------------------------------------------------------------
+
+PLAIN_LOSS, CHUNKED = {"loss": "plain"}, {"loss": "chunked", "loss_chunk": 16}
+
+
+def tokens_vocab(s: Setup) -> tuple[int, int]:
+    c = s.cfg(VARIANT, **CHUNKED)
+    return c.batch_size * c.seq_len, c.model.vocab_size
+
+
+def chunked_saving(s: Setup) -> int:
+    """What the chunked loss takes off the activations a step keeps for its backward (the
+    planner's terms): the plain loss's fp32 log-probabilities and its total-weight scalar, less
+    the chunked one's log-sum-exp per token."""
+    plain = recipe.planned(s.cfg(VARIANT, **PLAIN_LOSS)).activation_bytes
+    return plain - recipe.planned(s.cfg(VARIANT, **CHUNKED)).activation_bytes
+
+
+def chunked_details(s: Setup) -> str:
+    tokens, vocab = tokens_vocab(s)
+    return (f"One process, fp32, the tiny model with one layer and a vocabulary of V = {vocab}; "
+            f"b x s = {tokens} tokens; the chunked loss makes 16 tokens of logits at a time.")
+
+
+def chunked_evidence(r: Rows, s: Setup) -> dict[str, str]:
+    plain, chunked = (r.get(VARIANT, "activation_bytes", **p) for p in (PLAIN_LOSS, CHUNKED))
+    return {"plain": show(plain, "bytes"), "chunked": show(chunked, "bytes"),
+            "measured": show(None if None in (plain, chunked) else plain - chunked, "bytes")}
+
+
+def chunked_supports(r: Rows, s: Setup) -> str | None:
+    plain, chunked = (r.get(VARIANT, "activation_bytes", **p) for p in (PLAIN_LOSS, CHUNKED))
+    if None in (plain, chunked) or plain - chunked != chunked_saving(s):
+        return f"the measured saving is {plain!r} - {chunked!r}, the planner's {chunked_saving(s):,}"
+    return None
+
+
+def chunked_loss() -> Exercise:
+    return Exercise(
+        "chunked_loss_saving", TOPICS[0], "chunked",
+        answer=chunked_saving, evidence=chunked_evidence, details=chunked_details,
+        level=2, mistake=lambda s: 8 * tokens_vocab(s)[0] * tokens_vocab(s)[1],
+        supports=chunked_supports, unit="bytes", rel_tol=0.001)
+
+
 def build_exercises() -> list[Exercise]:
-    return [recipe_peak(), ladder_fit()]
+    return [recipe_peak(), ladder_fit(), chunked_loss()]

@@ -43,6 +43,11 @@ RUNS = {
     # ZeRO-2's (41 MiB).
     "recipe": Run("recipe", {**DIST, "batch_size": 8, "seq_len": 32, "precision": "bf16",
                              "budget_gib": 65 / 1024}, ("composed",), list(RECIPE_RUNGS.values())),
+    # one process, 2 x 32 tokens of the tiny model's 4096-entry vocabulary, fp32: the plain loss
+    # and the chunked one (16 tokens of logits at a time), composed against plain each
+    "chunked": Run("recipe", {**FAST, "nproc": 1, "device": "cpu", "batch_size": 2, "seq_len": 32,
+                              "num_layers": 1, "timed_steps": 2}, ("composed",),
+                   [{"loss": "plain"}, {"loss": "chunked", "loss_chunk": 16}]),
     "pipe": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "delay_stage": 0},
                 ("single", "gpipe"), {"stage_delay_ms": [0.0, SLOW_STAGE_MS]}),
     "quant": Run("weight_quant", {**FAST, "prompt_len": 4, "new_tokens": 8, "num_layers": 1},
