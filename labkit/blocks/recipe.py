@@ -24,8 +24,8 @@ from labkit.config import ConfigError, RunConfig, check_choice
 
 OFFLOADS = ("none", "activations", "optimizer", "both")
 # The recipe's knobs in the order compose applies them (its steps 1 to 8): the ladder's order too
-ORDER = ("precision", "finetune", "loss", "tensor_parallel", "checkpointing", "compile", "zero_stage",
-         "micro_batches", "offload")
+ORDER = ("precision", "finetune", "loss", "tensor_parallel", "checkpointing", "compile",
+         "zero_stage", "micro_batches", "offload")
 
 
 @dataclass(frozen=True, kw_only=True)

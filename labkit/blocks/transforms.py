@@ -93,7 +93,7 @@ def apply_precision(trainer: Trainer, precision: str, *, loss_scaling: bool = Tr
 
 # --- model converters: what trains, and how the base is stored -----------------------------------
 
-FINETUNE = ("none", *planner.FINETUNE_METHODS[1:])  # the planner's methods but full: lora, qlora, ...
+FINETUNE = ("none", *planner.FINETUNE_METHODS[1:])  # the planner's methods, full aside
 
 
 def apply_finetune(trainer: Trainer, method: str, *, rank: int = 8, alpha: float = 16.0,
@@ -101,8 +101,9 @@ def apply_finetune(trainer: Trainer, method: str, *, rank: int = 8, alpha: float
     """The model converted in place (torchtitan's model converters): `lora` freezes the base and
     puts rank-`rank` adapters on the `targets` linears (PEFT); `qlora` first stores the base's
     block linears in NF4 (torchao), `lora_int8` and `lora_int4` in int8 or int4 (weight-only,
-    labkit.blocks.quant), from the weights in their dtype, which is what they dequantize to. The optimizer, built later, keeps state for the adapters alone
-    (`Trainer.build_optimizer`: what requires grad)."""
+    labkit.blocks.quant), from the weights in their dtype, which is what they dequantize to.
+    The optimizer, built later, keeps state for the adapters alone (`Trainer.build_optimizer`:
+    what requires grad)."""
     if method not in FINETUNE:
         raise ValueError(f"unknown finetune {method!r}; valid: {', '.join(FINETUNE)}")
     if method == "none":

@@ -72,9 +72,11 @@ def _add_areas(fig: go.Figure, rows: pd.DataFrame, row: int, scale: float, unit:
         fig.add_scatter(x=x, y=sel["bytes"] / scale, name=category, legendgroup=category,
                         showlegend=row == 1, stackgroup=f"recipe{row}", line_shape="hv",
                         line={"width": 0.5, "color": CATEGORY_COLORS[category]},
-                        customdata=np.stack([sel["sample"], sel["phase"]], axis=1),
-                        hovertemplate=(f"{category}: %{{y:.2f}} {unit}<br>sample %{{customdata[0]}}"
-                                       " (%{customdata[1]})<extra></extra>"),
+                        # numbers only, so plotly stores them as typed arrays: a report
+                        # notebook of three recipes' steps stays small (the x axis names phases)
+                        customdata=sel["sample"].to_numpy(),
+                        hovertemplate=(f"{category}: %{{y:.2f}} {unit}<br>sample %{{customdata}}"
+                                       "<extra></extra>"),
                         row=row, col=1)
 
 
