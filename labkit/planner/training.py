@@ -170,8 +170,14 @@ def _forward_temporaries(r: _Run, last: bool) -> int:
         return 0
     if r.loss_chunk:
         c = _chunk(r)
-        return 4 * c * r.shape.logits + max(r.prec.cast * c * r.shape.logits, 8 * c)
+        return 4 * c * r.shape.logits + max(_logits_bytes(r) * c * r.shape.logits, 8 * c)
     return (r.prec.cast + 4) * r.batch_size * r.seq_len * r.shape.logits
+
+
+def _logits_bytes(r: _Run) -> int:
+    """Bytes of a chunk's 16-bit logits before their fp32 copy (autocast's, or 16-bit weights
+    and activations: FSDP2's bf16 policy, pure 16-bit); 0 where they are fp32 already."""
+    return r.prec.act if r.prec.act < 4 else 0
 
 
 def _chunk(r: _Run) -> int:
@@ -187,8 +193,9 @@ def _chunked_loss_backward(r: _Run, head_grad: int) -> int:
     states' gradient: c·((cast + 4)·V + (cast or 4)·d), measured."""
     s, p, tokens, c = r.shape, r.prec, r.batch_size * r.seq_len, _chunk(r)
     accumulator = 4 * s.vocab * s.d + (head_grad if p.whole_grad != 4 else 0)
+    low = _logits_bytes(r)
     return (accumulator + p.residual * tokens * s.d + p.cast * s.vocab * s.d
-            + c * ((p.cast + 4) * s.logits + (p.cast or 4) * s.d))
+            + c * ((low + 4) * s.logits + (low or 4) * s.d))
 
 
 def _backward_temporaries(r: _Run, sp: StageParams, last: bool, resident: bool) -> int:
