@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from typing import Iterable, Iterator
 
 import torch
@@ -146,14 +147,26 @@ def apply_weight_only(model: nn.Module, scheme: str,
 
     for _, linear in list(block_linears(model)):
         w = linear.weight.detach()
-        holder = (quant.Int8Linear(w, None, packed=False) if scheme == "int8"
-                  else quant.Int4Linear(w, None, group_size, packed=False))
+        holder = quant.quantize_linear(linear, scheme, group_size=group_size, kernel="dequant")
+        holder.bias = None  # the bias stays on the linear (frozen_linear adds it)
         del linear.weight
         linear.quantized = holder
         # what PEFT reads to place and cast the adapters: an empty stand-in of the weight's dtype
         # and device (a plain attribute, not a buffer: the holder's tensors are the stored ones)
         linear.weight = torch.empty(0, dtype=w.dtype, device=w.device)
         linear.forward = functools.partial(frozen_linear, linear)
+
+
+def quantize_base(model: nn.Module, method: str) -> float:
+    """The frozen base's block linears stored as `method` keeps them (planner.BASE_FORMAT: NF4
+    for qlora, int8 or int4 for lora_int8 and lora_int4), in place; nothing for the others.
+    Returns the NF4 weights' worst error against its bound (`apply_nf4`), nan when not NF4."""
+    scheme = planner.BASE_FORMAT.get(method)
+    if scheme == "nf4":
+        return apply_nf4(model)
+    if scheme:
+        apply_weight_only(model, scheme)
+    return math.nan
 
 
 # NF4's 16 codes (the QLoRA paper's, as torchao stores them): normal quantiles scaled to [-1, 1].

@@ -110,10 +110,7 @@ def apply_finetune(trainer: Trainer, method: str, *, rank: int = 8, alpha: float
         return trainer
     from labkit.blocks import lora  # PEFT and torchao: the finetune extra
 
-    if method == "qlora":
-        lora.apply_nf4(trainer.model)
-    elif method in planner.BASE_FORMAT:
-        lora.apply_weight_only(trainer.model, planner.BASE_FORMAT[method])
+    lora.quantize_base(trainer.model, method)
     lora.apply_lora(trainer.model, targets, rank=rank, alpha=alpha)
     return trainer
 

@@ -115,7 +115,7 @@ def base_model(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
 
 def finetune_step(cfg: Config, before_adapters=None) -> tuple[Trainer, float]:
     """The variant's training step, and the NF4 weights' worst error against its bound (nan when
-    not quantized). Order: the base in the compute dtype, then NF4, int8 or int4 (from the
+    not NF4). Order: the base in the compute dtype, then NF4, int8 or int4 (from the
     weights in that dtype, which is what it dequantizes to), then `before_adapters(model)` (the
     B = 0 check's base logits), then the adapters on the (quantized) linears, then checkpointing
     around the blocks, then the optimizer over what trains."""
@@ -124,9 +124,7 @@ def finetune_step(cfg: Config, before_adapters=None) -> tuple[Trainer, float]:
     loaded = base_model(cfg, dtype)
     if loaded is not None:
         trainer.model = trainer.net = loaded
-    nf4_ratio = lora.apply_nf4(trainer.model) if cfg.variant == "qlora" else math.nan
-    if cfg.variant in ("lora_int8", "lora_int4"):
-        lora.apply_weight_only(trainer.model, planner.BASE_FORMAT[cfg.variant])
+    nf4_ratio = lora.quantize_base(trainer.model, cfg.variant)
     if before_adapters is not None:
         before_adapters(trainer.model)
     if cfg.variant != "full":

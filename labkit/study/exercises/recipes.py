@@ -15,6 +15,8 @@ activations it takes off are the planner's, and the measured rows hold them exac
 Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
+import math
+
 from labkit import planner
 from labkit.study.exercises.core import MiB, TOPICS, Exercise, Rows, Setup, mib, show
 from labkit.study.exercises.runs import RECIPE_RUNGS as RUNGS  # the ladder: the Run's points
@@ -298,7 +300,7 @@ def chunked_loss() -> Exercise:
     return Exercise(
         "chunked_loss_saving", TOPICS[0], "chunked",
         answer=chunked_saving, evidence=chunked_evidence, details=chunked_details,
-        level=2, mistake=lambda s: 8 * tokens_vocab(s)[0] * tokens_vocab(s)[1],
+        level=2, mistake=lambda s: 8 * math.prod(tokens_vocab(s)),
         supports=chunked_supports, unit="bytes", rel_tol=0.001)
 
 
