@@ -194,6 +194,13 @@ FINETUNE_PARAMETERS = ('\nfrontier_overrides = {"batch_size": 1}  # the frontier
                        '\nfrontier_cpu_budget_gib = 0.06  # the frontier\'s virtual budget on a CPU (a GPU searches its memory)'
                        '\nlong_model = "mistral-7b"  # why LoRA still OOMs: a 7B model with a context of 8k or more'
                        '\nlong_seq_len = 8192  # its sequence length, tokens')
+PACKING_FIGURES = '''from labkit.config import resolve
+from labkit.techniques import packing
+from labkit.views import packing as packing_views
+
+packing_views.throughput_figure(frame).show()
+pcfg = resolve(packing.Config, preset, {**overrides, "device": device}, experiment="packing")
+packing_views.document_loss_figure(packing.document_loss_table(pcfg)).show()'''
 FINETUNE_MEMORY = '''from labkit.views import finetune as finetune_views
 
 finetune_views.memory_figure(frame).show()'''
@@ -310,6 +317,9 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
                      predicted=("trainable_params", "linear_weight_bytes", "optimizer_bytes",
                                 "activation_bytes", "peak_mem_bytes"),
                      fields=("lora_rank", "lora_targets", "batch_size", "seq_len")),
+    "packing": dict(extra=(("figures", PACKING_FIGURES),),
+                    predicted=("padding_fraction", "speedup", "attention_pairs", "peak_mem_bytes"),
+                    fields=("batch_size", "seq_len", "median_len", "length_sigma")),
     "speculative": dict(extra=(("formula", SPEC_FORMULA),),
                         predicted=("token_agreement", "tokens_per_step", "speedup")),
     "weight_quant": dict(extra=(("bytes", WEIGHT_QUANT_BYTES), ("loading", WEIGHT_QUANT_LOADING)),

@@ -86,15 +86,36 @@ def causal_mask(num_queries: int, num_keys: int, start_pos: StartPos,
     return (torch.arange(num_keys, device=device) <= q_pos[..., None])[:, None]
 
 
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its document, (B, T) from document ids (B, T): 0 where a
+    row's id changes, counting up until the next change (a document's tokens are contiguous)."""
+    T = document_ids.shape[1]
+    steps = torch.arange(T, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return steps - torch.where(starts, steps, 0).cummax(dim=1).values
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask, (B, 1, T, T) bool: query i sees key j when j <= i and both
+    belong to the same document (documents contiguous in their row)."""
+    T = document_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    return (document_ids[:, :, None] == document_ids[:, None, :])[:, None] & causal
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: StartPos,
-           impl: str) -> torch.Tensor:
+           impl: str, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q (B, H, T, hd) over k, v (B, KV, S, hd); returns (B, H, T, hd).
-    With fewer kv heads (grouped-query attention) each serves H / KV query heads."""
+    With fewer kv heads (grouped-query attention) each serves H / KV query heads. `mask`, when
+    given, replaces the causal one (a packed batch's `document_mask`)."""
     T, S = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if impl == "sdpa":  # enable_gqa shares kv heads without copying them
-        whole = T == S and isinstance(start_pos, int)  # plain causal: no mask tensor needed
-        mask = None if whole else causal_mask(T, S, start_pos, q.device)
+        # plain causal: no mask tensor needed
+        whole = mask is None and T == S and isinstance(start_pos, int)
+        if mask is None and not whole:
+            mask = causal_mask(T, S, start_pos, q.device)
         if gqa and q.is_cuda and (mask is not None or q.dtype == torch.float32):
             # CUDA's one fused kernel that shares kv heads (flash) takes neither fp32 nor a mask;
             # the others need full heads, else SDPA falls back to math and holds the S x S scores
@@ -104,7 +125,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: StartPo
     if gqa:
         k, v = repeat_kv(k, v, q.shape[1])
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, S)
-    mask = causal_mask(T, S, start_pos, q.device)
+    mask = causal_mask(T, S, start_pos, q.device) if mask is None else mask
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(dim=-1) @ v
@@ -128,7 +149,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, start_pos: StartPos, cache, impl: str, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: StartPos, cache, impl: str, rope,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         # view(..., -1, hd): the local head count, so a tensor-parallel shard works unchanged.
@@ -139,7 +161,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, KV, S, hd)
-        y = attend(q, k, v, start_pos, impl)
+        y = attend(q, k, v, start_pos, impl, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -172,8 +194,10 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = make_norm(cfg), make_norm(cfg)
         self.attn, self.mlp = Attention(cfg, layer_idx), MLP(cfg)
 
-    def forward(self, x: torch.Tensor, start_pos: StartPos, cache, impl: str, rope) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), start_pos, cache, impl, rope)
+    def forward(self, x: torch.Tensor, start_pos: StartPos, cache, impl: str, rope,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # mask by keyword: tensor parallel's PrepareModuleInput lays out the positional inputs
+        x = x + self.attn(self.attn_norm(x), start_pos, cache, impl, rope, mask=mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -196,23 +220,31 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor, *, start_pos: StartPos = 0, cache=None,
-                last_only: bool | torch.Tensor = False, targets: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                last_only: bool | torch.Tensor = False, targets: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`start_pos`: the position of tokens[:, 0], one for the batch or one per row (a (B,)
         tensor: rows of different lengths in one batch, as continuous batching runs them).
         `last_only`: logits at the last position only, or at one index per row ((B,): each
-        right-padded row's last real token)."""
+        right-padded row's last real token). `document_ids` (B, T): a packed batch's document
+        of each token (`labkit.blocks.packing`); each token then attends only within its
+        document (`document_mask`), at its position inside it (`document_positions`)."""
         x = self.embed(tokens)  # (B, T, d)
-        steps = torch.arange(tokens.shape[1], device=tokens.device)
-        per_row = isinstance(start_pos, torch.Tensor)
-        positions = start_pos[:, None] + steps if per_row else start_pos + steps  # (B, T) or (T,)
+        mask = None
+        if document_ids is not None:
+            if cache is not None or not isinstance(start_pos, int) or start_pos != 0:
+                raise ValueError("document_ids: a whole packed batch from position 0, no cache")
+            positions, mask = document_positions(document_ids), document_mask(document_ids)
+        else:
+            steps = torch.arange(tokens.shape[1], device=tokens.device)
+            per_row = isinstance(start_pos, torch.Tensor)
+            positions = start_pos[:, None] + steps if per_row else start_pos + steps  # (B, T) or (T,)
         rope = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         else:  # RoPE tables once per forward, shared by every layer
             rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_llama3)
         for layer in self.layers:
-            x = layer(x, start_pos, cache, self.attention, rope)
+            x = layer(x, start_pos, cache, self.attention, rope, mask=mask)
         if isinstance(last_only, torch.Tensor):
             x = x[torch.arange(x.shape[0], device=x.device), last_only][:, None]
         elif last_only:

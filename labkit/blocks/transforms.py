@@ -224,11 +224,11 @@ def apply_checkpointing(target: Trainer | Decoder, mode: str, *, every: int = 2,
 
 
 def _checkpointed(forward, context_fn):
-    kwargs = {"context_fn": context_fn} if context_fn else {}
+    options = {"context_fn": context_fn} if context_fn else {}
 
     @functools.wraps(forward)
-    def run(*args):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    def run(*args, **kwargs):  # keywords (a packed batch's mask) go through to the block
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return run
 

@@ -137,6 +137,10 @@ FAMILIES: dict[str, Family] = {
         # full fine-tuning beside LoRA and QLoRA; fp32 on the CPU (bf16 is emulated on AVX2 CPUs)
         Run("finetune", ("lora", "qlora"), {"cpu": {"num_layers": 2, "seq_len": 32, "batch_size": 2,
                                                    "compute": "fp32", **QUICK}, "cuda": {}}, fixed_s=8),
+        # packed rows with and without the document mask beside padded ones; 12 step calls a
+        # variant: check, memory, FLOP count, three timed and the speed-up's paired steps
+        Run("packing", ("packed_naive", "packed"), {"cpu": {"num_layers": 2, "batch_size": 6, "seq_len": 64,
+                                                            **QUICK}, "cuda": {}}, fixed_s=3, calls=12),
     ), cuda_s=130),  # 122 s on an H200 (2026-12-04)
     "tooling": Family((
         Run("profiling", ("profiler",), {"cpu": {"memory_timeline": False, **QUICK}}, fixed_s=5, calls=6),
@@ -411,6 +415,11 @@ _EVERY_DEVICE = [
           checked_ok("sla", "continuous"), ">=", 1.0),
     Check("training_memory", "finetune", f"LoRA: {PLANNER} (within 10%)",
           against_prediction("finetune", "lora", "peak_mem_bytes"), "within", 0.10),
+    Check("training_memory", "packing", "packed with a document mask: each document's loss and the "
+          "gradients as padded's", checked_ok("packing", "packed"), ">=", 1.0),
+    Check("training_memory", "packing", "packed without the mask fails that check, as it must "
+          "(documents_isolated = 0)", of("packing", "packed_naive", "documents_isolated"), "<=", 0.0,
+          needs=("packed_naive",)),
 ]
 
 CHECKS: dict[str, list[Check]] = {

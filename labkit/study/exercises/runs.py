@@ -65,6 +65,9 @@ RUNS = {
     # the same answers (AdamW's 8 bytes per trainable parameter, fp32 NF4 factors)
     "finetune": Run("finetune", {**FAST, "batch_size": 1, "seq_len": 32, "num_layers": 2,
                                  "compute": "fp32"}, ("lora", "qlora", "lora_int8")),
+    # 6 seeded documents packed into rows of 64 tokens, 2 tiny layers: seconds on any CPU
+    "packing": Run("packing", {**FAST, "num_layers": 2, "batch_size": 6, "seq_len": 64},
+                   ("padded", "packed_naive", "packed")),
     # 8 requests of at most 16 tokens on 4 rows, two bisection steps: seconds on any CPU
     "sla": Run("sla", {"num_layers": 2, "num_requests": 8, "max_output_len": 16,
                        "batch_size": 4, "search_steps": 2}, ("continuous",)),
