@@ -246,7 +246,7 @@ from labkit.views.memory import timeline_figure
 
 one = resolve(recipe.Config, preset, {**sizes, "device": device, "nproc": 1}, experiment="recipe")
 timeline = compare_timelines(one, [Recipe(), Recipe(checkpointing="full"),
-                                   Recipe(loss="chunked", loss_chunk=64)])
+                                   Recipe(loss="chunked", loss_chunk=64), Recipe(optimizer="adamw8bit")])
 timeline_figure(timeline).show()
 peaks = timeline.groupby("recipe", sort=False).agg(measured_peak_bytes=("total_bytes", "max"),
                                                     predicted_peak_bytes=("predicted_peak_bytes", "first"))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch.distributed as dist
 
 from labkit import planner
-from labkit.blocks import hf, losses, transforms
+from labkit.blocks import hf, losses, optimizers, transforms
 from labkit.blocks.layout import HOST_OPTIMIZER, SHARDED, ZERO_MODES, Layout, data_mode
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
@@ -25,7 +25,7 @@ from labkit.config import ConfigError, RunConfig, check_choice
 OFFLOADS = ("none", "activations", "optimizer", "both")
 # The recipe's knobs in the order compose applies them (its steps 1 to 8): the ladder's order too
 ORDER = ("precision", "finetune", "loss", "tensor_parallel", "checkpointing", "compile",
-         "zero_stage", "micro_batches", "offload")
+         "zero_stage", "micro_batches", "offload", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,7 @@ class Recipe:
     lora_targets: str = "q,v"            # the linears adapted (planner.parse_lora_targets)
     loss: str = "plain"                  # losses.LOSSES: chunked fuses the head and the loss
     loss_chunk: int = 1024               # chunked: tokens of logits at a time
+    optimizer: str = "adamw"             # optimizers.OPTIMIZERS: AdamW's moments in 32, 8 or 4 bits
 
     def techniques(self) -> list[str]:
         """The fields that differ from the plain step, as `name=value`."""
@@ -74,7 +75,8 @@ def _unknown(recipe: Recipe) -> str | None:
                                ("zero_stage", recipe.zero_stage, range(len(ZERO_MODES))),
                                ("offload", recipe.offload, OFFLOADS),
                                ("finetune", recipe.finetune, transforms.FINETUNE),
-                               ("loss", recipe.loss, losses.LOSSES)):
+                               ("loss", recipe.loss, losses.LOSSES),
+                               ("optimizer", recipe.optimizer, optimizers.OPTIMIZERS)):
         try:
             check_choice(name, value, valid)
         except ConfigError as e:
@@ -114,6 +116,12 @@ def _layout(recipe: Recipe, world: int, launched: bool) -> str | None:
 def _optimizer_clash(recipe: Recipe, mode: str) -> str | None:
     """Two transforms that each choose the optimizer, or a GradScaler the optimizer cannot serve."""
     host_optimizer = recipe.offload in HOST_OPTIMIZER
+    if recipe.optimizer != "adamw":
+        other = ("zero_stage=1's ZeroRedundancyOptimizer (torch's AdamW on each rank's shard)" if mode == "zero1"
+                 else "bf16_weights's AdamW on fp32 master copies" if recipe.precision == "bf16_weights"
+                 else "offload=optimizer's host AdamW" if host_optimizer else None)
+        if other:
+            return f"optimizer={recipe.optimizer} and {other} each build the optimizer: choose one"
     if host_optimizer and mode == "zero1":
         return ("offload=optimizer keeps whole host copies; ZeroRedundancyOptimizer (zero_stage=1) "
                 "shards those states itself: choose one")
@@ -237,6 +245,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     transforms.apply_offload(trainer, activations=recipe.offload in ("activations", "both"),
                              optimizer=layout.host_optimizer and not layout.fsdp_enabled)
     # 9. the optimizer last, over the final parameters: their dtype, device and shard.
+    transforms.apply_optimizer(trainer, recipe.optimizer)
     trainer.build_optimizer()
     return trainer
 
@@ -267,6 +276,9 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     micro-batch), or (None, why not) where the planner has no case for the recipe."""
     if recipe.offload != "none" or recipe.compile:
         return None, "the planner does not model offload or compile"
+    if recipe.optimizer != "adamw" and recipe.zero_stage and Layout.of(recipe, world, cfg.device).dp_enabled:
+        return None, (f"the planner's {recipe.optimizer} states are whole tensors'; under ZeRO each "
+                      "rank quantizes its shard (not modelled)")
     if recipe.finetune != "none" and recipe.loss == "chunked":
         return None, "the planner's fine-tuning steps have no case for loss=chunked yet"
     if recipe.finetune != "none" and recipe.precision != "fp32":
@@ -284,7 +296,7 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     # the planner's precisions are the recipe's (bf16 on FSDP2's sharded stages is its policy)
     micro = micro_batch_size(cfg.batch_size, recipe.micro_batches)
     return dict(batch_size=micro, seq_len=cfg.seq_len, precision=recipe.precision,
-                optimizer="adamw", zero_stage=stage, gpus=layout.world, tp=layout.tp,
+                optimizer=recipe.optimizer, zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
                 accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=True,
                 loss_chunk=recipe.loss_chunk if recipe.loss == "chunked" else 0), ""
@@ -311,4 +323,4 @@ def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.Me
         cfg.model, method=recipe.finetune, lora_rank=recipe.lora_rank,
         lora_targets=recipe.lora_targets, batch_size=kwargs["batch_size"], seq_len=cfg.seq_len,
         checkpointing=kwargs["checkpointing"], device=cfg.device, zero_stage=kwargs["zero_stage"],
-        gpus=kwargs["gpus"])
+        gpus=kwargs["gpus"], optimizer=recipe.optimizer)

@@ -14,6 +14,7 @@ experiments apply the same functions, so every technique has one implementation.
   rank's slice of the global batch.
 - `apply_accumulation`: one optimizer step over several micro-batches.
 - `apply_offload`: saved activations and/or the optimizer's states in host memory.
+- `apply_optimizer`: AdamW with 8- or 4-bit moments in place of fp32 ones.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from labkit import planner
-from labkit.blocks import losses
+from labkit.blocks import losses, optimizers
 from labkit.blocks.layout import SHARDED, Layout
 from labkit.blocks.model import Decoder
 from labkit.blocks.training import CopyAdamW, Trainer
@@ -121,6 +122,17 @@ def apply_loss(trainer: Trainer, mode: str, chunk: int) -> Trainer:
     if mode not in losses.LOSSES:
         raise ValueError(f"unknown loss {mode!r}; valid: {', '.join(losses.LOSSES)}")
     trainer.model.loss_chunk = chunk if mode == "chunked" else 0
+    return trainer
+
+
+def apply_optimizer(trainer: Trainer, name: str) -> Trainer:
+    """`adamw8bit`, `adamw4bit`: AdamW with block-quantized moments (`labkit.blocks.optimizers`),
+    its update compiled on a GPU and eager elsewhere; `adamw`: torch's."""
+    if name not in optimizers.OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(optimizers.OPTIMIZERS)}")
+    if name != "adamw":
+        trainer.optimizer_factory = functools.partial(
+            optimizers.low_bit_adamw, optimizer=name, compiled=trainer.cfg.device.startswith("cuda"))
     return trainer
 
 

@@ -56,6 +56,11 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def _opaque(t: torch.Tensor) -> bool:
+    """A wrapper subclass other than a DTensor (whose local shard `_storage` counts)."""
+    return type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t) and not hasattr(t, "placements")
+
+
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -130,10 +135,16 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        tensors = tensors_in((args, kwargs))
+        if any(_opaque(t) for t in tensors):
+            # A wrapper subclass (torchao's 8-bit optimizer states) runs its ops on its inner
+            # tensors; declining the op here lets them come back through this mode, so its
+            # temporaries and its new inner tensors are counted, not its placeholder's size.
+            return NotImplemented
         out = func(*args, **kwargs)
         # An output on an input's storage (a view, an in-place op) allocated nothing; without this,
         # a view of a tensor made before the mode (a parameter's .t()) would count as new.
-        inputs = {st._cdata for t in tensors_in((args, kwargs)) if (st := _storage(t)) is not None}
+        inputs = {st._cdata for t in tensors if (st := _storage(t)) is not None}
         for t in tensors_in(out):
             self._track(t, inputs)
         return out

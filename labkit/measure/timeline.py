@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from labkit.measure.memory import LiveTensorTracker, _storage
+from labkit.measure.memory import LiveTensorTracker, _storage, inner_tensors
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("forward", "backward", "optimizer")  # the marks a step is aligned at, in order
@@ -216,7 +216,8 @@ class TrackerRecorder(StepRecorder):
         with self.tracker:
             for category, tensors in (("parameters", parameters), ("optimizer_state", optimizer_state),
                                       ("activations", batch)):
-                tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+                # a wrapper subclass (8-bit optimizer states) by the tensors that hold its bytes
+                tensors = [t for t in inner_tensors(tensors) if isinstance(t, torch.Tensor)]
                 for t in tensors:
                     self.tracker._track(t)
                 self.events += self._claims(tensors, category)
@@ -247,7 +248,7 @@ class CudaRecorder(StepRecorder):
         self.resident: list[Event] = []
         for category, tensors in (("parameters", parameters), ("optimizer_state", optimizer_state),
                                   ("activations", batch)):
-            for t in tensors:
+            for t in inner_tensors(tensors):
                 st = _storage(t) if isinstance(t, torch.Tensor) else None
                 if st is not None and st.nbytes():
                     self.resident += [("alloc", st.data_ptr(), st.nbytes()),

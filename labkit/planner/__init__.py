@@ -8,7 +8,8 @@ QLoRA fine-tuning; the cheapest plan that fits; with the papers' own formulas be
 (`zero_model_state_bytes`, `korthikanti_activation_bytes`).
 
 Where each part lives (each module imports only those above it in this list):
-- `precision`: bytes per element for each precision recipe, K (`optimizer_bytes_per_param`);
+- `precision`: bytes per element for each precision recipe, K (`optimizer_bytes_per_param`),
+  AdamW's 8- and 4-bit states (`low_bit_state_bytes`);
 - `model`: parameter counts, FLOPs, the shapes one GPU holds under tp/pp (`stage_params`);
 - `plan`: a plan's checked inputs (`_Run`, `_resolve`) and its result (`MemoryPlan`);
 - `activations`: what the blocks keep for backward (`layer_activation_bytes`);
@@ -38,8 +39,9 @@ from labkit.planner.model import (LocalShape, StageParams, adamw_state_bytes, at
                                   generate_flops, layer_params, local_shape, num_params,
                                   param_bytes, stage_params, stage_tensors, train_step_flops)
 from labkit.planner.plan import CHECKPOINTING, OPTIMIZER_IMPLS, ZERO_STAGES, MemoryPlan
-from labkit.planner.precision import (DTYPE_OF, FSDP2_BF16, OPTIMIZERS, PRECISION_BYTES,
-                                      PRECISIONS, PrecisionBytes, optimizer_bytes_per_param,
+from labkit.planner.precision import (DTYPE_OF, FSDP2_BF16, LOW_BIT, OPTIMIZERS, PRECISION_BYTES,
+                                      PRECISIONS, PrecisionBytes, low_bit_state_bytes,
+                                      low_bit_update_bytes, optimizer_bytes_per_param,
                                       precision_bytes)
 from labkit.planner.quantized import (INT4_GROUP_SIZE, NF4_BLOCK_SIZE, NF4_SCALER_BLOCKS, nf4_bytes,
                                       nf4_dequant_bytes, nf4_scaler_block, weight_only_bytes,
@@ -57,7 +59,7 @@ from labkit.planner.sharding import _zero_buffers  # noqa: F401
 
 __all__ = ["BASE_FORMAT", "CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_CHECKPOINTING",
            "FINETUNE_METHODS", "FSDP2_BF16", "GIB", "INT4_GROUP_SIZE", "LORA_MODULES",
-           "LORA_TARGET_ALIASES", "LORA_TARGET_NAMES", "LocalShape", "MemoryPlan", "NF4_BLOCK_SIZE", "NF4_SCALER_BLOCKS",
+           "LORA_TARGET_ALIASES", "LORA_TARGET_NAMES", "LOW_BIT", "LocalShape", "MemoryPlan", "NF4_BLOCK_SIZE", "NF4_SCALER_BLOCKS",
            "OPTIMIZERS", "OPTIMIZER_IMPLS", "PRECISIONS", "PRECISION_BYTES", "PRESETS",
            "PrecisionBytes", "RECOMMENDED_PRECISIONS", "Recommendation", "SEARCH", "StageParams",
            "ZERO_STAGES", "adamw_state_bytes", "attention_flops", "block_linear_params",
@@ -65,7 +67,8 @@ __all__ = ["BASE_FORMAT", "CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_
            "finetune_memory", "forward_flops", "fsdp2_all_gather_bytes", "generate_flops",
            "inference_memory", "korthikanti_activation_bytes", "kv_bytes_per_token",
            "kv_cache_bytes", "layer_activation_bytes", "layer_params", "linear_shapes",
-           "linear_weight_bytes", "local_shape", "lora_module_names", "nf4_bytes",
+           "linear_weight_bytes", "local_shape", "lora_module_names", "low_bit_state_bytes",
+           "low_bit_update_bytes", "nf4_bytes",
            "nf4_dequant_bytes", "nf4_scaler_block", "num_params", "optimizer_bytes_per_param",
            "param_bytes", "parse_lora_targets", "plan_report", "precision_bytes", "recommend",
            "root_unit_params", "stage_params", "stage_tensors", "train_step_flops",

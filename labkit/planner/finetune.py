@@ -31,7 +31,7 @@ from labkit.planner.activations import _attention_bytes, _embedding_side_bytes
 from labkit.planner.model import block_linear_params, local_shape
 from labkit.planner.model import num_params as _count_params
 from labkit.planner.plan import MemoryPlan, _positive, _resolve, _Run
-from labkit.planner.precision import DTYPE_OF
+from labkit.planner.precision import DTYPE_OF, LOW_BIT, low_bit_state_bytes, low_bit_update_bytes
 from labkit.planner.quantized import (_dtype_name, nf4_bytes, nf4_dequant_bytes,
                                       weight_only_bytes, weight_only_dequant_bytes)
 from labkit.planner.sharding import _fsdp2_units
@@ -126,7 +126,7 @@ def finetune_compute_dtype(device: str | None = None) -> str:
 def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_targets=("q", "v"),
                     batch_size: int, seq_len: int, compute_dtype: str = "fp32",
                     checkpointing: str = "none", device: str | None = None, zero_stage: int = 0,
-                    gpus: int = 1) -> MemoryPlan:
+                    gpus: int = 1, optimizer: str = "adamw") -> MemoryPlan:
     """One fine-tuning step's memory on one of `gpus` data-parallel ranks (ZeRO `zero_stage`,
     2 and 3 as FSDP2 builds them: `_lora_sharded`). full: `training_memory` with every weight in
     the compute dtype (fp32, or pure bf16: weights, gradients and AdamW moments in 16 bits).
@@ -136,21 +136,23 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
     parameter in fp32, and a step counter per adapter tensor) for the adapters alone; the
     activations a frozen model still keeps (`_lora_layer_bytes`); a quantized base's
     dequantization buffer (`nf4_dequant_bytes` or `weight_only_dequant_bytes`, of the largest
-    linear) at the backward's peak. checkpointing: none or full (each block keeps its input)."""
+    linear) at the backward's peak. checkpointing: none or full (each block keeps its input).
+    `optimizer` adamw8bit / adamw4bit: the moments of each tensor large enough in low bits
+    (`low_bit_state_bytes`), and their update's temporaries (`low_bit_update_bytes`)."""
     check_choice("finetune method", method, FINETUNE_METHODS)
     precision = {"float32": "fp32", "bfloat16": "bf16_pure",
                  "float16": "fp16_pure"}[_dtype_name(compute_dtype)]  # one dtype throughout
     if method == "full":
         plan = training_memory(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                checkpointing=checkpointing, device=device, zero_stage=zero_stage,
-                               gpus=gpus, fsdp2=True)
+                               gpus=gpus, fsdp2=True, optimizer=optimizer)
         return dataclasses.replace(plan, trainable_params=plan.num_params,
                                    linear_weight_bytes=linear_weight_bytes(
                                        m, "full", compute_dtype=DTYPE_OF[precision]))
     check_choice("checkpointing (fine-tuning)", checkpointing, FINETUNE_CHECKPOINTING)
     r = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                  checkpointing=checkpointing, device=device, zero_stage=zero_stage, gpus=gpus,
-                 fsdp2=True)
+                 fsdp2=True, optimizer=optimizer)
     targets = parse_lora_targets(lora_targets)
     trainable = trainable_params(m, method, lora_rank=lora_rank, lora_targets=targets)
     return _lora_plan(r, method, targets, lora_rank, trainable)
@@ -227,8 +229,11 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
     linears = linear_weight_bytes(m, method, compute_dtype=DTYPE_OF[r.precision])
     elems = m.num_layers * block_linear_params(m, biases=False)
     param = (r.num_params - elems) * w + linears + w * trainable
-    # AdamW's m and v in the adapters' dtype, and its fp32 step counter per tensor (A and B)
-    grad, opt = w * trainable, 2 * w * trainable + 4 * 2 * len(targets) * m.num_layers
+    # AdamW's m and v in the adapters' dtype (or in low bits), its fp32 step counter per tensor
+    adapters = [n for t in targets for o, i in [linear_shapes(m)[t]] for n in (rank * i, o * rank)] * m.num_layers
+    low_bit = r.optimizer in LOW_BIT
+    grad = w * trainable
+    opt = (low_bit_state_bytes(adapters, r.optimizer) if low_bit else 2 * w * trainable) + 4 * len(adapters)
     act, per_layer = _lora_activations(r, targets, rank)
     dequant = max((_dequant_bytes(method, o, i, DTYPE_OF[r.precision])
                    for o, i in linear_shapes(m).values()), default=0)
@@ -240,7 +245,8 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
     backward = max(moments)
     # torch's AdamW on the CPU loops (two temporaries of the largest adapter), on CUDA copies v
     largest = rank * max(o + i for o, i in linear_shapes(m).values())
-    step = w * (2 * largest if r.impl == "single" else trainable)
+    step = low_bit_update_bytes(adapters, r.optimizer, r.impl) if low_bit else \
+        w * (2 * largest if r.impl == "single" else trainable)
     phases = {"backward": param + opt + act + grad + backward, "step": param + opt + grad + step}
     peak = max(phases, key=phases.get)
     held = {"backward": ("param", "grad", "optimizer", "activation", "overhead"),
@@ -336,8 +342,11 @@ def _lora_formulas(r: _Run, method: str, targets: tuple[str, ...], rank: int, de
     return {"param": f"{base} in {r.precision} + {r.precision} adapters r·(in + out) per target, "
                      f"r = {rank}, targets {','.join(targets)}",
             "grad": f"{w}·Ψ_trainable (the adapters only, in {r.precision}; the base is frozen)",
-            "optimizer": f"{2 * w}·Ψ_trainable + 4 per adapter tensor (AdamW m + v in {r.precision} "
-                         "and its fp32 step, adapters only)",
+            "optimizer": (f"{r.optimizer}'s m + v of the adapters (low_bit_state_bytes: in "
+                          f"{LOW_BIT[r.optimizer].bits} bits where a tensor has >= 4096 elements) "
+                          "+ 4 per adapter tensor (its step)") if r.optimizer in LOW_BIT else
+                         (f"{2 * w}·Ψ_trainable + 4 per adapter tensor (AdamW m + v in {r.precision} "
+                          "and its fp32 step, adapters only)"),
             "activation": "frozen layers still keep norms, attention's q/k/v/output and the MLP's "
                           "activation inputs; + each adapter's input and A x (r wide)",
             "overhead": "backward: max(loss 8·b·s·V, a block's gradients"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from labkit.planner.activations import _checkpointed_on_stage
 from labkit.planner.model import StageParams
 from labkit.planner.plan import MemoryPlan, _Run
-from labkit.planner.precision import optimizer_bytes_per_param
+from labkit.planner.precision import (EAGER_FP32_BYTES, EAGER_QUANTIZED_BYTES, LOW_BIT, QUANTIZED_MIN,
+                                      optimizer_bytes_per_param)
 
 
 _LAYER_FORMULAS = {  # per token; a = activation bytes, d/q/kv/f/h = local widths
@@ -20,10 +21,9 @@ _LAYER_FORMULAS = {  # per token; a = activation bytes, d/q/kv/f/h = local width
 def _formulas(r: _Run, sp: StageParams, plan: MemoryPlan, first: bool) -> dict[str, str]:
     """How each term was computed, for the human table."""
     nd = f"/Nd (Nd = {r.dp})"
-    k = optimizer_bytes_per_param(r.precision, r.optimizer)
     out = {"param": f"{r.prec.weight}·Ψ{nd if r.zero_stage >= 3 else ''}, Ψ = {sp.total:,} here",
            "grad": f"{r.prec.grad}·Ψ{nd if r.zero_stage >= 2 else ''}",
-           "optimizer": f"K·Ψ{nd if r.zero_stage >= 1 else ''}, K = {k} ({_k_words(r)})",
+           "optimizer": _optimizer_words(r, nd),
            "overhead": _overhead_words(r, plan)}
     if r.m is None:
         out["activation"] = "no model shape given (only --params): not predicted"
@@ -39,6 +39,15 @@ def _formulas(r: _Run, sp: StageParams, plan: MemoryPlan, first: bool) -> dict[s
     out["activation"] = (f"{flight}({layers}) ({widths}) + embedding/head/loss; Korthikanti et "
                          "al.'s analysis redone for this block")
     return out
+
+
+def _optimizer_words(r: _Run, nd: str) -> str:
+    if r.optimizer in LOW_BIT:
+        q = LOW_BIT[r.optimizer]
+        return (f"m + v of each tensor of ≥ {QUANTIZED_MIN} elements in {q.bits}-bit codes, an fp32 "
+                f"scale per {q.block} and a {q.map_size}-value map each; fp32 for the smaller ones")
+    k = optimizer_bytes_per_param(r.precision, r.optimizer)
+    return f"K·Ψ{nd if r.zero_stage >= 1 else ''}, K = {k} ({_k_words(r)})"
 
 
 def _k_words(r: _Run) -> str:
@@ -66,5 +75,8 @@ def _overhead_words(r: _Run, plan: MemoryPlan) -> str:
                 "FSDP2 also the gathered root unit and its tp-local gradients)")
     upcast = "fp32 copy of the gradients (4·Ψ_opt) + " if r.prec.master else ""
     adam = {"single": "2 temporaries per parameter, the largest pair (for-loop Adam)",
-            "foreach": "one copy of v (multi-tensor Adam)", "fused": "none (fused Adam)"}[r.impl]
+            "foreach": "one copy of v (multi-tensor Adam)", "fused": "none (fused Adam)",
+            "eager": (f"the largest tensor's eager update ({EAGER_QUANTIZED_BYTES} B per element "
+                      f"with low-bit moments, {EAGER_FP32_BYTES} with fp32 ones: low_bit_update_bytes)"),
+            "compiled": "none (the compiled update: one fused kernel per tensor)"}[r.impl]
     return f"optimizer step: {upcast}{'nothing (SGD)' if r.optimizer == 'sgd' else adam}"

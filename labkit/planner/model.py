@@ -126,6 +126,7 @@ class StageParams:
     largest_pair: int  # max over consecutive parameters of previous + 2 x current (see _step_temporaries)
     largest_unit: int  # the biggest module ZeRO-3 gathers at once (a layer, the embedding, the head)
     num_layers: int
+    sizes: tuple[int, ...] = ()  # each parameter's elements (`stage_tensors`; () without a shape)
 
 
 def block_tensors(m: ModelConfig, s: LocalShape) -> list[int]:
@@ -172,4 +173,5 @@ def stage_params(m: ModelConfig, *, tp: int = 1, pp: int = 1, first: bool = True
     pairs = [prev + 2 * cur for prev, cur in zip([0] + sizes, sizes)]
     return StageParams(total=sum(sizes), largest_tensor=max(sizes), largest_pair=max(pairs),
                        num_layers=layers, largest_unit=max(layer_params(m, s)[0],
-                                                           embed if first else 0, head if last else 0))
+                                                           embed if first else 0, head if last else 0),
+                       sizes=tuple(sizes))

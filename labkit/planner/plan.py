@@ -9,7 +9,8 @@ from labkit import hardware
 from labkit.config import ConfigError, ModelConfig, check_choice
 from labkit.planner.model import LocalShape, check_tp, local_shape
 from labkit.planner.model import num_params as _count_params  # `num_params` is also a keyword here
-from labkit.planner.precision import OPTIMIZERS, PRECISIONS, PrecisionBytes, precision_bytes
+from labkit.planner.precision import (LOW_BIT, LOW_BIT_IMPLS, OPTIMIZERS, PRECISIONS, PrecisionBytes,
+                                      precision_bytes)
 
 CHECKPOINTING = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -113,9 +114,9 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
     psi = _check_model(m, num_params, seq_len=seq_len, tp=tp, pp=pp)
     _check_checkpointed(m, checkpointing, checkpointed_layers)
     device = device or hardware.default_device()
-    impl = optimizer_impl or ("single" if device.startswith("cpu") else "foreach")
-    check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
     dp = gpus // (tp * pp)
+    impl = _optimizer_impl(optimizer, optimizer_impl, device, m=m, precision=precision,
+                           sharded=zero_stage >= 1 and dp > 1)
     p = precision_bytes(precision, fsdp2_sharded=fsdp2_sharded(fsdp2, zero_stage, dp))
     return _Run(m=m, num_params=psi, batch_size=batch_size, seq_len=seq_len, precision=precision,
                 prec=p, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
@@ -123,6 +124,22 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
                 checkpointed_layers=checkpointed_layers, accumulation_steps=accumulation_steps,
                 impl=impl, fsdp2=fsdp2, stat=p.residual if device.startswith("cpu") else 4,
                 shape=local_shape(m, tp) if m is not None else None, loss_chunk=loss_chunk)
+
+
+def _optimizer_impl(optimizer: str, impl: str | None, device: str, *, m: ModelConfig | None,
+                    precision: str, sharded: bool) -> str:
+    """How the optimizer updates: torch's default for the device (a for-loop on the CPU,
+    multi-tensor on CUDA) unless given; a low-bit AdamW eagerly on the CPU, compiled on CUDA
+    (`labkit.blocks.optimizers`), on whole tensors of a known shape, without master copies."""
+    if optimizer not in LOW_BIT:
+        return check_choice("optimizer_impl", impl or ("single" if device.startswith("cpu") else "foreach"),
+                            OPTIMIZER_IMPLS)
+    if m is None or sharded or precision_bytes(precision).master:
+        raise ConfigError(f"optimizer={optimizer} is planned from each whole tensor's size: it needs "
+                          "the model's shape, zero_stage 0 (or one replica) and no master copies "
+                          f"(precision={precision})")
+    return check_choice("optimizer_impl", impl or ("eager" if device.startswith("cpu") else "compiled"),
+                        LOW_BIT_IMPLS)
 
 
 def _check_model(m: ModelConfig | None, num_params: int | None, *, seq_len: int, tp: int,

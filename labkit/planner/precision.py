@@ -1,15 +1,32 @@
 """Bytes per element of what a training step keeps, for each precision recipe, and K, the
-optimizer's bytes per parameter in ZeRO's notation (`optimizer_bytes_per_param`)."""
+optimizer's bytes per parameter in ZeRO's notation (`optimizer_bytes_per_param`); for AdamW with
+8- or 4-bit moments, its states and its update's temporaries per tensor (`low_bit_state_bytes`,
+`low_bit_update_bytes`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.config import check_choice
+from labkit.config import ConfigError, check_choice
 
 # One vocabulary with the recipe (`labkit run recipe --set precision=...`), the mixed-precision
 # experiment, the ladder and the panel: what runs is named as it is planned.
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16_weights", "bf16_pure", "fp16_pure")
-OPTIMIZERS = ("adam", "adamw", "sgd")
+OPTIMIZERS = ("adam", "adamw", "sgd", "adamw8bit", "adamw4bit")
+
+
+@dataclass(frozen=True)
+class LowBit:
+    """How torchao stores one AdamW moment of a quantized parameter (`labkit.blocks.optimizers`)."""
+
+    bits: int  # per element of the codes (4: two to a byte)
+    block: int  # elements per fp32 absmax scale
+    map_size: int  # fp32 values of the quantization map, one map per moment
+
+
+LOW_BIT = {"adamw8bit": LowBit(bits=8, block=256, map_size=256),
+           "adamw4bit": LowBit(bits=4, block=128, map_size=16)}
+QUANTIZED_MIN = 4096  # elements: a smaller parameter keeps fp32 moments (bitsandbytes' rule too)
+LOW_BIT_IMPLS = ("eager", "compiled")
 
 
 @dataclass(frozen=True)
@@ -80,5 +97,47 @@ def optimizer_bytes_per_param(precision: str, optimizer: str) -> int:
     (m, v); SGD with momentum keeps one buffer; bf16_weights adds the fp32 master copy.
     (K = 12 for mixed-precision Adam, as in the ZeRO paper.)"""
     p = PRECISION_BYTES[check_choice("precision", precision, PRECISIONS)]
-    moments = 1 if check_choice("optimizer", optimizer, OPTIMIZERS) == "sgd" else 2
+    if check_choice("optimizer", optimizer, OPTIMIZERS) in LOW_BIT:
+        raise ConfigError(f"{optimizer}'s bytes per parameter depend on each tensor's size "
+                          "(low_bit_state_bytes); K is for adam, adamw and sgd")
+    moments = 1 if optimizer == "sgd" else 2
     return p.master + moments * p.moment
+
+
+def quantized(numel: int, optimizer: str) -> bool:
+    """Whether torchao keeps this parameter's moments in low bits: at least QUANTIZED_MIN
+    elements, a whole number of blocks."""
+    return numel >= QUANTIZED_MIN and numel % LOW_BIT[optimizer].block == 0
+
+
+def low_bit_state_bytes(sizes: list[int], optimizer: str) -> int:
+    """AdamW's two moments for parameters of `sizes` elements under `optimizer` (LOW_BIT): a
+    quantized one n·bits/8 bytes of codes, 4 per block of scale and its map each; the others
+    fp32, 4 bytes each. (The per-tensor step counters, 4 bytes each, are not counted, as for
+    torch's AdamW.)"""
+    q = LOW_BIT[check_choice("optimizer", optimizer, tuple(LOW_BIT))]
+    return sum(2 * (n * q.bits // 8 + 4 * (n // q.block) + 4 * q.map_size) if quantized(n, optimizer)
+               else 2 * 4 * n for n in sizes)
+
+
+# torchao's eager update of one parameter at its busiest, bytes per element: the decayed fp32
+# weights and both fp32 moments (12) while a moment is quantized again, whose branchless binary
+# search holds 41 more: the scaled fp32 input (4), int64 codes and their rounded-up neighbours
+# (8 + 8), the two map values around each element (4 + 4), the residual, the gap and its half
+# (4 + 4 + 4) and a bool mask (1). A parameter with fp32 moments: 24, six fp32 tensors at the
+# update's end. Both plus the two 0-dim bias corrections (8 bytes). Counted op by op in
+# torchao 0.18's `single_param_adam` and `quantize_8bit_with_qmap`; the tests hold it to the
+# live-tensor tracker.
+EAGER_QUANTIZED_BYTES, EAGER_FP32_BYTES, BIAS_CORRECTIONS = 53, 24, 8
+
+
+def low_bit_update_bytes(sizes: list[int], optimizer: str, impl: str) -> int:
+    """The temporaries of `optimizer`'s step: torchao updates one parameter at a time, so the
+    largest of one parameter's; eager (a CPU's) per EAGER_QUANTIZED_BYTES / EAGER_FP32_BYTES,
+    plus its new block scales; compiled (one fused kernel per parameter): none."""
+    q = LOW_BIT[check_choice("optimizer", optimizer, tuple(LOW_BIT))]
+    if check_choice("optimizer_impl", impl, LOW_BIT_IMPLS) == "compiled":
+        return 0
+    return BIAS_CORRECTIONS + max(
+        EAGER_QUANTIZED_BYTES * n + 4 * (n // q.block) if quantized(n, optimizer) else EAGER_FP32_BYTES * n
+        for n in sizes)

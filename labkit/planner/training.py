@@ -19,6 +19,7 @@ from labkit.planner.activations import (_checkpointed_on_stage, _head_bytes, _la
 from labkit.planner.formulas import _formulas
 from labkit.planner.model import LocalShape, StageParams, layer_params, stage_params
 from labkit.planner.plan import MemoryPlan, _resolve, _Run
+from labkit.planner.precision import LOW_BIT, low_bit_state_bytes, low_bit_update_bytes
 from labkit.planner.sharding import (_fsdp2_forward_gathers, _fsdp2_root_reduce, _zero_buffers,
                                      root_unit_params, zero_model_state_bytes)
 
@@ -72,8 +73,11 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
 
 
 def _stage_plan(r: _Run, sp: StageParams, stage: str, *, first: bool, last: bool) -> MemoryPlan:
-    param, grad, opt = zero_model_state_bytes(sp.total, stage=r.zero_stage, dp=r.dp,
-                                              precision=r.precision, optimizer=r.optimizer)
+    low_bit = r.optimizer in LOW_BIT
+    param, grad, opt = zero_model_state_bytes(sp.total, stage=r.zero_stage, dp=r.dp, precision=r.precision,
+                                              optimizer="adamw" if low_bit else r.optimizer)
+    if low_bit:
+        opt = low_bit_state_bytes(list(sp.sizes), r.optimizer)
     # FSDP2's ZeRO-2 (reshard_after_forward=False): at rest only the shards; from each unit's
     # forward to its backward the whole parameters beside them (the paper's stage 2 keeps them
     # whole always: `param`, then, is what the step holds between the passes, less the shards).
@@ -272,6 +276,8 @@ def _step_temporaries(r: _Run, sp: StageParams) -> int:
     torch's for-loop makes two temporaries per parameter while the previous parameter's
     denominator is still bound (so previous + 2 x current, at the largest pair), the multi-tensor
     version one copy of every v, the fused kernel none. SGD's momentum updates in place."""
+    if r.optimizer in LOW_BIT:
+        return low_bit_update_bytes(list(sp.sizes), r.optimizer, r.impl)
     shard = (lambda n: -(-n // r.dp)) if r.zero_stage >= 1 else (lambda n: n)
     upcast = 4 * shard(sp.total) if r.prec.master else 0
     if r.optimizer == "sgd":

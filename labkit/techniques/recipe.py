@@ -15,6 +15,8 @@ The knobs each turn one technique on (every default is off), and `composed` is
   tensor parallelism: zero_stage 2 or 3);
 - `offload`: the activations or the optimizer's states in host memory (GPUs only);
 - `compile`: each block through torch.compile; `attention`: sdpa or naive;
+- `optimizer`: adamw8bit or adamw4bit, AdamW with its two moments block-quantized (torchao;
+  `labkit.blocks.optimizers`), checked against plain's fp32 AdamW within `optimizers.TOLERANCE`;
 - `finetune`: the model converters, applied before any parallelism: `lora` freezes the base and
   trains rank-`lora_rank` adapters on `lora_targets` (PEFT); `qlora` also stores the base's block
   linears in NF4 (torchao), `lora_int8` and `lora_int4` in weight-only int8 or int4
@@ -47,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import hardware, planner
-from labkit.blocks import hf, lora
+from labkit.blocks import hf, lora, optimizers
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
@@ -105,6 +107,8 @@ class Config(DistConfig):
     loss: str = knob("plain", choices=LOSSES, help="chunked: the head's matmul and the loss "
                      "fused, loss_chunk tokens of logits at a time (the logits never whole)")
     loss_chunk: int = knob(1024, min=1, help="loss=chunked: tokens of logits at a time")
+    optimizer: str = knob("adamw", choices=optimizers.OPTIMIZERS, help="adamw8bit, adamw4bit: "
+                          "AdamW's two moments block-quantized to 8 or 4 bits (torchao)")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
@@ -153,6 +157,9 @@ def skip_reason(cfg: Config) -> str | None:
         return f"finetune={cfg.finetune} needs {name}, which is not installed: pip install labkit[finetune]"
     if cfg.variant == REFERENCE:
         return None
+    name = optimizers.missing_library(cfg.optimizer)
+    if name:
+        return f"optimizer={cfg.optimizer} needs {name}, which is not installed: pip install labkit[finetune]"
     if cfg.offload != "none" and not cfg.device.startswith("cuda"):
         return (f"offload={cfg.offload} moves bytes from device to host memory; on CPU ranks they "
                 "are the same memory, so there is nothing to save (runs on a GPU)")
@@ -295,7 +302,7 @@ def report(seen: Observed) -> dict[str, float]:
 
 
 def tolerance(cfg: Config) -> float:
-    return max(PRECISION_TOLERANCE[cfg.precision], FP32_TOLERANCE)
+    return max(PRECISION_TOLERANCE[cfg.precision], optimizers.TOLERANCE[cfg.optimizer], FP32_TOLERANCE)
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
@@ -428,6 +435,12 @@ def notes(cfg: Config) -> dict[str, str]:
         out["base_loss_delta"] = (f"the first batch's loss on the {planner.BASE_FORMAT[cfg.finetune]} "
                                   "base less its loss before quantizing (lossy: what the "
                                   "quantized base costs; both variants train on it)")
+    if cfg.optimizer != "adamw" and cfg.variant != REFERENCE:
+        where = "compiled" if cfg.device.startswith("cuda") else "eager (a CPU's: torchao's compile costs ~10 s)"
+        out["optimizer_bytes"] = (f"{cfg.optimizer}: each moment of a tensor of >= 4096 elements in "
+                                  f"{optimizers.BITS[cfg.optimizer]}-bit codes with block scales, "
+                                  f"smaller ones fp32; the update {where}, its temporaries in the "
+                                  "step phase (planner.low_bit_update_bytes).")
     if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:
         out["saved_weight_copy_bytes"] = ("autocast's cached 16-bit casts of the weights that "
                                           "the backward keeps (none in checkpointed blocks); "
