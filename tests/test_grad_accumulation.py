@@ -26,8 +26,8 @@ def by(rows, variant, metric, k):
 
 def test_micro_batches_are_the_large_batch_in_order():
     one, acc = ga.accumulation_step(config()), ga.accumulation_step(config("accumulate", batch_size=2))
-    assert [x.shape[0] for x, _, _ in one.micro_batches()] == [4]
-    assert [x.shape[0] for x, _, _ in acc.micro_batches()] == [2, 2, 2, 2]
+    assert [piece.inputs.shape[0] for piece in one.micro_batches()] == [4]
+    assert [(piece.inputs.shape[0], piece.weight) for piece in acc.micro_batches()] == [(2, 0.25)] * 4
     assert acc.inputs.shape == (8, 8)  # k*b sequences of T tokens
     big = ga.accumulation_step(config(batch_size=8, micro_batches=1))
     assert (acc.inputs == big.inputs).all()  # the same sequences as one batch of k*b

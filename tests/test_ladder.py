@@ -25,11 +25,13 @@ STEPS = {"micro_batches": 2, "checkpointing": "full", "precision": "bf16"}  # an
 
 
 def test_rungs_follow_the_composition_roots_order():
-    calls = {"precision": "apply_precision", "loss": "apply_loss", "checkpointing": "apply_checkpointing",
-             "compile": "apply_compile", "zero_stage": "apply_data_parallel",
-             "micro_batches": "apply_accumulation", "offload": "apply_offload"}
+    calls = {"packing": "packing.apply_packing", "precision": "transforms.apply_precision",
+             "loss": "transforms.apply_loss", "checkpointing": "transforms.apply_checkpointing",
+             "compile": "transforms.apply_compile", "zero_stage": "transforms.apply_data_parallel",
+             "micro_batches": "transforms.apply_accumulation", "offload": "transforms.apply_offload",
+             "optimizer": "transforms.apply_optimizer"}
     source = inspect.getsource(recipes.compose)
-    assert sorted(calls, key=lambda k: source.index(f"transforms.{calls[k]}(")) == list(ladder.ORDER)
+    assert sorted(calls, key=lambda k: source.index(f"{calls[k]}(")) == list(ladder.ORDER)
     every = {"precision": "bf16", "offload": "activations", "micro_batches": 2, "zero_stage": 1,
              "compile": True, "checkpointing": "selective", "loss": "chunked"}
     labels = [r.label for r in ladder.build_rungs(every, nproc=2)]

@@ -77,10 +77,9 @@ def test_the_document_mask_is_block_diagonal_causal():
 
 def per_document(model, layout, documents, seq_len, masked):
     batch = packing.make_batch(layout, documents, seq_len)
-    net = packing.DocumentMasked(model, batch.document_ids) if masked else model
-    losses = exp.document_losses(net, batch, "cpu")
+    losses = exp.document_losses(model, batch, "cpu", masked)
     model.zero_grad(set_to_none=True)
-    logits = net(batch.tokens)
+    logits = model(batch.tokens, document_ids=batch.document_ids if masked else None)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="sum").backward()
     grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
     return {"document_losses": losses, "grads": grads, "loss": float(losses.mean())}

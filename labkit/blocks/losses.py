@@ -10,13 +10,16 @@
   hidden states and the head's weight. At most chunk·V logits exist at once: the whole-batch
   b·s·V tensors are gone, for one more head matmul per chunk in the backward.
 Both compute the logits in the matmul's dtype (autocast's, where it is on) and the softmax in
-fp32, so they agree within fp32 rounding (tests/test_losses.py)."""
+fp32, so they agree within fp32 rounding (tests/test_losses.py). A target of IGNORE (-100, a pad's
+or a document's last token) adds nothing: the mean is over the others, as cross_entropy's
+`ignore_index`."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 LOSSES = ("plain", "chunked")
+IGNORE = -100  # cross_entropy's default ignore_index
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -32,9 +35,10 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """loss = mean over tokens of logsumexp(h W^T) - (h W^T)[target]; dL/dlogits = (softmax -
-    onehot) / N, so dL/dh = G W and dL/dW = G^T h, chunk by chunk. The backward runs under the
-    autocast state of the forward, so its logits are the forward's again."""
+    """loss = mean over the N tokens with a target of logsumexp(h W^T) - (h W^T)[target];
+    dL/dlogits = (softmax - onehot) / N on those tokens (0 on an IGNORE one), so dL/dh = G W and
+    dL/dW = G^T h, chunk by chunk. The backward runs under the autocast state of the forward, so
+    its logits are the forward's again."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -43,15 +47,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        kept = targets != IGNORE
+        ctx.chunk, ctx.count = chunk, int(kept.sum())
+        whole = ctx.count == len(targets)  # nothing ignored: no per-token mask needed
+        safe = targets if whole else targets.clamp(min=0)  # an ignored token's logit counts 0 times
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = F.linear(hidden[rows], weight).float()
             lse[rows] = torch.logsumexp(logits, dim=-1)
-            total += (lse[rows] - logits.gather(1, targets[rows, None]).squeeze(1)).sum()
+            losses = lse[rows] - logits.gather(1, safe[rows, None]).squeeze(1)
+            total += (losses if whole else losses * kept[rows]).sum()
             del logits
-        ctx.chunk = chunk
         ctx.save_for_backward(hidden, weight, targets, lse)
-        return total / hidden.shape[0]
+        return total / ctx.count
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -59,13 +67,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        scale = grad.float() / hidden.shape[0]
+        scale = grad.float() / ctx.count
+        safe = targets
+        if ctx.count < len(targets):  # per token: 0 where the target is ignored
+            scale, safe = (targets != IGNORE) * scale, targets.clamp(min=0)
         with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
             for start in range(0, hidden.shape[0], ctx.chunk):
                 rows = slice(start, start + ctx.chunk)
                 g = F.linear(hidden[rows], weight).float().sub_(lse[rows, None]).exp_()  # softmax
-                g[torch.arange(len(g), device=g.device), targets[rows]] -= 1
-                g *= scale
+                g[torch.arange(len(g), device=g.device), safe[rows]] -= 1
+                g *= scale if scale.dim() == 0 else scale[rows, None]
                 if grad_hidden is not None:
                     grad_hidden[rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
                 if grad_weight is not None:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
-from torch import nn
 
 PAD_ID = 0
 IGNORE = -100  # cross_entropy's ignore_index: labkit's loss skips these targets
@@ -91,23 +90,28 @@ def document_targets(doc: torch.Tensor) -> torch.Tensor:
 
 # --- the two layouts -------------------------------------------------------------------------------
 
-def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing: documents longest first, each into the first row with room. Returns
-    each row's document indices in the order placed."""
+def first_fit(lengths: Sequence[int], capacity: int, *, decreasing: bool = True,
+              rows: int = 0) -> list[list[int]]:
+    """First-fit (decreasing: longest first; else in the given order): each document into the
+    first row with room, a new row when none has it, or into `rows` rows only. Returns each
+    row's document indices in the order placed."""
     if any(n > capacity for n in lengths):
         raise ValueError(f"a document of {max(lengths)} tokens does not fit a row of {capacity}; "
                          "split_long first")
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    placed: list[list[int]] = [[] for _ in range(rows)]
+    room: list[int] = [capacity] * rows
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if decreasing else range(len(lengths))
+    for i in order:
         row = next((r for r, left in enumerate(room) if left >= lengths[i]), None)
         if row is None:
-            rows.append([])
+            if rows:
+                raise ValueError(f"document {i} ({lengths[i]} tokens) fits none of the {rows} rows")
+            placed.append([])
             room.append(capacity)
-            row = len(rows) - 1
-        rows[row].append(i)
+            row = len(placed) - 1
+        placed[row].append(i)
         room[row] -= lengths[i]
-    return rows
+    return placed
 
 
 def _rows(documents: Sequence[torch.Tensor], rows: list[list[int]], width: int) -> Batch:
@@ -183,28 +187,40 @@ def document_pairs(lengths: Sequence[int]) -> int:
     return sum(causal_pairs(n) for n in lengths)
 
 
-# --- the step: a packed batch with its document mask -------------------------------------------------
+def fill_rows(rows: int, seq_len: int, *, vocab_size: int, seed: int, median_len: int | None = None,
+              sigma: float = 1.0) -> list[torch.Tensor]:
+    """Seeded documents that fill `rows` rows of `seq_len` (`rows_in_order`): drawn one at a time
+    (log-normal lengths, median `median_len`, a quarter of a row by default), each placed in
+    the first row with room, until the first that fits no row (left out). The recipe's batch."""
+    median_len = median_len or max(2, seq_len // 4)
+    gen = torch.Generator().manual_seed(seed)
+    room, out = [seq_len] * rows, []
+    while True:
+        n = min(max(round(torch.empty(1, dtype=torch.float64).log_normal_(
+            math.log(median_len), sigma, generator=gen).item()), 2), seq_len)
+        row = next((r for r, left in enumerate(room) if left >= n), None)
+        if row is None:
+            return out
+        room[row] -= n
+        out.append(torch.randint(1, vocab_size, (n,), generator=gen))
 
-class DocumentMasked(nn.Module):
-    """The model called with the batch's document ids: each token attends within its document,
-    at its position inside it. What `apply_packing` puts in `Trainer.net`."""
 
-    def __init__(self, model: nn.Module, document_ids: torch.Tensor):
-        super().__init__()
-        self.model, self.document_ids = model, document_ids
+def rows_in_order(documents: Sequence[torch.Tensor], rows: int, seq_len: int) -> Batch:
+    """`documents` packed into exactly `rows` rows of `seq_len`, first-fit in their order (as
+    `fill_rows` placed them): the same rows on every rank, so data parallelism can split them."""
+    return _rows(documents, first_fit([len(d) for d in documents], seq_len, decreasing=False, rows=rows),
+                 seq_len)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if tokens.shape != self.document_ids.shape:
-            raise ValueError(f"tokens {tuple(tokens.shape)} are not the packed batch's "
-                             f"{tuple(self.document_ids.shape)}: one piece per step only")
-        return self.model(tokens, document_ids=self.document_ids, targets=targets)
 
+# --- the step: a packed (or padded) batch in a Trainer ----------------------------------------------
 
 def apply_packing(trainer, batch: Batch, *, document_mask: bool = True):
-    """The trainer's batch becomes `batch` (on its device); with `document_mask`, its forward
-    passes the document ids (block-diagonal causal attention, positions per document)."""
+    """The trainer's batch becomes `batch` (on its device): its loss is the mean over the tokens
+    with a target (`Trainer.loss_tokens`), and with `document_mask` every forward gets the
+    document ids (block-diagonal causal attention, positions per document)."""
     batch = batch.to(trainer.cfg.device)
     trainer.inputs, trainer.targets = batch.tokens, batch.targets
-    if document_mask:
-        trainer.net = DocumentMasked(trainer.model, batch.document_ids)
+    trainer.sizes = [len(batch.tokens)]
+    trainer.document_ids = batch.document_ids if document_mask else None
+    trainer.loss_tokens = float((batch.targets != IGNORE).sum())
     return trainer

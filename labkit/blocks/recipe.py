@@ -13,18 +13,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
+import torch
 import torch.distributed as dist
 
 from labkit import planner
-from labkit.blocks import hf, losses, optimizers, transforms
+from labkit.blocks import hf, losses, optimizers, packing, transforms
 from labkit.blocks.layout import HOST_OPTIMIZER, SHARDED, ZERO_MODES, Layout, data_mode
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
 from labkit.config import ConfigError, RunConfig, check_choice
 
 OFFLOADS = ("none", "activations", "optimizer", "both")
-# The recipe's knobs in the order compose applies them (its steps 1 to 8): the ladder's order too
-ORDER = ("precision", "finetune", "loss", "tensor_parallel", "checkpointing", "compile",
+# The recipe's knobs in the order compose applies them (its steps 0 to 9): the ladder's order too
+ORDER = ("packing", "precision", "finetune", "loss", "tensor_parallel", "checkpointing", "compile",
          "zero_stage", "micro_batches", "offload", "optimizer")
 
 
@@ -47,6 +48,7 @@ class Recipe:
     loss: str = "plain"                  # losses.LOSSES: chunked fuses the head and the loss
     loss_chunk: int = 1024               # chunked: tokens of logits at a time
     optimizer: str = "adamw"             # optimizers.OPTIMIZERS: AdamW's moments in 32, 8 or 4 bits
+    packing: bool = False                # documents of varied lengths packed into the rows, masked apart
 
     def techniques(self) -> list[str]:
         """The fields that differ from the plain step, as `name=value`."""
@@ -203,6 +205,12 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     # The global batch, built the same on every rank; data parallelism takes each rank's slice.
     trainer = Trainer(cfg, weights=transforms.weights_dtype(recipe.precision), lr=lr, optimizer=False,
                       batch_size=cfg.batch_size * layout.dp, model=model)
+    # 0. the batch: with packing, documents of varied lengths fill the global batch's rows, each
+    #    token attending within its document (`labkit.blocks.packing`); the same rows on every
+    #    rank, before data parallelism (step 6) takes each rank's.
+    if recipe.packing:
+        packing.apply_packing(trainer, packing.rows_in_order(packed_documents(cfg, layout.dp),
+                                                             cfg.batch_size * layout.dp, cfg.seq_len))
     # The order, and why (torchtitan's `parallelize`: TP, then activation checkpointing, then
     # compile, then FSDP):
     # 1. precision first: bf16 weights change the parameters' dtype, and every later transform
@@ -248,6 +256,14 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     transforms.apply_optimizer(trainer, recipe.optimizer)
     trainer.build_optimizer()
     return trainer
+
+
+def packed_documents(cfg: RunConfig, replicas: int) -> list[torch.Tensor]:
+    """The documents a packed recipe trains on: seeded, filling `replicas` x batch_size rows of
+    seq_len (`packing.fill_rows`: lengths around a quarter of a row). `plain` trains the same
+    ones, one per row (`packing.pad_batch`)."""
+    return packing.fill_rows(cfg.batch_size * replicas, cfg.seq_len, vocab_size=cfg.model.vocab_size,
+                             seed=cfg.seed)
 
 
 def mixed_precision_policy(recipe: Recipe, layout: Layout) -> transforms.MixedPrecisionPolicy | None:
@@ -299,7 +315,8 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
                 optimizer=recipe.optimizer, zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
                 accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=True,
-                loss_chunk=recipe.loss_chunk if recipe.loss == "chunked" else 0), ""
+                loss_chunk=recipe.loss_chunk if recipe.loss == "chunked" else 0,
+                packed=recipe.packing), ""
 
 
 def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.MemoryPlan:
@@ -323,4 +340,4 @@ def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.Me
         cfg.model, method=recipe.finetune, lora_rank=recipe.lora_rank,
         lora_targets=recipe.lora_targets, batch_size=kwargs["batch_size"], seq_len=cfg.seq_len,
         checkpointing=kwargs["checkpointing"], device=cfg.device, zero_stage=kwargs["zero_stage"],
-        gpus=kwargs["gpus"], optimizer=recipe.optimizer)
+        gpus=kwargs["gpus"], optimizer=recipe.optimizer, packed=recipe.packing)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit.blocks.losses import lm_loss
+from labkit.blocks.losses import IGNORE, lm_loss
 from labkit.config import RunConfig
 from labkit.model import build_model
 from labkit.workload import Comparison
@@ -32,6 +32,15 @@ def make_batch(cfg: RunConfig, batch_size: int | None = None) -> tuple[torch.Ten
     batch = torch.randint(0, cfg.model.vocab_size, (batch_size or cfg.batch_size, cfg.seq_len + 1),
                           generator=gen).to(cfg.device)
     return batch[:, :-1], batch[:, 1:]
+
+
+class Piece(NamedTuple):
+    """One micro-batch: its rows, their targets, its loss's weight, its document ids (or None)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    weight: float
+    document_ids: torch.Tensor | None
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -105,6 +114,11 @@ class Trainer:
     - `sizes`: the micro-batches, consecutive rows of the batch, of one optimizer step; each
       loss is weighted by its share, so the gradient is the batch's mean (one piece: the plain
       step, unweighted);
+    - `document_ids` (rows, T) of a packed batch (`labkit.blocks.packing`): each forward gets its
+      rows' ids, so each token attends within its document; `loss_tokens`: the tokens with a
+      target per rank's batch (a packed or padded batch ignores some), so each piece's mean loss
+      is weighted by its own such tokens over them and the gradient is the mean over every token
+      with a target, whatever the pieces and ranks hold (None: by rows);
     - `loss_weight` and `scaler` (a GradScaler): the backward of `loss * loss_weight`, scaled;
     - `grad_hooks`: called with the trainer on the final (unscaled) gradients, before the update;
     - `optimizer_factory(params, lr)`: how the optimizer is built, once, after the transforms
@@ -133,6 +147,8 @@ class Trainer:
             cfg.model, device=cfg.device, dtype=weights, seed=cfg.seed, attention=cfg.attention)
         self.net = self.model
         self.inputs, self.targets = make_batch(cfg, batch_size)
+        self.document_ids: torch.Tensor | None = None
+        self.loss_tokens: float | None = None
         self.sizes = [len(self.inputs)]
         self.contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
         self.loss_weight, self.scaler, self.skipped_steps = 1.0, None, 0
@@ -153,25 +169,33 @@ class Trainer:
         self.optimizer = self.optimizer_factory(trained, self.lr)
         return self.optimizer
 
-    def forward(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """The loss of a batch (the trainer's own by default)."""
-        inputs = self.inputs if inputs is None else inputs
-        targets = self.targets if targets is None else targets
+    def forward(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of a batch (the trainer's own by default, with its document ids)."""
+        if inputs is None:
+            inputs, targets, document_ids = self.inputs, self.targets, self.document_ids
+        documents = {} if document_ids is None else {"document_ids": document_ids}
         with contextlib.ExitStack() as stack:
             for context in self.contexts:
                 stack.enter_context(context())
             if getattr(self.model, "loss_chunk", 0):  # the head and the loss fused in its forward
-                return self.net(inputs, targets=targets)
-            return lm_loss(self.net(inputs), targets)
+                return self.net(inputs, targets=targets, **documents)
+            return lm_loss(self.net(inputs, **documents), targets)
 
-    def micro_batches(self):
-        """(inputs, targets, weight) of each micro-batch: consecutive rows, weight its share."""
-        if len(self.sizes) == 1:
-            yield self.inputs, self.targets, 1.0
+    def micro_batches(self) -> Iterator[Piece]:
+        """Each micro-batch: consecutive rows, weighted by its share of the rows, or of the
+        tokens with a target (`loss_tokens`)."""
+        ids = self.document_ids
+        if len(self.sizes) == 1 and self.loss_tokens is None:
+            yield Piece(self.inputs, self.targets, 1.0, ids)
             return
         total, start = sum(self.sizes), 0
         for size in self.sizes:
-            yield self.inputs[start:start + size], self.targets[start:start + size], size / total
+            rows = slice(start, start + size)
+            targets = self.targets[rows]
+            weight = (size / total if self.loss_tokens is None
+                      else int((targets != IGNORE).sum()) / self.loss_tokens)
+            yield Piece(self.inputs[rows], targets, weight, None if ids is None else ids[rows])
             start += size
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -211,14 +235,14 @@ class Trainer:
             return self.forward_backward()
         total, last = 0.0, len(self.sizes) - 1
         ddp = isinstance(self.net, DistributedDataParallel)
-        for i, (inputs, targets, weight) in enumerate(self.micro_batches()):
+        for i, (inputs, targets, weight, ids) in enumerate(self.micro_batches()):
             # Under DDP the gradients are all-reduced in the last micro-batch's backward only
             # (unless `sync_each_micro_batch`). FSDP2 reduce-scatters in every one: skipping it
             # would keep whole gradients.
             local = ddp and (not sync or (i < last and not self.sync_each_micro_batch))
             with self.net.no_sync() if local else contextlib.nullcontext():
                 with self.phase("forward"):
-                    loss = self.forward(inputs, targets)
+                    loss = self.forward(inputs, targets, ids)
                     loss = loss * weight if weight != 1.0 else loss
                 with self.phase("backward"):
                     self.backward(loss)

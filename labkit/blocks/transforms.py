@@ -329,6 +329,10 @@ def apply_data_parallel(trainer: Trainer, kind: str, mesh: DeviceMesh | None = N
     n, r = ((mesh.size(), mesh.get_local_rank()) if mesh is not None
             else (dist.get_world_size(), dist.get_rank()))
     trainer.inputs, trainer.targets = trainer.inputs.chunk(n)[r], trainer.targets.chunk(n)[r]
+    if trainer.document_ids is not None:
+        trainer.document_ids = trainer.document_ids.chunk(n)[r]
+    if trainer.loss_tokens is not None:  # the global mean: each rank weighs its tokens by n / all
+        trainer.loss_tokens /= n
     trainer.sizes = [len(trainer.inputs)]
     if sharded:
         # zero3: FSDP2's default, which reshards each block after its forward but keeps the

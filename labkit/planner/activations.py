@@ -100,10 +100,22 @@ def _layer_bytes_per_token(r: _Run, mode: str) -> int:
 def _embedding_side_bytes(r: _Run) -> int:
     """Per micro-batch on the first stage: RoPE's cos and sin tables (s x head_dim each, fp32,
     built once per forward and held by every layer's backward), or GPT-2's int64 positions
-    (saved by the position embedding)."""
+    (saved by the position embedding); one per row when packed rows restart them per document."""
+    rows = r.batch_size if r.packed else 1
     if r.m.arch == "llama":
-        return 2 * r.seq_len * r.m.head_dim * 4
-    return 8 * r.seq_len
+        return rows * 2 * r.seq_len * r.m.head_dim * 4
+    return rows * 8 * r.seq_len
+
+
+def _document_mask_bytes(r: _Run, kept: int, recomputed: int) -> int:
+    """A packed micro-batch's document mask (b x s x s): SDPA's copy of it in the activation
+    dtype, saved by each of the `kept` layers whose attention keeps its inputs, and the boolean
+    mask itself, an input every `recomputed` (checkpointed) layer keeps for its recomputation
+    (otherwise freed after the forward). Measured on the CPU's SDPA."""
+    if not r.packed:
+        return 0
+    square = r.batch_size * r.seq_len * r.seq_len
+    return square * r.prec.act * kept + (square if recomputed else 0)
 
 
 def _head_bytes(r: _Run) -> int:
@@ -112,11 +124,17 @@ def _head_bytes(r: _Run) -> int:
     freed), the int64 targets nll_loss keeps, and its fp32 total_weight scalar. Chunked
     (`loss_chunk`): no logits at all, one fp32 log-sum-exp per token beside the targets, and the
     final norm's output kept in the residual stream's dtype rather than as the head's 16-bit
-    input under autocast."""
-    tokens = r.batch_size * r.seq_len
+    input under autocast. The targets are the loss's flattened copy of the next tokens (a
+    shifted view of the batch); a packed batch's own targets are contiguous: no copy."""
+    tokens, targets = r.batch_size * r.seq_len, _target_copy_bytes(r)
     if r.loss_chunk:
-        return tokens * (_norm_bytes(r) + 4 + 8 + (r.prec.residual - r.prec.act) * r.shape.d)
-    return tokens * (_norm_bytes(r) + 4 * r.shape.logits + 8) + 4
+        return tokens * (_norm_bytes(r) + 4 + targets + (r.prec.residual - r.prec.act) * r.shape.d)
+    return tokens * (_norm_bytes(r) + 4 * r.shape.logits + targets) + 4
+
+
+def _target_copy_bytes(r: _Run) -> int:
+    """Per token: the int64 targets the loss keeps as its own copy (none for a packed batch)."""
+    return 0 if r.packed else 8
 
 
 def _checkpointed_on_stage(r: _Run, layers: int) -> int:
@@ -137,6 +155,7 @@ def _stage_activations(r: _Run, sp: StageParams, first: bool, last: bool) -> tup
     recomputed = tokens * _layer_bytes_per_token(r, r.checkpointing)
     plain = tokens * _layer_bytes_per_token(r, "none")
     layers = k * recomputed + (sp.num_layers - k) * plain
+    masks = _document_mask_bytes(r, sp.num_layers - k, k)
     in_flight = r.pp if first else 1
-    total = in_flight * (layers + (_embedding_side_bytes(r) if first else 0))
+    total = in_flight * (layers + masks + (_embedding_side_bytes(r) if first else 0))
     return total + (_head_bytes(r) if last else 0), recomputed

@@ -27,7 +27,8 @@ import dataclasses
 
 from labkit import hardware
 from labkit.config import DTYPE_BYTES, ConfigError, ModelConfig, check_choice
-from labkit.planner.activations import _attention_bytes, _embedding_side_bytes
+from labkit.planner.activations import (_attention_bytes, _document_mask_bytes, _embedding_side_bytes,
+                                        _target_copy_bytes)
 from labkit.planner.model import block_linear_params, local_shape
 from labkit.planner.model import num_params as _count_params
 from labkit.planner.plan import MemoryPlan, _positive, _resolve, _Run
@@ -126,7 +127,7 @@ def finetune_compute_dtype(device: str | None = None) -> str:
 def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_targets=("q", "v"),
                     batch_size: int, seq_len: int, compute_dtype: str = "fp32",
                     checkpointing: str = "none", device: str | None = None, zero_stage: int = 0,
-                    gpus: int = 1, optimizer: str = "adamw") -> MemoryPlan:
+                    gpus: int = 1, optimizer: str = "adamw", packed: bool = False) -> MemoryPlan:
     """One fine-tuning step's memory on one of `gpus` data-parallel ranks (ZeRO `zero_stage`,
     2 and 3 as FSDP2 builds them: `_lora_sharded`). full: `training_memory` with every weight in
     the compute dtype (fp32, or pure bf16: weights, gradients and AdamW moments in 16 bits).
@@ -138,21 +139,22 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
     dequantization buffer (`nf4_dequant_bytes` or `weight_only_dequant_bytes`, of the largest
     linear) at the backward's peak. checkpointing: none or full (each block keeps its input).
     `optimizer` adamw8bit / adamw4bit: the moments of each tensor large enough in low bits
-    (`low_bit_state_bytes`), and their update's temporaries (`low_bit_update_bytes`)."""
+    (`low_bit_state_bytes`), and their update's temporaries (`low_bit_update_bytes`). `packed`:
+    documents packed into the rows, masked apart (`training_memory`'s)."""
     check_choice("finetune method", method, FINETUNE_METHODS)
     precision = {"float32": "fp32", "bfloat16": "bf16_pure",
                  "float16": "fp16_pure"}[_dtype_name(compute_dtype)]  # one dtype throughout
     if method == "full":
         plan = training_memory(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                checkpointing=checkpointing, device=device, zero_stage=zero_stage,
-                               gpus=gpus, fsdp2=True, optimizer=optimizer)
+                               gpus=gpus, fsdp2=True, optimizer=optimizer, packed=packed)
         return dataclasses.replace(plan, trainable_params=plan.num_params,
                                    linear_weight_bytes=linear_weight_bytes(
                                        m, "full", compute_dtype=DTYPE_OF[precision]))
     check_choice("checkpointing (fine-tuning)", checkpointing, FINETUNE_CHECKPOINTING)
     r = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                  checkpointing=checkpointing, device=device, zero_stage=zero_stage, gpus=gpus,
-                 fsdp2=True, optimizer=optimizer)
+                 fsdp2=True, optimizer=optimizer, packed=packed)
     targets = parse_lora_targets(lora_targets)
     trainable = trainable_params(m, method, lora_rank=lora_rank, lora_targets=targets)
     return _lora_plan(r, method, targets, lora_rank, trainable)
@@ -275,12 +277,16 @@ def _lora_activations(r: _Run, targets: tuple[str, ...], rank: int) -> tuple[int
     tokens, m = r.batch_size * r.seq_len, r.m
     if r.checkpointing == "full":
         per_layer = tokens * r.prec.residual * r.shape.d
-        layers = m.num_layers * per_layer
+        layers = m.num_layers * per_layer + _document_mask_bytes(r, 0, m.num_layers)
     else:
         first, grad_out = _lora_layer_bytes(r, targets, rank, grad_in=False)
         per_layer = tokens * _lora_layer_bytes(r, targets, rank, grad_in=True)[0]
         layers = tokens * first + (m.num_layers - 1) * per_layer
-    head = tokens * (_kept_norm_bytes(r) + 4 * r.shape.logits + 8) + 4  # norm, log-probs, targets
+        # every attention after the first keeps its inputs (and the mask's copy); the first's
+        # only when an adapter on q, k or v trains through it
+        attending = m.num_layers - (not set(targets) & {"q", "k", "v"})
+        layers += _document_mask_bytes(r, attending, 0)
+    head = tokens * (_kept_norm_bytes(r) + 4 * r.shape.logits + _target_copy_bytes(r)) + 4  # norm, log-probs, targets
     return layers + _embedding_side_bytes(r) + head, per_layer
 
 

@@ -76,6 +76,7 @@ class _Run:
     stat: int  # bytes of LayerNorm's mean/rstd: fp32 on CUDA, the activation dtype on the CPU
     shape: LocalShape | None
     loss_chunk: int = 0  # the chunked loss's tokens of logits at a time (0: the plain loss)
+    packed: bool = False  # documents packed into the rows, a per-document mask (labkit.blocks.packing)
 
     @property
     def fsdp2_sharded(self) -> bool:
@@ -98,7 +99,8 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
              zero_stage: int = 0, tp: int = 1, pp: int = 1, gpus: int = 1,
              checkpointing: str = "none", checkpointed_layers: int | None = None,
              accumulation_steps: int = 1, device: str | None = None,
-             optimizer_impl: str | None = None, fsdp2: bool = False, loss_chunk: int = 0) -> _Run:
+             optimizer_impl: str | None = None, fsdp2: bool = False, loss_chunk: int = 0,
+             packed: bool = False) -> _Run:
     """Check every input (ConfigError naming the valid choices) and derive the rest."""
     _positive(batch_size=batch_size, seq_len=seq_len, tp=tp, pp=pp, gpus=gpus,
               accumulation_steps=accumulation_steps)
@@ -123,7 +125,8 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
                 dp=dp, checkpointing=checkpointing,
                 checkpointed_layers=checkpointed_layers, accumulation_steps=accumulation_steps,
                 impl=impl, fsdp2=fsdp2, stat=p.residual if device.startswith("cpu") else 4,
-                shape=local_shape(m, tp) if m is not None else None, loss_chunk=loss_chunk)
+                shape=local_shape(m, tp) if m is not None else None, loss_chunk=loss_chunk,
+                packed=packed)
 
 
 def _optimizer_impl(optimizer: str, impl: str | None, device: str, *, m: ModelConfig | None,

@@ -30,7 +30,7 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
                     gpus: int = 1, checkpointing: str = "none",
                     checkpointed_layers: int | None = None, accumulation_steps: int = 1,
                     device: str | None = None, optimizer_impl: str | None = None,
-                    fsdp2: bool = False, loss_chunk: int = 0) -> MemoryPlan:
+                    fsdp2: bool = False, loss_chunk: int = 0, packed: bool = False) -> MemoryPlan:
     """Predict one training step's memory on one GPU (the busiest pipeline stage when pp > 1).
 
     The step, as `labkit.blocks.training.Trainer` runs it (zero_grad(set_to_none=True)):
@@ -56,13 +56,15 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
     and those the backward keeps at its start. `fsdp2`: ZeRO stages 2 and 3 as FSDP2 builds them
     (labkit's runs: `gathered_bytes`, the whole parameters beside the shards between the passes,
     and its working buffers), not the paper's; nothing changes below stage 2 or on one replica.
+    `packed`: each row holds several documents, masked apart (`labkit.blocks.packing`): the
+    position tables per row and the document mask (`_document_mask_bytes`).
     `loss_chunk`: the head and the loss fused, that many tokens of logits at a time
     (`labkit.blocks.losses.chunked_lm_loss`; 0: the plain loss on whole logits)."""
     r = _resolve(m, num_params=num_params, batch_size=batch_size, seq_len=seq_len,
                  precision=precision, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
                  gpus=gpus, checkpointing=checkpointing, checkpointed_layers=checkpointed_layers,
                  accumulation_steps=accumulation_steps, device=device, optimizer_impl=optimizer_impl,
-                 fsdp2=fsdp2, loss_chunk=loss_chunk)
+                 fsdp2=fsdp2, loss_chunk=loss_chunk, packed=packed)
     if r.m is None:
         psi = -(-r.num_params // (tp * pp))
         return _stage_plan(r, StageParams(psi, psi, 2 * psi, psi, 0), "all", first=False, last=False)

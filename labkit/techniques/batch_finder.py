@@ -75,8 +75,8 @@ def frontier_step(cfg: Config, sizes: list[int] | None = None) -> Trainer:
 
 def micro_forward(trainer: Trainer) -> torch.Tensor:
     """The first micro-batch's loss (what one forward holds at a time)."""
-    inputs, targets, _ = next(trainer.micro_batches())
-    return trainer.forward(inputs, targets)
+    piece = next(trainer.micro_batches())
+    return trainer.forward(piece.inputs, piece.targets)
 
 
 def micro_batches(effective: int, micro: int) -> list[int]:

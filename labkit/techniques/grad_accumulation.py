@@ -52,11 +52,11 @@ def accumulation_step(cfg: Config) -> Trainer:
 
 def build(cfg: Config) -> Workload:
     trainer = accumulation_step(cfg)
-    inputs, targets, _ = next(trainer.micro_batches())
+    piece = next(trainer.micro_batches())
     return Workload(
         step=trainer.step, check=lambda: step_with_gradients(trainer),
         tokens_per_step=cfg.micro_batches * cfg.batch_size * cfg.seq_len,  # k*b*T for both
-        forward=lambda: trainer.forward(inputs, targets),  # what one piece holds for its backward
+        forward=lambda: trainer.forward(piece.inputs, piece.targets),  # what one piece holds for its backward
         resident=trainer.model.parameters, notes=notes(cfg), compute_dtype=cfg.dtype)
 
 

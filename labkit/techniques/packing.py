@@ -93,10 +93,11 @@ def packing_step(cfg: Config, variant: str | None = None, model=None) -> tuple[T
 
 
 @torch.no_grad()
-def document_losses(net, batch: packing.Batch, device: str) -> np.ndarray:
-    """Each document's mean next-token loss, (num_documents,) float64, from one forward."""
+def document_losses(model, batch: packing.Batch, device: str, masked: bool) -> np.ndarray:
+    """Each document's mean next-token loss, (num_documents,) float64, from one forward (with
+    the batch's document mask when `masked`)."""
     batch = batch.to(device)
-    logits = net(batch.tokens).float()
+    logits = model(batch.tokens, document_ids=batch.document_ids if masked else None).float()
     nll = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none",
                           ignore_index=packing.IGNORE)
     kept = batch.targets.flatten() != packing.IGNORE
@@ -110,7 +111,7 @@ def build(cfg: Config) -> Workload:
     trainer, batch = packing_step(cfg)
 
     def check() -> dict:
-        losses = document_losses(trainer.net, batch, cfg.device)  # before the step moves the weights
+        losses = document_losses(trainer.model, batch, cfg.device, cfg.variant == "packed")  # before the step
         return {**step_with_gradients(trainer), "document_losses": losses}
 
     return Workload(
@@ -283,7 +284,5 @@ def document_loss_table(cfg: Config):
     table = pd.DataFrame({"document": range(len(batch.lengths)), "length": batch.lengths})
     for variant in VARIANTS:
         batch = batch_of(cfg, variant)
-        net = (packing.DocumentMasked(trainer.model, batch.to(cfg.device).document_ids)
-               if variant == "packed" else trainer.model)
-        table[variant] = document_losses(net, batch, cfg.device)
+        table[variant] = document_losses(trainer.model, batch, cfg.device, variant == "packed")
     return table

@@ -17,6 +17,9 @@ The knobs each turn one technique on (every default is off), and `composed` is
 - `compile`: each block through torch.compile; `attention`: sdpa or naive;
 - `optimizer`: adamw8bit or adamw4bit, AdamW with its two moments block-quantized (torchao;
   `labkit.blocks.optimizers`), checked against plain's fp32 AdamW within `optimizers.TOLERANCE`;
+- `packing`: documents of varied lengths (`blocks.recipe.packed_documents`) packed into the
+  rows, each token attending within its document (`labkit.blocks.packing`); `plain` trains the
+  same documents one per row, padded, so the check holds the packed step to each document alone;
 - `finetune`: the model converters, applied before any parallelism: `lora` freezes the base and
   trains rank-`lora_rank` adapters on `lora_targets` (PEFT); `qlora` also stores the base's block
   linears in NF4 (torchao), `lora_int8` and `lora_int4` in weight-only int8 or int4
@@ -49,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import hardware, planner
-from labkit.blocks import hf, lora, optimizers
+from labkit.blocks import hf, lora, optimizers, packing
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
@@ -109,6 +112,8 @@ class Config(DistConfig):
     loss_chunk: int = knob(1024, min=1, help="loss=chunked: tokens of logits at a time")
     optimizer: str = knob("adamw", choices=optimizers.OPTIMIZERS, help="adamw8bit, adamw4bit: "
                           "AdamW's two moments block-quantized to 8 or 4 bits (torchao)")
+    packing: bool = knob(False, help="documents of varied lengths packed into the rows with a "
+                         "per-document mask (plain: the same documents, one per padded row)")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
@@ -192,6 +197,9 @@ def plain_step(cfg: Config, seen: Observed) -> Trainer:
     A quantized base's cost: the batch's loss on it less the loss before the converters (the
     adapters start at zero: only the base differs), in `seen.base_loss_delta`."""
     trainer = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg), optimizer=False)
+    if cfg.packing:  # the packed recipe's documents, each alone in its row
+        packing.apply_packing(trainer, packing.pad_batch(recipes.packed_documents(cfg, replicas(cfg))),
+                              document_mask=False)
     quantized = cfg.finetune in planner.BASE_FORMAT
     before = first_loss(trainer) if quantized else None
     recipes.apply_converters(trainer, recipe_of(cfg))
@@ -234,12 +242,12 @@ def observed_forward(trainer: Trainer, seen: Observed):
     FSDP2's gathered ones, counted apart."""
     forward = trainer.forward
 
-    def measured(inputs=None, targets=None):
+    def measured(inputs=None, targets=None, document_ids=None):
         if seen.activation_bytes is not None:
-            return forward(inputs, targets)
+            return forward(inputs, targets, document_ids)
         out = []
         meter = ActivationMeter(trainer.model.parameters(), gathered=trainer.model.parameters).measure(
-            lambda: out.append(forward(inputs, targets)) or out[0])
+            lambda: out.append(forward(inputs, targets, document_ids)) or out[0])
         seen.activation_bytes, seen.weight_copy_bytes = meter.total_bytes, meter.weight_copy_bytes
         return out[0]
 
@@ -281,9 +289,11 @@ def build(cfg: Config) -> Workload:
     seen.build_peak_bytes = seen.tracker.peak_bytes
     trainer.grad_hooks.append(seen.record_grads)
     trainer.forward = observed_forward(trainer, seen)
-    sequences = len(trainer.inputs)  # this rank's: the global batch for plain, its slice otherwise
+    # this rank's: the global batch for plain, its slice otherwise; packed or padded, the
+    # documents' tokens alone
+    tokens = int((trainer.inputs != packing.PAD_ID).sum()) if cfg.packing else trainer.inputs.numel()
     return Workload(step=trainer.step, check=lambda: check(trainer, seen, budget, cfg),
-                    tokens_per_step=sequences * cfg.seq_len,
+                    tokens_per_step=tokens,
                     tensors={"param_bytes": lambda: [*trainer.model.parameters(), *trainer.model.buffers()],
                              "optimizer_bytes": trainer.optimizer_tensors},
                     report=lambda: report(seen), notes=notes(cfg), count_flops=False,
@@ -331,6 +341,10 @@ def planned(cfg: Config) -> planner.MemoryPlan | None:
     n = cfg.nproc or 2
     if cfg.variant == REFERENCE:
         whole = dataclasses.replace(cfg, batch_size=cfg.batch_size * (n // cfg.tensor_parallel))
+        if cfg.packing:  # one document per row, padded to the longest
+            documents = recipes.packed_documents(cfg, n // cfg.tensor_parallel)
+            whole = dataclasses.replace(whole, batch_size=len(documents),
+                                        seq_len=max(len(d) for d in documents))
         return recipes.planned_memory(whole, recipes.converters(recipe_of(cfg)))  # on one process
     try:
         return recipes.planned_memory(cfg, recipe_of(cfg), n)
@@ -338,21 +352,36 @@ def planned(cfg: Config) -> planner.MemoryPlan | None:
         return None
 
 
+def computed_shape(cfg: Config) -> tuple[int, int, float]:
+    """(rows, tokens per row, document tokens) this rank computes per step: plain the global
+    batch (with packing: one padded row per document), composed its slice (with packing: its
+    rows of documents, the document tokens its share of all of them)."""
+    dp = (cfg.nproc or 2) // cfg.tensor_parallel
+    plain = cfg.variant == REFERENCE
+    rows = cfg.batch_size * (dp if plain else 1)
+    if not cfg.packing:
+        return rows, cfg.seq_len, rows * cfg.seq_len
+    documents = recipes.packed_documents(cfg, dp)
+    tokens = sum(len(d) for d in documents)
+    return ((len(documents), max(len(d) for d in documents), tokens) if plain
+            else (rows, cfg.seq_len, tokens / dp))
+
+
 def step_flops(cfg: Config) -> int:
-    """This rank's FLOPs per step: forward and backward of its sequences, plus one more forward
+    """This rank's FLOPs per step: forward and backward of its rows, plus one more forward
     of each checkpointed block (less its MLP's down-projection, which recomputation stops
     before; selective recomputes only elementwise ops: 0)."""
-    m, dp = cfg.model, (cfg.nproc or 2) // cfg.tensor_parallel
+    m = cfg.model
     plain = cfg.variant == REFERENCE
-    batch = cfg.batch_size * (dp if plain else 1)
-    flops = planner.train_step_flops(m, batch=batch, seq_len=cfg.seq_len, attention=cfg.attention)
+    batch, seq_len, _ = computed_shape(cfg)
+    flops = planner.train_step_flops(m, batch=batch, seq_len=seq_len, attention=cfg.attention)
     if not plain:  # a tensor-parallel rank computes its share of the heads, MLP and vocabulary
         flops //= cfg.tensor_parallel
     if plain or cfg.checkpointing in ("none", "selective"):
         return flops
     k = len(checkpointed_blocks(m.num_layers, cfg.checkpointing, every=cfg.checkpoint_every))
-    block = planner.forward_flops(m, batch=batch, new=cfg.seq_len, keys=cfg.seq_len, logits=0) // m.num_layers
-    return flops + k * (block - 2 * batch * cfg.seq_len * m.ffn_size * m.hidden_size) // cfg.tensor_parallel
+    block = planner.forward_flops(m, batch=batch, new=seq_len, keys=seq_len, logits=0) // m.num_layers
+    return flops + k * (block - 2 * batch * seq_len * m.ffn_size * m.hidden_size) // cfg.tensor_parallel
 
 
 def gathered_params(cfg: Config) -> int:
@@ -407,8 +436,7 @@ def expected(cfg: Config) -> dict[str, float]:
     peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(dtype)
     if peak:
         step_s = step_flops(cfg) / (peak * 1e12)
-        sequences = cfg.batch_size * ((cfg.nproc or 2) // cfg.tensor_parallel if cfg.variant == REFERENCE else 1)
-        out.update(step_ms=step_s * 1e3, tokens_per_s=sequences * cfg.seq_len / step_s)
+        out.update(step_ms=step_s * 1e3, tokens_per_s=computed_shape(cfg)[2] / step_s)
     return {k: float(v) for k, v in out.items()}
 
 
@@ -431,6 +459,10 @@ def notes(cfg: Config) -> dict[str, str]:
                                "own dtype (fp32 under autocast, which casts after the gather)."}
     if cfg.variant == REFERENCE:
         out["tokens_per_s"] = "every rank computes the whole global batch (as one process would)."
+    if cfg.packing:
+        out["tokens_per_s"] = " ".join(filter(None, [out.get("tokens_per_s"), (
+            "The documents' tokens (pads not counted): plain's in one padded row each, composed's "
+            "packed into its rows (predicted: its share of all the documents' tokens).")]))
     if cfg.variant == REFERENCE and cfg.finetune in planner.BASE_FORMAT:
         out["base_loss_delta"] = (f"the first batch's loss on the {planner.BASE_FORMAT[cfg.finetune]} "
                                   "base less its loss before quantizing (lossy: what the "
