@@ -78,6 +78,9 @@ def test_the_packed_step_with_8_bit_adamw_and_qlora_passes_its_check():
     composed = {r["metric"]: r for r in rows if r["variant"] == "composed"}
     for metric in ("loss_rel_diff", "weight_rel_diff"):
         assert composed[metric]["value"] <= recipe_experiment.tolerance(cfg)
+    # the planner's fine-tuning step with the chunked loss, the packed batch and 8-bit states
+    for metric, within in (("activation_bytes", 0.001), ("optimizer_bytes", 0.0), ("peak_mem_bytes", 0.01)):
+        assert composed[metric]["value"] == pytest.approx(composed[metric]["predicted"], rel=within), metric
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -295,8 +295,6 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     if recipe.optimizer != "adamw" and recipe.zero_stage and Layout.of(recipe, world, cfg.device).dp_enabled:
         return None, (f"the planner's {recipe.optimizer} states are whole tensors'; under ZeRO each "
                       "rank quantizes its shard (not modelled)")
-    if recipe.finetune != "none" and recipe.loss == "chunked":
-        return None, "the planner's fine-tuning steps have no case for loss=chunked yet"
     if recipe.finetune != "none" and recipe.precision != "fp32":
         return None, (f"the planner's fine-tuning steps compute in one dtype; precision="
                       f"{recipe.precision} with finetune is not one of its cases (use fp32)")
@@ -340,4 +338,5 @@ def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.Me
         cfg.model, method=recipe.finetune, lora_rank=recipe.lora_rank,
         lora_targets=recipe.lora_targets, batch_size=kwargs["batch_size"], seq_len=cfg.seq_len,
         checkpointing=kwargs["checkpointing"], device=cfg.device, zero_stage=kwargs["zero_stage"],
-        gpus=kwargs["gpus"], optimizer=recipe.optimizer, packed=recipe.packing)
+        gpus=kwargs["gpus"], optimizer=recipe.optimizer, packed=recipe.packing,
+        loss_chunk=kwargs["loss_chunk"])

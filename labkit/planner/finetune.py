@@ -127,7 +127,8 @@ def finetune_compute_dtype(device: str | None = None) -> str:
 def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_targets=("q", "v"),
                     batch_size: int, seq_len: int, compute_dtype: str = "fp32",
                     checkpointing: str = "none", device: str | None = None, zero_stage: int = 0,
-                    gpus: int = 1, optimizer: str = "adamw", packed: bool = False) -> MemoryPlan:
+                    gpus: int = 1, optimizer: str = "adamw", packed: bool = False,
+                    loss_chunk: int = 0) -> MemoryPlan:
     """One fine-tuning step's memory on one of `gpus` data-parallel ranks (ZeRO `zero_stage`,
     2 and 3 as FSDP2 builds them: `_lora_sharded`). full: `training_memory` with every weight in
     the compute dtype (fp32, or pure bf16: weights, gradients and AdamW moments in 16 bits).
@@ -140,21 +141,23 @@ def finetune_memory(m: ModelConfig, *, method: str, lora_rank: int = 8, lora_tar
     linear) at the backward's peak. checkpointing: none or full (each block keeps its input).
     `optimizer` adamw8bit / adamw4bit: the moments of each tensor large enough in low bits
     (`low_bit_state_bytes`), and their update's temporaries (`low_bit_update_bytes`). `packed`:
-    documents packed into the rows, masked apart (`training_memory`'s)."""
+    documents packed into the rows, masked apart, and `loss_chunk`, the chunked loss (the head
+    frozen: no weight gradient), as `training_memory`'s."""
     check_choice("finetune method", method, FINETUNE_METHODS)
     precision = {"float32": "fp32", "bfloat16": "bf16_pure",
                  "float16": "fp16_pure"}[_dtype_name(compute_dtype)]  # one dtype throughout
     if method == "full":
         plan = training_memory(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                checkpointing=checkpointing, device=device, zero_stage=zero_stage,
-                               gpus=gpus, fsdp2=True, optimizer=optimizer, packed=packed)
+                               gpus=gpus, fsdp2=True, optimizer=optimizer, packed=packed,
+                               loss_chunk=loss_chunk)
         return dataclasses.replace(plan, trainable_params=plan.num_params,
                                    linear_weight_bytes=linear_weight_bytes(
                                        m, "full", compute_dtype=DTYPE_OF[precision]))
     check_choice("checkpointing (fine-tuning)", checkpointing, FINETUNE_CHECKPOINTING)
     r = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision,
                  checkpointing=checkpointing, device=device, zero_stage=zero_stage, gpus=gpus,
-                 fsdp2=True, optimizer=optimizer, packed=packed)
+                 fsdp2=True, optimizer=optimizer, packed=packed, loss_chunk=loss_chunk)
     targets = parse_lora_targets(lora_targets)
     trainable = trainable_params(m, method, lora_rank=lora_rank, lora_targets=targets)
     return _lora_plan(r, method, targets, lora_rank, trainable)
@@ -286,7 +289,11 @@ def _lora_activations(r: _Run, targets: tuple[str, ...], rank: int) -> tuple[int
         # only when an adapter on q, k or v trains through it
         attending = m.num_layers - (not set(targets) & {"q", "k", "v"})
         layers += _document_mask_bytes(r, attending, 0)
-    head = tokens * (_kept_norm_bytes(r) + 4 * r.shape.logits + _target_copy_bytes(r)) + 4  # norm, log-probs, targets
+    # the final norm, and the loss's log-probabilities (b·s·V); chunked, one log-sum-exp per token
+    # and the norm's output, which the chunks' backward needs (the frozen head's plain matmul
+    # keeps no input: its weight needs no gradient)
+    loss = 4 + r.prec.residual * r.shape.d if r.loss_chunk else 4 * r.shape.logits
+    head = tokens * (_kept_norm_bytes(r) + loss + _target_copy_bytes(r)) + (0 if r.loss_chunk else 4)
     return layers + _embedding_side_bytes(r) + head, per_layer
 
 
@@ -336,6 +343,9 @@ def _lora_backward_moments(r: _Run, tokens: int, extra: int = 0) -> tuple[int, i
     activations)."""
     s, p = r.shape, r.prec
     loss = 8 * tokens * s.logits
+    if r.loss_chunk:  # the frozen head: no weight gradient; the hidden states' and one chunk's
+        c = min(r.loss_chunk, tokens)
+        loss = p.residual * tokens * s.d + c * (4 * s.logits + 4 * s.d)
     block = tokens * (p.residual * s.d + (2 if r.m.arch == "llama" else 1) * p.act * s.f)
     return loss, block + extra
 
