@@ -251,6 +251,12 @@ timeline_figure(timeline).show()
 peaks = timeline.groupby("recipe", sort=False).agg(measured_peak_bytes=("total_bytes", "max"),
                                                     predicted_peak_bytes=("predicted_peak_bytes", "first"))
 viz.readable(peaks.assign(ratio=peaks["measured_peak_bytes"] / peaks["predicted_peak_bytes"]))'''
+RECIPE_LEDGER = '''from labkit.harness.ledger import memory_ledger
+from labkit.views.memory import ledger_figure
+
+ledger = memory_ledger(one, Recipe(precision="bf16", checkpointing="full", loss="chunked", loss_chunk=64))
+ledger_figure(ledger).show()
+viz.readable(ledger.set_index("category"))'''
 RECIPE_PANEL = '''if interactive:
     from labkit.ui.recipe_panel import recipe_panel
 
@@ -288,7 +294,7 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "hybrid": dict(predicted=("param_bytes", "peak_mem_bytes")),
     "recipe": dict(extra=(("predicted", "viz.readable(viz.predicted_table(frame))"),
                           ("ladder", RECIPE_LADDER), ("timeline", RECIPE_TIMELINE),
-                          ("recipe_panel", RECIPE_PANEL)),
+                          ("ledger", RECIPE_LEDGER), ("recipe_panel", RECIPE_PANEL)),
                    parameters=RECIPE_PARAMETERS,
                    predicted=("peak_mem_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
                               "activation_bytes")),

@@ -14,7 +14,7 @@ from typing import Sequence
 import pandas as pd
 
 from labkit import planner
-from labkit.blocks.recipe import Recipe, compose, planner_kwargs
+from labkit.blocks.recipe import Recipe, compose, planned_memory
 from labkit.blocks.training import Trainer
 from labkit.config import ConfigError, RunConfig
 from labkit.measure.memory import free_device_memory
@@ -37,6 +37,7 @@ class StepTimeline:
     predicted_peak_bytes: int | None
     prediction_note: str = ""
     plan: planner.MemoryPlan | None = field(default=None, repr=False)
+    trainer: Trainer | None = field(default=None, repr=False)  # kept on request (`step_timeline`)
 
 
 def recipe_label(recipe: Recipe) -> str:
@@ -71,9 +72,10 @@ def record_step(trainer: Trainer) -> Timeline:
     trainer.contexts.append(context)
     trainer.grad_hooks.append(optimizer_mark)
     try:
-        with recorder.recording(parameters=list(trainer.model.parameters()),
+        # the weights: parameters and buffers (a quantized base's NF4 or int8 linears are buffers)
+        with recorder.recording(parameters=[*trainer.model.parameters(), *trainer.model.buffers()],
                                 optimizer_state=trainer.optimizer_tensors(),
-                                batch=[trainer.inputs, trainer.targets]):
+                                batch=[trainer.inputs, trainer.targets, trainer.document_ids]):
             trainer.step()
             recorder.mark("end")
     finally:
@@ -82,23 +84,27 @@ def record_step(trainer: Trainer) -> Timeline:
     return recorder.timeline()
 
 
-def step_timeline(cfg: RunConfig, recipe: Recipe | None = None) -> StepTimeline:
+def step_timeline(cfg: RunConfig, recipe: Recipe | None = None, *, keep_trainer: bool = False) -> StepTimeline:
     """`compose(cfg, recipe)`, one warm-up step (AdamW's state exists after it, as in every
     later step), then one recorded step (categories: `labkit.measure.timeline`), with the
     planner's prediction for the same recipe: its precision's case, checkpointing and
-    micro-batches (`cfg.batch_size` rows split into `micro_batches`, as `compose` splits them)."""
+    micro-batches (`cfg.batch_size` rows split into `micro_batches`, as `compose` splits them).
+    `keep_trainer`: the step's trainer comes back with it (its memory is not freed)."""
     recipe = recipe or Recipe()
     trainer = compose(cfg, recipe)
     trainer.step()
     timeline = record_step(trainer)
-    del trainer
-    free_device_memory(cfg.device)
-    kwargs, note = planner_kwargs(cfg, recipe)
-    plan = planner.training_memory(cfg.model, **kwargs) if kwargs else None
+    if not keep_trainer:
+        trainer = None
+        free_device_memory(cfg.device)
+    try:  # the planner's step for the recipe: its training or fine-tuning case
+        plan, note = planned_memory(cfg, recipe), ""
+    except ConfigError as e:
+        plan, note = None, str(e)
     label = recipe_label(recipe)
     predicted = plan.total_bytes if plan else None
     return StepTimeline(label, tidy(timeline, label, predicted), timeline.marks, timeline,
-                        predicted, note, plan)
+                        predicted, note, plan, trainer)
 
 
 def tidy(timeline: Timeline, label: str, predicted: int | None) -> pd.DataFrame:

@@ -247,14 +247,17 @@ def _lora_plan(r: _Run, method: str, targets: tuple[str, ...], rank: int, traina
     recomputed = tokens * _lora_layer_bytes(r, targets, rank, grad_in=True)[0] \
         if r.checkpointing == "full" else 0
     moments = _lora_backward_moments(r, tokens, dequant + recomputed)
-    backward = max(moments)
+    # the adapters' gradients are made in the blocks' backward: none yet at the loss's moment
+    loss_moment, block_moment = moments
+    with_grad = grad + block_moment >= loss_moment
+    backward = block_moment if with_grad else loss_moment
     # torch's AdamW on the CPU loops (two temporaries of the largest adapter), on CUDA copies v
     largest = rank * max(o + i for o, i in linear_shapes(m).values())
     step = low_bit_update_bytes(adapters, r.optimizer, r.impl) if low_bit else \
         w * (2 * largest if r.impl == "single" else trainable)
-    phases = {"backward": param + opt + act + grad + backward, "step": param + opt + grad + step}
+    phases = {"backward": param + opt + act + grad * with_grad + backward, "step": param + opt + grad + step}
     peak = max(phases, key=phases.get)
-    held = {"backward": ("param", "grad", "optimizer", "activation", "overhead"),
+    held = {"backward": ("param", "optimizer", "activation", "overhead") + (("grad",) if with_grad else ()),
             "step": ("param", "grad", "optimizer", "overhead")}[peak]
     plan = MemoryPlan(num_params=r.num_params + trainable, param_bytes=param, grad_bytes=grad,
                       optimizer_bytes=opt, activation_bytes=act, activation_bytes_per_layer=per_layer,

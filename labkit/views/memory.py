@@ -99,3 +99,25 @@ def _add_peak(fig: go.Figure, rows: pd.DataFrame, row: int, scale: float, unit: 
     axis = "" if row == 1 else str(row)
     fig.add_annotation(text=words, xref=f"x{axis} domain", yref=f"y{axis} domain", x=0.99, y=0.02,
                        xanchor="right", yanchor="bottom", showarrow=False, font={"size": 11})
+
+
+def ledger_figure(ledger: pd.DataFrame) -> go.Figure:
+    """A recipe's memory ledger (`labkit.harness.ledger.memory_ledger`) as two stacked bars, the
+    measured peak and the predicted one, one colour per category (the timeline's colours, in
+    its order); each category's residual in its hover text."""
+    scale, unit = byte_unit(pd.concat([ledger["measured"], ledger["predicted"]]))
+    fig = go.Figure()
+    for color, row in zip(CATEGORY_COLORS.values(), ledger.itertuples()):  # the held categories first
+        if not (row.measured or row.predicted):
+            continue
+        fig.add_bar(x=["measured", "predicted"], y=[row.measured / scale, row.predicted / scale],
+                    name=row.category, marker_color=color,
+                    hovertemplate=(f"{row.category}: %{{y:.2f}} {unit}<br>residual "
+                                   f"{row.residual / scale:+.3f} {unit}, named {row.named / scale:.3f}"
+                                   "<extra></extra>"))
+    attrs = ledger.attrs
+    fig.update_layout(barmode="stack", yaxis_title=unit,
+                      title=(f"{attrs.get('recipe', '')}: the peak by category, measured "
+                             f"({attrs.get('measured_phase', '')}) against predicted "
+                             f"({attrs.get('predicted_phase', '')})"))
+    return legend_above(fig, 420)
