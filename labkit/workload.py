@@ -56,6 +56,8 @@ class Workload:
     min_repeats: int = 3  # timed calls at least; 1 for a step that is itself a long run (a replay)
     timed: dict[str, Callable[[], Any]] = field(default_factory=dict)  # `x_ms` -> another call, timed as step
     energy_tokens: int = 0  # tokens one step serves: measure its energy, `joules_per_token` (0: not)
+    skipped: dict[str, str] = field(default_factory=dict)  # metric -> why it is not measured here
+    # (a `skipped` row of its own; the variant's other rows stand)
 
 
 @dataclass(frozen=True)

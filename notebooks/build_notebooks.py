@@ -201,6 +201,15 @@ from labkit.views import packing as packing_views
 packing_views.throughput_figure(frame).show()
 pcfg = resolve(packing.Config, preset, {**overrides, "device": device}, experiment="packing")
 packing_views.document_loss_figure(packing.document_loss_table(pcfg)).show()'''
+FP8_FIGURES = '''from labkit.blocks import fp8 as fp8_formats
+from labkit.config import resolve
+from labkit.techniques import fp8
+from labkit.views import fp8 as fp8_views
+
+fcfg = resolve(fp8.Config, preset, {**overrides, "device": device}, experiment="fp8")
+table = fp8.numerics_table(fcfg)
+fp8_views.numerics_figure(table, {f: fp8_formats.rms_rounding_error(f) for f in fp8_formats.FORMATS}).show()
+fp8_views.bounds_table(table)'''
 FINETUNE_MEMORY = '''from labkit.views import finetune as finetune_views
 
 finetune_views.memory_figure(frame).show()'''
@@ -273,6 +282,11 @@ from labkit.techniques import weight_quant
 cfg = resolve(weight_quant.Config, preset, {**overrides, "device": device, "variant": "int4"},
               experiment="weight_quant")
 viz.readable(pd.DataFrame(weight_quant.loading_peaks(cfg)).set_index("loading"))'''
+WEIGHT_QUANT_CALIBRATED = '''import pandas as pd
+from labkit.techniques import weight_quant
+
+beside = pd.DataFrame(weight_quant.against_rtn(viz.metric_table(frame).to_dict()))
+viz.readable(beside.set_index("variant")) if len(beside) else print("run the calibrated variants beside int4, int8 and w8a8")'''
 EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "mixed_precision": dict(predicted=("param_bytes", "optimizer_bytes", "activation_bytes", "step_ms")),
     "kv_cache": dict(extra=(("block_tables", KV_BLOCK_TABLE), ("int8", KV_INT8)),
@@ -326,9 +340,14 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "packing": dict(extra=(("figures", PACKING_FIGURES),),
                     predicted=("padding_fraction", "speedup", "attention_pairs", "peak_mem_bytes"),
                     fields=("batch_size", "seq_len", "median_len", "length_sigma")),
+    "fp8": dict(extra=(("figures", FP8_FIGURES), ("outliers", "fp8.outlier_rows(fcfg)")),
+                predicted=("e4m3_max_rel_error", "e5m2_max_rel_error", "max_rel_error", "fp8_weight_bytes",
+                           "fp8_input_bytes"),
+                fields=("batch_size", "seq_len", "compute", "kernel")),
     "speculative": dict(extra=(("formula", SPEC_FORMULA),),
                         predicted=("token_agreement", "tokens_per_step", "speedup")),
-    "weight_quant": dict(extra=(("bytes", WEIGHT_QUANT_BYTES), ("loading", WEIGHT_QUANT_LOADING)),
+    "weight_quant": dict(extra=(("bytes", WEIGHT_QUANT_BYTES), ("calibrated", WEIGHT_QUANT_CALIBRATED),
+                                ("loading", WEIGHT_QUANT_LOADING)),
                          predicted=("weight_bytes", "weight_bytes_ratio", "tokens_per_s",
                                     "load_peak_mem_bytes"),
                          fields=("dtype", "group_size", "kernel", "loading")),

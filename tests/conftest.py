@@ -167,6 +167,7 @@ PARAMETERS = {
                     "frontier_seq_step": 64, "frontier_overrides": {"batch_size": 1, "num_layers": 1, "vocab_size": 256,
                                                                     "hidden_size": 64, "ffn_size": 128, "max_seq_len": 256}},
     "31_packing": {"overrides": {**FAST, "num_layers": 2, "batch_size": 6, "seq_len": 64}},
+    "32_fp8": {"overrides": {**FAST, "num_layers": 2, "seq_len": 32}},
     "98_leaderboard": {"metric": "tokens_per_s"},  # reads the runs the others stored in this report
     "99_compare": {"price_per_gpu_hour": 2.0},
 }

@@ -119,7 +119,7 @@ def test_dtype_aliases_are_canonical():
 # The per-experiment sizes as config.PRESET_SIZES held them before they moved into each module's
 # SIZES (issue 16): every resolved config must be what it was.
 _OLD_GPU_DECODE = {"batch_size": 8, "prompt_len": 128, "new_tokens": 128, "dtype": "bfloat16"}
-EXPERIMENTS_SINCE = ("weight_quant", "speculative", "sla", "packing")  # registered after the move (issue 18)
+EXPERIMENTS_SINCE = ("weight_quant", "speculative", "sla", "packing", "fp8")  # registered after the move (issue 18)
 OLD_EXPERIMENT_SIZES = {
     "tiny": {"kv_cache": {"batch_size": 1}, "mixed_precision": {"batch_size": 2},
              "batching": {"batch_size": 8, "workload": "short", "kv_budget_tokens": 576},

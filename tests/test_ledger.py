@@ -71,3 +71,16 @@ def test_the_figure_stacks_each_held_category_and_no_prediction_is_a_clear_error
                                                                frame["predicted"]) if m or p]
     with pytest.raises(ConfigError, match="no ledger"):
         memory_ledger(config(), Recipe(compile=True))
+
+
+def test_the_quiz_figures_are_the_ledgers():
+    from labkit.study.quiz import load_bank
+
+    text = {q.id: q.question + q.explanation for q in load_bank() if q.id.startswith("ledger-")}
+    frame = memory_ledger(config(), Recipe()).set_index("category")
+    cfg = config()
+    assert f"{cfg.batch_size} × {cfg.seq_len + 1} × 8 = {frame.loc['activations', 'named']:,}" in text["ledger-01"]
+    assert f"{frame.loc['activations', 'residual']:,} bytes" in text["ledger-01"]
+    counters = frame.loc["optimizer states", "named"]
+    assert f"{counters} bytes" in text["ledger-02"] and f"{counters // 4} × 4 = {counters}" in text["ledger-02"]
+    assert "allocator slack" in ledgers.NOT_HELD and "KV cache" in ledgers.NOT_HELD

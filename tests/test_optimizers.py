@@ -169,7 +169,7 @@ def test_notebook_26s_figures_are_the_planners():
 def test_the_quiz_figures_are_the_planners():
     text = {q.id: q.question + q.explanation + " ".join(q.choices) for q in load_bank()
             if q.id.startswith("optim-")}
-    assert sorted(text) == ["optim-01", "optim-02", "optim-03", "optim-04"]
+    assert sorted(text) == [f"optim-0{i}" for i in range(1, 6)]
     sizes = planner.stage_tensors(MODELS["llama-2-7b"])
     assert f"{sum(sizes):,} parameters" in text["optim-01"] and f"{min(sizes):,} elements" in text["optim-01"]
     for optimizer_bytes in (planner.low_bit_state_bytes(sizes, "adamw8bit"), 8 * sum(sizes)):
@@ -180,3 +180,10 @@ def test_the_quiz_figures_are_the_planners():
     assert max(planner.stage_tensors(tiny)) == tiny.vocab_size * tiny.hidden_size == 4096 * 256
     assert f"{EAGER_QUANTIZED_BYTES} bytes per element" in text["optim-03"]
     assert f"within {optimizers.TOLERANCE['adamw8bit']:.0%}" in text["optim-04"]
+
+
+def test_optim_05s_figure_is_the_planners():
+    text = next(q.question + q.explanation for q in load_bank() if q.id == "optim-05")
+    sizes = planner.stage_tensors(MODELS["llama-2-7b"])
+    assert f"{planner.low_bit_state_bytes(sizes, 'adamw4bit') / 2**30:.2f} GiB" in text
+    assert planner.LOW_BIT["adamw4bit"].block == 128 and planner.LOW_BIT["adamw4bit"].map_size == 16

@@ -157,7 +157,7 @@ def test_the_quiz_questions_state_labkits_figures():
     from labkit.study.quiz import load_bank
 
     bank = {q.id: q for q in load_bank() if q.id.startswith("packing-")}
-    assert sorted(bank) == [f"packing-0{i}" for i in range(1, 6)]
+    assert sorted(bank) == [f"packing-0{i}" for i in range(1, 7)]  # packing-06: test_packing_recipe.py
     text = {k: q.question + q.explanation + "".join(q.choices) + "".join(q.feedback) for k, q in bank.items()}
     # packing-01: lengths 100, 20, 20, 20 padded to 100 -> 1 - 160 / 400
     assert f"{packing.padding_fraction([100, 20, 20, 20], 4, 100):.0%}" in text["packing-01"]

@@ -96,3 +96,15 @@ def test_the_planners_mask_and_position_terms_are_what_the_forward_keeps(arch, p
     unpacked = planned_memory(cfg, dataclasses.replace(recipe, packing=False))
     assert plan.activation_bytes == measured  # byte-exact on torch 2.13
     assert plan.activation_bytes > unpacked.activation_bytes  # the mask and per-row positions
+
+
+def test_packing_06s_weights_are_the_trainers():
+    from labkit.study.quiz import load_bank
+
+    text = next(q.question + q.explanation for q in load_bank() if q.id == "packing-06")
+    trainer = Trainer(config(batch_size=2, seq_len=100), lr=1e-3)
+    trainer.targets[1, 60:] = packing.IGNORE  # two pieces of one row: 100 and 60 tokens with a target
+    trainer.sizes, trainer.loss_tokens = [1, 1], 160.0
+    weights = [piece.weight for piece in trainer.micro_batches()]
+    assert weights == [0.625, 0.375]
+    assert all(f"{w:g}" in text for w in weights) and "0.5 each" in text

@@ -102,6 +102,10 @@ def quantize_int4(w: torch.Tensor, group_size: int, sdtype: torch.dtype = torch.
     return q.clamp(0, 15).to(torch.uint8), scale, zero
 
 
+# w (N, K), group_size, scale dtype -> (q, scale, zero) as `quantize_int4` returns them
+Int4Quantizer = Callable[[torch.Tensor, int, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 def expand_groups(per_group: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
     """(N, G) -> (N, K): each group's value repeated over its inputs (the last group cut short)."""
     return per_group.repeat_interleave(group_size, dim=1)[:, :in_features]
@@ -237,13 +241,14 @@ class Int4Linear(QuantLinear):
 
     scheme = "int4"
 
-    def __init__(self, weight, bias, group_size: int, packed: bool):
+    def __init__(self, weight, bias, group_size: int, packed: bool, quantizer: Int4Quantizer | None = None):
         super().__init__(weight, bias, packed)
         self.group_size = group_size
         layout = self.kernel_layout if packed else pack_int4
+        quantizer = quantizer or quantize_int4  # GPTQ's (labkit.blocks.calibrated): the same format
 
         def quantize(w):
-            q, scale, zero = quantize_int4(w, group_size, scale_dtype(weight.dtype))
+            q, scale, zero = quantizer(w, group_size, scale_dtype(weight.dtype))
             return layout(q), scale, zero
 
         data, scale, zero = by_rows(quantize, weight)
@@ -292,9 +297,10 @@ class Fp8Linear(QuantLinear):
 
 
 def quantize_linear(linear: nn.Linear, scheme: str, *, group_size: int = 64,
-                    kernel: str = "auto") -> QuantLinear:
+                    kernel: str = "auto", quantizer: Int4Quantizer | None = None) -> QuantLinear:
     """`linear` as a QuantLinear on its device: the packed kernel unless `kernel` is `dequant` or
-    `packed_reason` says it cannot serve this shape."""
+    `packed_reason` says it cannot serve this shape. `quantizer`: int4's rounding of each chunk
+    of rows, RTN (`quantize_int4`) unless given."""
     w = linear.weight.detach()
     N, K = w.shape
     packed = kernel != "dequant" and packed_reason(scheme, N, K, group_size, w.device, w.dtype) is None
@@ -303,11 +309,11 @@ def quantize_linear(linear: nn.Linear, scheme: str, *, group_size: int = 64,
     if scheme == "fp8":
         return Fp8Linear(w, linear.bias)
     try:
-        return Int4Linear(w, linear.bias, group_size, packed)
+        return Int4Linear(w, linear.bias, group_size, packed, quantizer)
     except RuntimeError:  # a layout constraint packed_reason does not know of: dequant (counted)
         if not packed:
             raise
-        return Int4Linear(w, linear.bias, group_size, False)
+        return Int4Linear(w, linear.bias, group_size, False, quantizer)
 
 
 # --- the model transform -------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ SHAPES = {"reference": MODELS["reference"],
 COMMANDS = {"reference": REGENERATE, "draft": f"{REGENERATE} --draft"}  # how to regenerate each
 LANGUAGE_SEED = 1234  # the grammar's tables; the corpus seed only draws text from them
 HELDOUT_SEED = 999_999  # held-out text; training refuses this seed
+CALIBRATION_SEED = 999_998  # calibration text of calibrated quantization (labkit.blocks.calibrated):
+# never trained on, and not the held-out text its perplexity is measured on
 
 # Token ids: specials, then one block per word class (sizes sum to the 512-token vocabulary).
 BOS, STOP, OPEN, CLOSE, EQUALS, SEMI, ASK, HASH = range(8)
@@ -130,6 +132,11 @@ def heldout(num_sequences: int, seq_len: int) -> torch.Tensor:
     return make_corpus(num_sequences, seq_len, HELDOUT_SEED)
 
 
+def calibration_text(num_sequences: int, seq_len: int) -> torch.Tensor:
+    """Calibration text for GPTQ, AWQ and SmoothQuant: its own seed, neither trained on nor held out."""
+    return make_corpus(num_sequences, seq_len, CALIBRATION_SEED)
+
+
 # ---- training ----------------------------------------------------------------------------------
 
 DEFAULTS = {"steps": 1400, "seed": 0, "batch_size": 8, "seq_len": 256, "lr": 3e-3}
@@ -179,8 +186,8 @@ def train_reference(*, steps: int = DEFAULTS["steps"], seed: int = DEFAULTS["see
     fresh text of the language (batch i is the i-th draw of a generator seeded with `seed`):
     AdamW, fp32, CPU, one thread. Returns the model and stats (settings, final loss, held-out
     perplexity before and after, seconds)."""
-    if seed == HELDOUT_SEED:
-        raise ConfigError(f"seed {HELDOUT_SEED} draws the held-out text; choose another")
+    if seed in (HELDOUT_SEED, CALIBRATION_SEED):
+        raise ConfigError(f"seed {seed} draws the held-out or calibration text; choose another")
     with one_thread():
         model = build_model(SHAPES[name], seed=seed)
         evaluation = heldout(NUM_EVAL_SEQUENCES, seq_len)

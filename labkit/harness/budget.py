@@ -180,7 +180,7 @@ def report_costs(folders: list[str]) -> dict[str, Any]:
     """From reports' `timings.json`: each notebook that ran, in reference seconds at the level it
     ran at (over the mean slowdown of the paces measured at the report's start and end: a shared
     host's speed drifts over minutes), the median where several reports ran it there. The
-    notebooks' table is these reports', nothing older: a notebook's cost changes with how its
+    notebooks' entries are these reports', nothing older: a notebook's cost changes with how its
     kernel runs, so one report at its report size and one at its smallest size make it anew.
     The shortest is a notebook's fixed cost (`kernel_s`)."""
     import statistics
@@ -213,8 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from-report", metavar="DIR", nargs="+")
     args = parser.parse_args(argv)
     old = json.loads(COSTS_PATH.read_text()) if COSTS_PATH.exists() else {}
-    if args.from_report:
-        old.update(report_costs(args.from_report))
+    if args.from_report:  # the notebooks these reports ran (`--only`) anew, the others' kept
+        old["notebooks"] = {**old.get("notebooks", {}), **report_costs(args.from_report)["notebooks"]}
+        old["kernel_s"] = min(v for levels in old["notebooks"].values() for v in levels.values())
     else:
         with tempfile.TemporaryDirectory() as runs_dir:
             old["experiments"] = {**old.get("experiments", {}), **measure_costs(args.names, runs_dir)}

@@ -259,7 +259,8 @@ def _measure(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,
     notes = {**wl.notes, "step_ms": " ".join(filter(None, (comparison.message, wl.notes.get("step_ms"),
                                                              cfg.sizing and f"({cfg.sizing})")))}
     predicted = {**exp.expected(cfg), **wl.predicted()}
-    return outputs, _rows(measured, saved, predicted, notes, row) + energy_rows
+    skipped = [row(m, None, status="skipped", message=why) for m, why in wl.skipped.items()]
+    return outputs, _rows(measured, saved, predicted, notes, row) + energy_rows + skipped
 
 
 def _time_with_energy(wl: Workload, cfg: RunConfig,

@@ -123,6 +123,10 @@ FAMILIES: dict[str, Family] = {
             fixed_s=2, calls=9, dtypes=LOW_PRECISION,
             smaller=(_small(("bf16", "bf16_weights"), batch_size=1, seq_len=32),
                      _small(("bf16_weights",), batch_size=1, seq_len=16, steps=1))),
+        # fp8 linears, emulated on the CPU (casts on top of an fp32 matmul: 2-3x a step's
+        # matmul work, counted in calls); its GPU run, torchao's for real, is not here yet
+        Run("fp8", ("fp8_tensorwise", "fp8_rowwise"), {"cpu": {"num_layers": 2, "seq_len": 32, **QUICK}},
+            fixed_s=5, calls=14),
     ), cuda_s=30),
     "training_memory": Family((
         Run("checkpointing", ("full",), {"cpu": dict(QUICK), "cuda": {}}, fixed_s=2, calls=7),
@@ -533,6 +537,14 @@ CHECKS: dict[str, list[Check]] = {
               against_prediction("mixed_precision", "bf16_weights", "peak_mem_bytes"), "within", 0.10),
         Check("precision", "mixed_precision", "bf16 autocast: trains as fp32 does (loss within its tolerance)",
               checked_ok("mixed_precision", "bf16"), ">=", 1.0, needs=("bf16",)),
+        Check("precision", "fp8", "fp8 tensorwise (emulated): loss and gradients within the tolerance "
+              "from the measured round trip", checked_ok("fp8", "fp8_tensorwise"), ">=", 1.0),
+        Check("precision", "fp8", "fp8 rowwise (emulated): the same check", checked_ok("fp8", "fp8_rowwise"),
+              ">=", 1.0),
+        Check("precision", "fp8", "e4m3 rowwise: largest round-trip error / half an ulp (<= 1)",
+              against_prediction("fp8", "fp8_rowwise", "max_rel_error"), "<=", 1.0),
+        Check("precision", "fp8", "fp8 copies' bytes, measured / the planner's (exactly)",
+              against_prediction("fp8", "fp8_tensorwise", "fp8_weight_bytes"), "within", 0.0),
         Check("training_memory", "checkpointing", "full checkpointing activations / none (issue 3: <= 1/4)",
               ratio("checkpointing", "activation_bytes", "full", "none"), "<=", 0.25),
         Check("training_memory", "checkpointing", "full: FLOPs counted / predicted (the recompute, exactly)",

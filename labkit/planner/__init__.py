@@ -22,6 +22,7 @@ Where each part lives (each module imports only those above it in this list):
 - `quantized`: a frozen base's bytes in NF4, int8 or int4, and one matmul's dequantization;
 - `finetune`: full, LoRA, QLoRA and LoRA on int8/int4 bases, `finetune_memory`,
   `finetune_frontier`;
+- `float8`: float8 training's converted linears, their copies' bytes and the Amdahl bound;
 - `report`: `plan_report`, the answer of `labkit plan` and the notebook.
 
 Every name is re-exported here: callers write `planner.training_memory`.
@@ -33,6 +34,8 @@ from labkit.planner.finetune import (BASE_FORMAT, FINETUNE_CHECKPOINTING, FINETU
                                      finetune_compute_dtype, finetune_frontier, finetune_memory,
                                      linear_shapes, linear_weight_bytes, lora_module_names,
                                      parse_lora_targets, trainable_params)
+from labkit.planner.float8 import (float8_cast_bytes, float8_flop_share, float8_shapes,
+                                   float8_speedup_bound)
 from labkit.planner.inference import inference_memory, kv_bytes_per_token, kv_cache_bytes
 from labkit.planner.model import (LocalShape, StageParams, adamw_state_bytes, attention_flops,
                                   block_linear_params, block_tensors, check_tp, forward_flops,
@@ -64,7 +67,8 @@ __all__ = ["BASE_FORMAT", "CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_
            "PrecisionBytes", "RECOMMENDED_PRECISIONS", "Recommendation", "SEARCH", "StageParams",
            "ZERO_STAGES", "adamw_state_bytes", "attention_flops", "block_linear_params",
            "block_tensors", "check_tp", "finetune_compute_dtype", "finetune_frontier",
-           "finetune_memory", "forward_flops", "fsdp2_all_gather_bytes", "generate_flops",
+           "finetune_memory", "float8_cast_bytes", "float8_flop_share", "float8_shapes",
+           "float8_speedup_bound", "forward_flops", "fsdp2_all_gather_bytes", "generate_flops",
            "inference_memory", "korthikanti_activation_bytes", "kv_bytes_per_token",
            "kv_cache_bytes", "layer_activation_bytes", "layer_params", "linear_shapes",
            "linear_weight_bytes", "local_shape", "lora_module_names", "low_bit_state_bytes",

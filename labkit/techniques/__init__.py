@@ -33,6 +33,7 @@ REGISTRY: dict[str, tuple[str, str | None]] = {
     "recipe": ("labkit.techniques.recipe", "notebooks/26_recipe.ipynb"),
     "finetune": ("labkit.techniques.finetune", "notebooks/30_finetune.ipynb"),
     "packing": ("labkit.techniques.packing", "notebooks/31_packing.ipynb"),
+    "fp8": ("labkit.techniques.fp8", "notebooks/32_fp8.ipynb"),
     "load_balance": ("labkit.techniques.load_balance", "notebooks/15_load_balance.ipynb"),
     "attention": ("labkit.techniques.attention", "notebooks/17_attention.ipynb"),
     "compile": ("labkit.techniques.compiling", "notebooks/18_compile.ipynb"),

@@ -5,6 +5,12 @@
 - `int4`: half a byte per weight, a 16-bit scale and zero point per `group_size` inputs
   (gpt-fast's and torchao's int4); a row not a multiple of the group ends in a shorter group.
 - `fp8`: float8_e4m3fn with a scale per output channel (GPUs with compute capability 8.9+).
+- `gptq_int4`, `awq_int4`: int4 group `group_size` in int4's storage, rounded by GPTQ (error
+  feedback through the inverse Hessian) or after AWQ's activation-aware scaling, calibrated on
+  `calib_sequences` x `calib_len` tokens of other text than the one measured (`calibration_text`).
+- `w8a8`, `smoothquant_w8a8`: int8's weight storage and int8 activations per token, computed at
+  run time; SmoothQuant first moves the activations' outliers into the weights.
+  (`labkit.blocks.calibrated`, with the papers.)
 Every block linear and the output head are quantized; the embedding and the norms stay.
 Decoding is bound by reading the weights once per token, so fewer bytes can mean more tokens/s,
 if the kernel reads the packed bytes (`kernel=packed`, torch's int8/int4 kernels) rather than
@@ -30,18 +36,24 @@ import torch
 import torch.nn.functional as F
 
 from labkit import hardware, planner
-from labkit.blocks import quant
+from labkit.blocks import calibrated, quant
 from labkit.blocks.decoding import generate_cached
 from labkit.blocks.kv_caches import StaticCache
 from labkit.blocks.model import build_model
 from labkit.config import DTYPE_BYTES, MODELS, ConfigError, ModelConfig, RunConfig, knob, torch_dtype
+from labkit.measure.clock import clock
 from labkit.measure.memory import MemoryMeter, storage_bytes
 from labkit.workload import Comparison, SkipVariant, Workload
 
-VARIANTS = ("none", "int8", "int4", "fp8")
+VARIANTS = ("none", "int8", "int4", "fp8", "gptq_int4", "awq_int4", "w8a8", "smoothquant_w8a8")
+CALIBRATED = calibrated.STORAGE  # variant -> the RTN scheme whose storage it has (its bytes)
+RTN_OF = {"gptq_int4": "int4", "awq_int4": "int4", "w8a8": "int8", "smoothquant_w8a8": "w8a8"}
+# ^ what each calibrated variant is measured beside: RTN at the same bits; SmoothQuant beside
+# plain W8A8, which is beside int8 weight-only
 REFERENCE = "none"
 # smaller sizes of the default CPU run, cheapest last (labkit.harness.budget)
-CPU_RUNGS = ({"new_tokens": 16}, {"new_tokens": 8, "num_layers": 2})
+CPU_RUNGS = ({"new_tokens": 16}, {"new_tokens": 8, "num_layers": 2},
+             {"new_tokens": 8, "num_layers": 1, "calib_sequences": 2, "calib_len": 64})
 
 LOADINGS = tuple(quant.LOADINGS)
 _GPU = {"batch_size": 1, "prompt_len": 128, "new_tokens": 128, "dtype": "bfloat16"}
@@ -56,7 +68,8 @@ SIZES = {"tiny": {"batch_size": 1}, "reference": {"batch_size": 1},
 # medium (H200). Broken ones, small: int8 with its scale halved 54%, int4 with its nibbles
 # swapped 137%.
 EVAL_SHAPE = (8, 128)  # held-out (sequences, tokens) for perplexity on the reference preset
-LOGIT_TOLERANCE = {"none": 0.0, "int8": 0.15, "fp8": 0.3, "int4": 0.9}
+LOGIT_TOLERANCE = {"none": 0.0, "int8": 0.15, "fp8": 0.3, "int4": 0.9, "gptq_int4": 0.9,
+                   "awq_int4": 0.9, "w8a8": 0.3, "smoothquant_w8a8": 0.3}
 
 
 @dataclass(kw_only=True)
@@ -68,7 +81,9 @@ class Config(RunConfig):
     kernel: str = knob("auto", choices=quant.KERNELS,
                        help="auto/packed: torch's packed kernels where they serve; dequant: plain PyTorch")
     loading: str = knob("quantize_on_load", choices=LOADINGS, help="quantize per linear as loaded, "
-                        "or load the whole model first")
+                        "or load the whole model first (calibrated variants: always the whole model)")
+    calib_sequences: int = knob(8, min=1, help="calibrated variants: calibration sequences")
+    calib_len: int = knob(128, min=2, help="calibrated variants: tokens per calibration sequence")
     uses_seq_len = False
 
 
@@ -99,7 +114,7 @@ def linear_shapes(m: ModelConfig) -> list[tuple[int, int]]:
 
 def layer_bytes(cfg: Config, variant: str | None = None) -> list[int]:
     v = variant or cfg.variant
-    return [quant.weight_bytes(n, k, v, cfg.group_size, DTYPE_BYTES[cfg.dtype])
+    return [quant.weight_bytes(n, k, CALIBRATED.get(v, v), cfg.group_size, DTYPE_BYTES[cfg.dtype])
             for n, k in linear_shapes(cfg.model)]
 
 
@@ -122,7 +137,7 @@ def predicted_load_peak(cfg: Config) -> int:
     full, quantized = layer_bytes(cfg, "none"), layer_bytes(cfg)
     if cfg.variant == "none":
         return planner.param_bytes(cfg.model, cfg.dtype)
-    if cfg.loading == "load_then_quantize":
+    if cfg.loading == "load_then_quantize" or cfg.variant in CALIBRATED:
         return planner.param_bytes(cfg.model, cfg.dtype) + quantized[0]
     return other_param_bytes(cfg) + max(sum(quantized[:i + 1]) + full[i] for i in range(len(full)))
 
@@ -172,9 +187,25 @@ def checkpoint_path(cfg: Config) -> str:
 
 
 def load(cfg: Config):
-    """The model, loaded by `cfg.loading` (the reference loads whole, unquantized)."""
+    """The model, loaded by `cfg.loading` (the reference loads whole, unquantized; a calibrated
+    variant loads whole, then is calibrated)."""
+    return load_timed(cfg)[0]
+
+
+def load_timed(cfg: Config):
+    """(the model as `load` gives it, the seconds its calibration took: 0 for RTN)."""
     checkpoint = quant.open_checkpoint(checkpoint_path(cfg))
     kw = {"dtype": torch_dtype(cfg.dtype), "device": cfg.device, "attention": cfg.attention}
+    if cfg.variant in CALIBRATED:
+        model = quant.load_full(cfg.model, checkpoint, **kw)
+        start = clock(cfg.device)
+        calibrated.apply_calibrated(model, cfg.variant, calibration_text(cfg), group_size=cfg.group_size,
+                                    kernel=cfg.kernel)
+        return model, clock(cfg.device) - start
+    return load_rtn(cfg, checkpoint, kw), 0.0
+
+
+def load_rtn(cfg: Config, checkpoint: quant.Checkpoint, kw: dict):
     if cfg.variant == "none":
         return quant.load_full(cfg.model, checkpoint, **kw)
     if cfg.loading == "quantize_on_load":
@@ -195,6 +226,19 @@ def make_text(cfg: Config) -> torch.Tensor:
     return torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, length), generator=gen).to(cfg.device)
 
 
+def calibration_text(cfg: Config) -> torch.Tensor:
+    """(calib_sequences, calib_len) tokens the calibrated variants are fitted on: the reference
+    language at its own seed (`reference.calibration_text`) on the `reference` preset, else
+    random tokens at seed + 2; never the text measured (`eval_text`, `make_text`)."""
+    shape = (cfg.calib_sequences, cfg.calib_len)
+    if cfg.preset == "reference":
+        from labkit.blocks import reference
+
+        return reference.calibration_text(*shape).to(cfg.device)
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    return torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(cfg.device)
+
+
 def eval_text(cfg: Config, text: torch.Tensor) -> torch.Tensor:
     """What the logits, next-token agreement and perplexity are measured on: EVAL_SHAPE held-out
     sequences on the `reference` preset, else the generation's own text."""
@@ -209,7 +253,7 @@ def eval_text(cfg: Config, text: torch.Tensor) -> torch.Tensor:
 
 def build(cfg: Config) -> Workload:
     with MemoryMeter(cfg.device) as meter:  # the loading phase alone (the harness times decoding)
-        model = load(cfg)
+        model, calibration_s = load_timed(cfg)
         load_peak = meter.peak_bytes
     text = make_text(cfg)
     prompt = text[:, :cfg.prompt_len]
@@ -233,8 +277,9 @@ def build(cfg: Config) -> Workload:
 
     def report() -> dict[str, float]:
         stored = storage_bytes(quant.stored_weights(model))
+        calibration = {"calibration_s": calibration_s} if cfg.variant in CALIBRATED else {}
         return {"weight_bytes_ratio": stored / predicted_weight_bytes(cfg, "none"),
-                "load_peak_mem_bytes": load_peak, **quant.kernel_paths(model)}
+                "load_peak_mem_bytes": load_peak, **calibration, **quant.kernel_paths(model)}
 
     return Workload(
         step=step, check=check, tokens_per_step=cfg.batch_size * cfg.new_tokens,
@@ -249,19 +294,24 @@ def path_note(cfg: Config, model) -> str:
     """Which kernel ran each quantized linear, and why a layer was dequantized."""
     if cfg.variant == "none":
         return "none: F.linear on the model-dtype weights"
+    w8a8 = cfg.variant in ("w8a8", "smoothquant_w8a8")
+    scheme = "w8a8" if w8a8 else CALIBRATED.get(cfg.variant, cfg.variant)
     reasons: dict[str, int] = {}
     for mod in model.modules():
         if isinstance(mod, quant.QuantLinear) and not mod.packed:
-            why = "kernel=dequant" if cfg.kernel == "dequant" else quant.packed_reason(
-                cfg.variant, mod.out_features, mod.in_features, cfg.group_size, cfg.device,
-                torch_dtype(cfg.dtype)) or "the kernel refused the layout"
+            why = "kernel=dequant" if cfg.kernel == "dequant" else (
+                calibrated.w8a8_packed_reason(mod.out_features, mod.in_features, cfg.kernel) if w8a8
+                else quant.packed_reason(scheme, mod.out_features, mod.in_features, cfg.group_size,
+                                         cfg.device, torch_dtype(cfg.dtype))) or "the kernel refused the layout"
             reasons[why] = reasons.get(why, 0) + 1
     paths = quant.kernel_paths(model)
     op = {"int8": "aten._weight_int8pack_mm", "int4": "aten._weight_int4pack_mm"
-          + ("" if cfg.device.startswith("cuda") else "_for_cpu")}.get(cfg.variant, "-")
+          + ("" if cfg.device.startswith("cuda") else "_for_cpu"),
+          "w8a8": "torch._int_mm (int8 x int8 -> int32, activations quantized per token)"}.get(scheme, "-")
     why = "; ".join(f"{n} because {r}" for r, n in reasons.items())
+    fallback = "emulated in fp32" if w8a8 else "dequantized then F.linear"
     return (f"{cfg.variant} (kernel={cfg.kernel}): {paths['packed_layers']} linears on {op}, "
-            f"{paths['dequant_layers']} dequantized then F.linear" + (f" ({why})" if why else ""))
+            f"{paths['dequant_layers']} {fallback}" + (f" ({why})" if why else ""))
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
@@ -304,7 +354,9 @@ def notes(cfg: Config) -> dict[str, str]:
         "weight_bytes": "every block linear and the output head as stored (data + 16-bit scales "
                         "and zero points; biases, embedding and norms not counted); predicted: "
                         "N K bytes_per_value (none), N K + 2 N (int8, fp8), "
-                        "N ceil(K/2) + 4 N ceil(K/group_size) (int4, the last group may be shorter).",
+                        "N ceil(K/2) + 4 N ceil(K/group_size) (int4, the last group may be shorter); "
+                        "gptq_int4 and awq_int4 store int4's format, w8a8 and smoothquant_w8a8 "
+                        "int8's (AWQ's and SmoothQuant's scales are folded into the op before).",
         "weight_bytes_ratio": "weight_bytes over the same linears in the model's dtype",
         "tokens_per_s": "predicted: reading the stored weights (and the cache) once per token at the "
                         "device's bandwidth, an upper bound; the dequant path reads the packed "
@@ -320,7 +372,46 @@ def notes(cfg: Config) -> dict[str, str]:
                            "one flip at a near-tie and the continuations part)",
         "next_token_agreement": "share of positions where the argmax equals the reference's on the "
                                 "same prefix (teacher-forced: no cascade)",
+        "calibration_s": f"seconds fitting the calibrated variant on {cfg.calib_sequences} x "
+                         f"{cfg.calib_len} calibration tokens ({calibration_source(cfg)}), block by "
+                         "block, loading excluded",
     }
+
+
+def calibration_source(cfg: Config) -> str:
+    """Which tokens the calibrated variants are fitted on, against those they are measured on."""
+    if cfg.preset == "reference":
+        from labkit.blocks import reference
+
+        return (f"the reference language at seed {reference.CALIBRATION_SEED}; perplexity and "
+                f"agreement on {EVAL_SHAPE[0]} x {EVAL_SHAPE[1]} held-out tokens at seed "
+                f"{reference.HELDOUT_SEED}")
+    return (f"random tokens at seed {cfg.seed + 2}; agreement on the generation's own random "
+            f"tokens at seed {cfg.seed + 1}")
+
+
+COMPARED = ("perplexity_delta_pct", "next_token_agreement", "logit_rel_error", "weight_bytes",
+            "calibration_s")
+GOAL_DELTA_RATIO = 0.5  # issue 28: GPTQ or AWQ at int4, group 64, reference preset, at most half
+# of RTN's perplexity delta
+
+
+def against_rtn(measured: dict[str, dict[str, float]]) -> list[dict]:
+    """Each calibrated variant that ran beside what it is measured against (`RTN_OF`), from
+    {variant: {metric: value}} (`viz.metric_table(frame).to_dict()`): its metrics, the other's
+    (`beside_*`) and `delta_ratio`, its perplexity delta over the other's (reference preset)."""
+    out = []
+    for variant, beside in RTN_OF.items():
+        if variant not in measured or beside not in measured:
+            continue
+        mine, theirs = measured[variant], measured[beside]
+        row: dict = {"variant": variant, "beside": beside}
+        for m in COMPARED:
+            row[m], row[f"beside_{m}"] = mine.get(m, math.nan), theirs.get(m, math.nan)
+        other = row["beside_perplexity_delta_pct"]
+        row["delta_ratio"] = row["perplexity_delta_pct"] / other if other else math.nan
+        out.append(row)
+    return out
 
 
 def loading_peaks(cfg: Config) -> list[dict]:
