@@ -103,6 +103,15 @@ def train_flops(s):
     return (6 * matmul_params * tokens + 14 * x["b"] * x["s"] ** 2 * x["d"] * x["L"]) / 1e6
 
 
+def fp8_rowwise(s, scale_per_row=True):
+    """Each block linear (all of the tiny model's dimensions are multiples of 16) in 1 byte per
+    weight, plus a 4-byte scale per output row (rowwise) or per tensor; the head stays."""
+    x = shapes(s)
+    linears = [(x["q"], x["d"]), (x["kv"], x["d"]), (x["kv"], x["d"]), (x["d"], x["q"]),
+               (x["f"], x["d"]), (x["f"], x["d"]), (x["d"], x["f"])]
+    return x["L"] * sum(n * k + 4 * (n if scale_per_row else 1) for n, k in linears)
+
+
 LEARNER = {
     "peak_memory": peak_memory,
     "checkpoint_saving": lambda s: saving(s, lambda x: 4 * x["d"]),
@@ -116,6 +125,7 @@ LEARNER = {
     "fp16_underflow": lambda s: 0.0 if 1e-8 < 2.0**-25 else 2.0**-24,  # the nearer fp16 neighbour
     "fp16_range": lambda s: "inf in fp16, finite in bf16" if 300**2 + 250**2 > 65504 else "finite in both",
     "train_flops": train_flops,
+    "fp8_rowwise_weight_bytes": fp8_rowwise,
 }
 MISTAKE = {
     "peak_memory": lambda s: 16 * psi(shapes(s)) / MiB,
@@ -129,6 +139,7 @@ MISTAKE = {
     "mixed_state_bytes": lambda s: 8 * psi(shapes(s)) / MiB,
     "fp16_underflow": lambda s: 1e-8,
     "train_flops": lambda s: 6 * psi(shapes(s)) * shapes(s)["b"] * shapes(s)["s"] / 1e6,
+    "fp8_rowwise_weight_bytes": lambda s: fp8_rowwise(s, scale_per_row=False),
 }
 # Other wrong answers the tolerance must reject too.
 ALSO_WRONG = {"recompute_cost": lambda s: 100 * x_full_forward(s), "fp16_underflow": lambda s: 2.0**-24}

@@ -187,3 +187,20 @@ def test_optim_05s_figure_is_the_planners():
     sizes = planner.stage_tensors(MODELS["llama-2-7b"])
     assert f"{planner.low_bit_state_bytes(sizes, 'adamw4bit') / 2**30:.2f} GiB" in text
     assert planner.LOW_BIT["adamw4bit"].block == 128 and planner.LOW_BIT["adamw4bit"].map_size == 16
+
+
+def test_the_8_bit_drills_answers_by_hand():
+    from labkit.study import exercises
+    from labkit.study.exercises.core import Setup
+
+    s = Setup(exercises.RUNS["chunked"], "cpu")
+    m = s.cfg("composed", optimizer="adamw8bit").model  # one layer: what the details list
+    d, f, V = m.hidden_size, m.ffn_size, m.vocab_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    sizes = [V * d, d, d, q * d, kv * d, kv * d, q * d, f * d, f * d, d * f, d, V * d]
+    assert sorted(sizes) == sorted(planner.stage_tensors(m))
+    by_hand = sum(2 * (n + 4 * n // 256 + 4 * 256) if n >= 4096 and n % 256 == 0 else 8 * n for n in sizes)
+    assert exercises.reference_answer("adamw8bit_state_bytes", "cpu") == by_hand
+    psi = sum(sizes)
+    peak = 4 * psi + 4 * psi + by_hand + 53 * V * d + 4 * V * d // 256 + 8
+    assert exercises.reference_answer("adamw8bit_step_peak", "cpu") == peak

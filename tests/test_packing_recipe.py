@@ -108,3 +108,13 @@ def test_packing_06s_weights_are_the_trainers():
     weights = [piece.weight for piece in trainer.micro_batches()]
     assert weights == [0.625, 0.375]
     assert all(f"{w:g}" in text for w in weights) and "0.5 each" in text
+
+
+def test_the_mask_drills_answer_by_hand():
+    from labkit.study import exercises
+    from labkit.study.exercises.core import Setup
+
+    c = Setup(exercises.RUNS["chunked"], "cpu").cfg("composed", packing=True)
+    b, s, hd, layers = c.batch_size, c.seq_len, c.model.head_dim, c.model.num_layers
+    by_hand = b * s * s * 4 * layers + 2 * (b - 1) * s * hd * 4 - 8 * b * s
+    assert exercises.reference_answer("packed_mask_bytes", "cpu") == by_hand

@@ -197,3 +197,17 @@ def test_accumulation_marks_each_micro_batch_and_holds_the_first_ones_gradients(
     second = samples[(samples["micro_batch"] == 1) & (samples["phase"] == "forward")]
     assert (second["gradients"] == planner.param_bytes(config().model, "float32")).all()
     assert timeline.predicted_peak_bytes == pytest.approx(timeline.timeline.peak_bytes(), rel=0.10)
+
+
+def test_a_long_step_is_drawn_thinned_with_its_peak_and_phase_edges_kept():
+    from labkit.views.memory import thinned
+
+    samples = 5000
+    phases = ["forward"] * 2000 + ["backward"] * 2000 + ["optimizer"] * 1000
+    total = [i % 97 for i in range(samples)]
+    total[3333] = 10_000  # the peak, off the stride
+    rows = pd.DataFrame({"sample": range(samples), "phase": phases, "total_bytes": total})
+    kept = thinned(rows, most=500)
+    assert len(kept) <= 500 + 7 and 3333 in set(kept["sample"])
+    assert {0, 1999, 2000, 3999, 4000, 4999} <= set(kept["sample"])
+    assert thinned(rows.head(400), most=500).equals(rows.head(400))  # short steps drawn whole

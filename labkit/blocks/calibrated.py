@@ -40,10 +40,11 @@ from labkit.blocks.model import Decoder
 
 METHODS = ("gptq_int4", "awq_int4", "smoothquant_w8a8", "w8a8")
 STORAGE = {"gptq_int4": "int4", "awq_int4": "int4", "smoothquant_w8a8": "int8", "w8a8": "int8"}
+aten = torch.ops.aten
 DAMP = 0.01  # GPTQ: the Hessian's diagonal damping, a share of its mean diagonal (the paper's 1%)
 AWQ_GRID = 20  # AWQ: alpha in 0, 1/20, ..., 19/20 (the paper's grid)
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength a
-INT_MM_MIN_ROWS = 17  # CUDA's torch._int_mm takes more than 16 rows
+INT_MM_MIN_ROWS = 17  # CUDA's aten._int_mm takes more than 16 rows
 
 
 @dataclass
@@ -251,7 +252,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class W8A8Linear(quant.QuantLinear):
     """y = (q_x q_w^T) * s_x s_w: the weight as int8's storage (`weight_int8`, `scale` per
-    output channel, 16-bit), each token of x quantized at run time. Packed: torch._int_mm (int8
+    output channel, 16-bit), each token of x quantized at run time. Packed: aten._int_mm (int8
     x int8 -> int32); else emulated in fp32 (exact while 127^2 K < 2^24)."""
 
     scheme = "w8a8"
@@ -265,7 +266,7 @@ class W8A8Linear(quant.QuantLinear):
     def matmul(self, x):
         qx, sx = quantize_per_token(x)
         if self.packed and (not x.is_cuda or x.shape[0] >= INT_MM_MIN_ROWS):
-            acc = torch._int_mm(qx, self.weight_int8.t()).float()
+            acc = aten._int_mm(qx, self.weight_int8.t()).float()
         else:
             acc = qx.float() @ self.weight_int8.float().t()
         return (acc * sx[:, None] * self.scale.float()[None, :]).to(x.dtype)
@@ -275,7 +276,7 @@ def w8a8_packed_reason(out_features: int, in_features: int, kernel: str) -> str 
     if kernel == "dequant":
         return "kernel=dequant"
     if in_features % 8 or out_features % 8:
-        return "torch._int_mm wants in_features and out_features multiples of 8"
+        return "aten._int_mm wants in_features and out_features multiples of 8"
     return None
 
 

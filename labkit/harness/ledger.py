@@ -50,7 +50,7 @@ def memory_ledger(cfg: RunConfig, recipe: Recipe | None = None) -> pd.DataFrame:
     timeline = step_timeline(cfg, recipe, keep_trainer=True)
     samples, plan = timeline.timeline.samples, timeline.plan
     peak = samples.loc[samples["total_bytes"].idxmax()]
-    named = named_residuals(timeline)
+    named = named_residuals(timeline, counters_planned=recipe.finetune != "none")
     rows = []
     for category, (column, terms) in LEDGER.items():
         predicted = sum(getattr(plan, f"{t}_bytes") for t in terms if t in plan.held_at_peak)
@@ -68,17 +68,20 @@ def memory_ledger(cfg: RunConfig, recipe: Recipe | None = None) -> pd.DataFrame:
     return frame
 
 
-def named_residuals(timeline: StepTimeline) -> dict[str, tuple[int, str]]:
+def named_residuals(timeline: StepTimeline, *, counters_planned: bool = False) -> dict[str, tuple[int, str]]:
     """What the planner leaves out on purpose, counted on the step's own tensors: the batch's
     token ids (and a packed batch's document ids), which the forward's embedding and loss hold
-    (activations), and the optimizer's 0-dim step counters (4 bytes a tensor)."""
+    (activations), and the optimizer's 0-dim step counters (4 bytes a tensor), unless
+    `counters_planned` (the fine-tuning terms count the adapters')."""
     trainer = timeline.trainer
     batch = [trainer.inputs, trainer.targets] + ([trainer.document_ids] if trainer.document_ids is not None else [])
+    named = {"activations": (storage_bytes(batch), "the batch's token ids (targets, document ids), held "
+                                                   "by the embedding and the loss")}
     counters = [t for t in trainer.optimizer_tensors() if t.dim() == 0]
-    return {"activations": (storage_bytes(batch), "the batch's token ids (targets, document ids), "
-                                                  "held by the embedding and the loss"),
-            "optimizer states": (storage_bytes(counters), f"{len(counters)} step counters, one a "
-                                                          "tensor (0-dim)")}
+    if not counters_planned:
+        named["optimizer states"] = (storage_bytes(counters), f"{len(counters)} step counters, one a "
+                                                              "tensor (0-dim)")
+    return named
 
 
 def ledger_ok(frame: pd.DataFrame, within: float = 0.05, small: float = 0.01) -> bool:

@@ -22,6 +22,7 @@ from labkit.views.plots import byte_unit, legend_above
 CATEGORY_COLORS = dict(zip(CATEGORIES, ("#264653", "#e76f51", "#8e7dbe", "#2a9d8f", "#e9c46a")))
 PEAK_COLOR = "#d62828"
 NEEDED = ("recipe", "sample", "phase", "category", "bytes", "total_bytes", "predicted_peak_bytes")
+MAX_SAMPLES = 800  # drawn per recipe (`thinned`)
 
 
 def aligned_x(samples: pd.Series, phases: pd.Series) -> np.ndarray:
@@ -63,7 +64,22 @@ def timeline_figure(frame: pd.DataFrame, *, title: str = "") -> go.Figure:
     return legend_above(fig, 260 + 220 * len(recipes))
 
 
+def thinned(rows: pd.DataFrame, most: int = MAX_SAMPLES) -> pd.DataFrame:
+    """One recipe's rows at no more than about `most` samples: every k-th, each phase's first and
+    last and the peak kept (an eager 8-bit optimizer step allocates thousands of times, and a
+    report page holds every drawn point)."""
+    samples = rows["sample"].drop_duplicates()
+    if len(samples) <= most:
+        return rows
+    totals = rows.drop_duplicates("sample")
+    keep = set(samples.iloc[::-(-len(samples) // most)])
+    keep |= set(totals.groupby("phase", sort=False)["sample"].agg(["first", "last"]).to_numpy().ravel())
+    keep.add(totals.loc[totals["total_bytes"].idxmax(), "sample"])
+    return rows[rows["sample"].isin(keep)]
+
+
 def _add_areas(fig: go.Figure, rows: pd.DataFrame, row: int, scale: float, unit: str) -> None:
+    rows = thinned(rows)
     for category in CATEGORIES:
         sel = rows[rows["category"] == category].sort_values("sample")
         sel = pd.concat([sel, sel.iloc[-1:]])  # the last state holds to the step's end

@@ -118,5 +118,30 @@ def train_flops() -> Exercise:
         unit="MFLOP", rel_tol=0.10, details=model_words)
 
 
+def fp8_copies(s: Setup, granularity: str = "rowwise") -> int:
+    """The converted weights' float8 copies: 1 byte per weight, a 4-byte fp32 scale per row
+    (rowwise) or per tensor (tensorwise) (`planner.float8_cast_bytes`)."""
+    cfg = s.cfg("fp8_rowwise")
+    return planner.float8_cast_bytes(cfg.model, tokens=cfg.batch_size * cfg.seq_len,
+                                     granularity=granularity)["weight"]
+
+
+def fp8_words(s: Setup) -> str:
+    shapes = planner.float8_shapes(s.cfg("fp8_rowwise").model)
+    return ("The fp8 linears of the run's model, (outputs x inputs): "
+            + ", ".join(f"{n} x {k}" for n, k in shapes)
+            + " (the output head stays in high precision).")
+
+
+def fp8_weight_bytes() -> Exercise:
+    return Exercise(
+        "fp8_rowwise_weight_bytes", TOPICS[1], "fp8", answer=fp8_copies, details=fp8_words,
+        evidence=lambda r, s: {"measured": show(r.get("fp8_rowwise", "fp8_weight_bytes"), "bytes")},
+        level=1, mistake=lambda s: fp8_copies(s, "tensorwise"), unit="bytes", rel_tol=0.001,
+        supports=lambda r, s: None if r.get("fp8_rowwise", "fp8_weight_bytes") == fp8_copies(s) else
+        f"the run's casts made {show(r.get('fp8_rowwise', 'fp8_weight_bytes'), 'bytes')}, not {fp8_copies(s):,}")
+
+
 def build_exercises() -> list[Exercise]:
-    return [bf16_param_bytes(), mixed_state_bytes(), fp16_underflow(), fp16_range(), train_flops()]
+    return [bf16_param_bytes(), mixed_state_bytes(), fp16_underflow(), fp16_range(), train_flops(),
+            fp8_weight_bytes()]

@@ -73,9 +73,36 @@ def measured_weight_bytes(r: Rows, s: Setup) -> str | None:
     return None if got == want else f"the run stored {show(got, 'bytes')}, not the formula's {want}"
 
 
+def gptq_bytes(s: Setup) -> int:
+    """GPTQ stores RTN's int4 format: the same bytes for the whole model's linears."""
+    from labkit.techniques import weight_quant
+
+    return weight_quant.predicted_weight_bytes(s.cfg("gptq_int4"))
+
+
+def gptq_supports(r: Rows, s: Setup) -> str | None:
+    got, rtn = r.get("gptq_int4", "weight_bytes"), r.get("int4", "weight_bytes")
+    return None if got == rtn == gptq_bytes(s) else \
+        f"GPTQ stored {show(got, 'bytes')} and RTN {show(rtn, 'bytes')}, the formula {gptq_bytes(s):,}"
+
+
+def hessian_bytes(s: Setup) -> int:
+    """The common mistake: GPTQ's K x K fp32 Hessian kept beside each linear."""
+    from labkit.techniques import weight_quant
+
+    return gptq_bytes(s) + sum(4 * k * k for _, k in weight_quant.linear_shapes(s.cfg("gptq_int4").model))
+
+
 def build_exercises() -> list[Exercise]:
     topic = TOPICS[5]
     return [
+        Exercise(
+            "gptq_int4_bytes", topic, "quant", answer=gptq_bytes, details=weights_words,
+            evidence=lambda r, s: {"gptq": show(r.get("gptq_int4", "weight_bytes"), "bytes"),
+                                   "rtn": show(r.get("int4", "weight_bytes"), "bytes"),
+                                   "agreement": show(r.get("gptq_int4", "next_token_agreement")),
+                                   "rtn_agreement": show(r.get("int4", "next_token_agreement"))},
+            level=1, mistake=hessian_bytes, supports=gptq_supports, unit="bytes"),
         Exercise(
             "int4_group_bytes", topic, "quant",
             answer=down_proj_bytes, details=bytes_words,

@@ -304,5 +304,86 @@ def chunked_loss() -> Exercise:
         supports=chunked_supports, unit="bytes", rel_tol=0.001)
 
 
+EIGHT_BIT, PACKED = {"optimizer": "adamw8bit"}, {"packing": True}
+
+
+def tensor_words(s: Setup) -> str:
+    """The model's parameter tensors by size (elements x how many)."""
+    m = s.cfg(VARIANT, **EIGHT_BIT).model
+    sizes = planner.stage_tensors(m)
+    counts = {n: sizes.count(n) for n in sorted(set(sizes), reverse=True)}
+    return (f"One process, fp32, the tiny model with one layer: its {len(sizes)} parameter tensors hold "
+            + ", ".join(f"{n:,} elements ({k} of them)" if k > 1 else f"{n:,} elements" for n, k in counts.items())
+            + f", Ψ = {sum(sizes):,} in all.")
+
+
+def eight_bit_states(s: Setup) -> int:
+    return recipe.planned(s.cfg(VARIANT, **EIGHT_BIT)).optimizer_bytes
+
+
+def counters(s: Setup) -> int:
+    """The optimizer's 0-dim step counters, 4 bytes a tensor, which the measured states include."""
+    return 4 * len(planner.stage_tensors(s.cfg(VARIANT, **EIGHT_BIT).model))
+
+
+def measured_close(metric: str, point: dict, want, within: float, r: Rows) -> str | None:
+    got = r.get(VARIANT, metric, **point)
+    return None if got is not None and abs(got - want) <= within else \
+        f"the run measured {show(got, 'bytes')} of {metric}, the planner's {want:,}"
+
+
+def eight_bit_peak(s: Setup) -> int:
+    return recipe.planned(s.cfg(VARIANT, **EIGHT_BIT)).total_bytes
+
+
+def eight_bit_peak_words(s: Setup) -> str:
+    p = recipe.planned(s.cfg(VARIANT, **EIGHT_BIT))
+    return (tensor_words(s) + f" At the optimizer step the weights and the gradients take {p.param_bytes:,} bytes "
+            f"each and AdamW8bit's states {p.optimizer_bytes:,}.")
+
+
+def mask_growth(s: Setup) -> int:
+    """The packed step's activations less the plain step's (the planner's terms)."""
+    return (recipe.planned(s.cfg(VARIANT, **PACKED)).activation_bytes
+            - recipe.planned(s.cfg(VARIANT, **PLAIN_LOSS)).activation_bytes)
+
+
+def mask_words(s: Setup) -> str:
+    c = s.cfg(VARIANT, **PACKED)
+    return (f"One process, fp32, the tiny model with {c.model.num_layers} layer (head_dim {c.model.head_dim}, "
+            f"RoPE); {c.batch_size} rows of {c.seq_len} tokens either way.")
+
+
+def optimizer_exercises() -> list[Exercise]:
+    return [
+        Exercise(
+            "adamw8bit_state_bytes", TOPICS[0], "chunked", answer=eight_bit_states, details=tensor_words,
+            evidence=lambda r, s: {"measured": show(r.get(VARIANT, "optimizer_bytes", **EIGHT_BIT), "bytes"),
+                                   "fp32": show(r.get(VARIANT, "optimizer_bytes", **PLAIN_LOSS), "bytes"),
+                                   "counters": counters(s)},
+            level=2, mistake=lambda s: 2 * planner.num_params(s.cfg(VARIANT, **EIGHT_BIT).model),
+            supports=lambda r, s: measured_close("optimizer_bytes", EIGHT_BIT, eight_bit_states(s) + counters(s),
+                                                 0, r),
+            unit="bytes", rel_tol=0.001),
+        Exercise(
+            "adamw8bit_step_peak", TOPICS[0], "chunked", answer=eight_bit_peak, details=eight_bit_peak_words,
+            evidence=lambda r, s: {"measured": show(r.get(VARIANT, "peak_mem_bytes", **EIGHT_BIT), "bytes"),
+                                   "fp32": show(r.get(VARIANT, "peak_mem_bytes", **PLAIN_LOSS), "bytes")},
+            level=3, mistake=lambda s: (lambda p: p.param_bytes + p.grad_bytes + p.optimizer_bytes)(
+                recipe.planned(s.cfg(VARIANT, **EIGHT_BIT))),
+            supports=lambda r, s: measured_close("peak_mem_bytes", EIGHT_BIT, eight_bit_peak(s),
+                                                 0.01 * eight_bit_peak(s), r),
+            unit="bytes", rel_tol=0.01),
+        Exercise(
+            "packed_mask_bytes", TOPICS[0], "chunked", answer=mask_growth, details=mask_words,
+            evidence=lambda r, s: {"packed": show(r.get(VARIANT, "activation_bytes", **PACKED), "bytes"),
+                                   "plain": show(r.get(VARIANT, "activation_bytes", **PLAIN_LOSS), "bytes")},
+            level=3, mistake=lambda s: (lambda c: c.batch_size * c.seq_len ** 2)(s.cfg(VARIANT, **PACKED)),
+            supports=lambda r, s: measured_close(
+                "activation_bytes", PACKED, (r.get(VARIANT, "activation_bytes", **PLAIN_LOSS) or 0) + mask_growth(s), 0, r),
+            unit="bytes", rel_tol=0.001),
+    ]
+
+
 def build_exercises() -> list[Exercise]:
-    return [recipe_peak(), ladder_fit(), chunked_loss()]
+    return [recipe_peak(), ladder_fit(), chunked_loss(), *optimizer_exercises()]

@@ -43,15 +43,19 @@ RUNS = {
     # ZeRO-2's (41 MiB).
     "recipe": Run("recipe", {**DIST, "batch_size": 8, "seq_len": 32, "precision": "bf16",
                              "budget_gib": 65 / 1024}, ("composed",), list(RECIPE_RUNGS.values())),
-    # one process, 2 x 32 tokens of the tiny model's 4096-entry vocabulary, fp32: the plain loss
-    # and the chunked one (16 tokens of logits at a time), composed against plain each
+    # one process, 2 x 32 tokens of the tiny model's 4096-entry vocabulary, fp32: the plain loss,
+    # the chunked one (16 tokens of logits at a time), 8-bit AdamW and packed rows, composed
+    # against plain each
     "chunked": Run("recipe", {**FAST, "nproc": 1, "device": "cpu", "batch_size": 2, "seq_len": 32,
                               "num_layers": 1, "timed_steps": 2}, ("composed",),
-                   [{"loss": "plain"}, {"loss": "chunked", "loss_chunk": 16}]),
+                   [{"loss": "plain"}, {"loss": "chunked", "loss_chunk": 16}, {"optimizer": "adamw8bit"},
+                    {"packing": True}]),
     "pipe": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "delay_stage": 0},
                 ("single", "gpipe"), {"stage_delay_ms": [0.0, SLOW_STAGE_MS]}),
-    "quant": Run("weight_quant", {**FAST, "prompt_len": 4, "new_tokens": 8, "num_layers": 1},
-                 ("none", "int8", "int4")),
+    "quant": Run("weight_quant", {**FAST, "prompt_len": 4, "new_tokens": 8, "num_layers": 1,
+                                  "calib_sequences": 2, "calib_len": 64}, ("none", "int8", "int4", "gptq_int4")),
+    # one layer, 16 tokens: the fp8 copies' bytes follow the shapes alone
+    "fp8": Run("fp8", {**FAST, "num_layers": 1, "batch_size": 1, "seq_len": 16, "steps": 1}, ("fp8_rowwise",)),
     # the tiny preset: its random draft agrees by chance, its prompts' n-grams are what recur
     "spec": Run("speculative", {**FAST, "prompt_len": 8, "new_tokens": 16, "num_layers": 2},
                 ("none", "draft", "prompt_lookup")),
