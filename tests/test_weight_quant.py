@@ -197,8 +197,11 @@ def test_exercises_grade_the_formula_and_the_measurement_supports_them(tmp_path)
     int4 = sum(out * -(-inp // 2) + 4 * out * -(-inp // 64) for out, inp in shapes)
     careful["int4_speedup_bound"] = sum(4 * out * inp for out, inp in shapes) / int4
     assert 32 / 4.5 * 0.98 < careful["int4_speedup_bound"] < 32 / 4.5  # shorter groups: a little more
-    mistakes = {"int4_group_bytes": n * k // 2 + 4 * n * (k // 64), "int4_speedup_bound": 8.0}
+    careful["gptq_int4_bytes"] = int4  # GPTQ picks other int4 values, stored in RTN's format
+    mistakes = {"int4_group_bytes": n * k // 2 + 4 * n * (k // 64), "int4_speedup_bound": 8.0,
+                "gptq_int4_bytes": int4 + sum(4 * inp * inp for _, inp in shapes)}  # + each K x K Hessian
     assert exercises["int4_group_bytes"].supports(rows, setup) is None
+    assert exercises["gptq_int4_bytes"].supports(rows, setup) is None
     for key, ex in exercises.items():
         answer = ex.answer(setup)
         assert grade(ex, careful[key], answer), (key, careful[key], answer)
