@@ -199,7 +199,11 @@ def test_every_exercise_notebook_in_solution_mode(executed):
     assert {p.stem.split("_", 1)[1] for p in paths} == set(exercises.EXERCISES)
     for path in paths:
         _, text = executed[path.stem, "solution"]
-        assert "Graded: correct" in text and "reused" in text, (path.name, text[-2000:])
+        # the textbook answer of an exercise graded against this machine's measurement (which is
+        # faster) can lose to it where the cores are busy or slow: a verdict, whichever it is
+        by_measurement = exercises.get(path.stem.split("_", 1)[1]).graded_against == "measurement"
+        verdict = "Graded: " if by_measurement else "Graded: correct"
+        assert verdict in text and "reused" in text, (path.name, text[-2000:])
 
 
 @pytest.mark.notebook
