@@ -105,7 +105,7 @@ def test_the_recipes_states_and_step_peak_are_the_planners(optimizer):
 
 @pytest.mark.slow
 def test_the_loss_curve_follows_fp32_adamws_and_4_bits_strays_further():
-    cfg, curves = small(), {}
+    cfg, curves = small(vocab_size=512), {}  # every matrix still quantized (512 x 256 and up)
     for optimizer in ("adamw", *LOW_BIT):
         trainer = compose(cfg, Recipe(optimizer=optimizer), lr=1e-3)
         curves[optimizer] = [trainer.step() for _ in range(10)]
