@@ -18,8 +18,9 @@ import functools
 
 import torch
 
-OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")
-BITS = {"adamw8bit": 8, "adamw4bit": 4}
+from labkit import planner
+
+OPTIMIZERS = ("adamw", *planner.LOW_BIT)  # the low-bit ones: planner.LOW_BIT's storage of each
 # Relative difference of the losses and weights from fp32 AdamW's after the same steps that still
 # counts as a match. On the tiny preset (2 layers, 32 tokens, lr 1e-3) the weights differed by
 # 2.8e-4 (8 bits) and 6.8e-3 (4 bits) after 2 steps, 2.2e-3 and 3.6e-2 after 10, 8.6e-3 and
@@ -29,7 +30,7 @@ TOLERANCE = {"adamw": 0.0, "adamw8bit": 0.01, "adamw4bit": 0.05}
 
 def missing_library(optimizer: str) -> str | None:
     """"torchao" where `optimizer` needs it and it does not import here, else None."""
-    if optimizer not in BITS:
+    if optimizer not in planner.LOW_BIT:
         return None
     try:
         import torchao.optim  # noqa: F401

@@ -66,7 +66,12 @@ def draw_lengths(num_documents: int, *, median_len: int, sigma: float, max_len: 
     many short, a few long; rounded and clipped to [2, max_len] (2: one next-token target)."""
     gen = torch.Generator().manual_seed(seed)
     raw = torch.empty(num_documents, dtype=torch.float64).log_normal_(math.log(median_len), sigma, generator=gen)
-    return [min(max(round(x), 2), max_len) for x in raw.tolist()]
+    return [_length(x, max_len) for x in raw.tolist()]
+
+
+def _length(raw: float, max_len: int) -> int:
+    """A drawn length rounded and clipped to [2, max_len] (2: one next-token target)."""
+    return min(max(round(raw), 2), max_len)
 
 
 def draw_documents(num_documents: int, *, median_len: int, sigma: float, max_len: int,
@@ -149,8 +154,7 @@ def make_batch(layout: str, documents: Sequence[torch.Tensor], seq_len: int) -> 
     alike, so they hold the same documents."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-    documents = split_long(documents, seq_len)
-    return pad_batch(documents) if layout == "padded" else pack_batch(documents, seq_len)
+    return pad_batch(split_long(documents, seq_len)) if layout == "padded" else pack_batch(documents, seq_len)
 
 
 def batches(layout: str, *, num_documents: int, seq_len: int, vocab_size: int, median_len: int,
@@ -196,8 +200,8 @@ def fill_rows(rows: int, seq_len: int, *, vocab_size: int, seed: int, median_len
     gen = torch.Generator().manual_seed(seed)
     room, out = [seq_len] * rows, []
     while True:
-        n = min(max(round(torch.empty(1, dtype=torch.float64).log_normal_(
-            math.log(median_len), sigma, generator=gen).item()), 2), seq_len)
+        n = _length(torch.empty(1, dtype=torch.float64).log_normal_(
+            math.log(median_len), sigma, generator=gen).item(), seq_len)
         row = next((r for r, left in enumerate(room) if left >= n), None)
         if row is None:
             return out

@@ -43,7 +43,7 @@ from labkit.planner.model import (LocalShape, StageParams, adamw_state_bytes, at
                                   param_bytes, stage_params, stage_tensors, train_step_flops)
 from labkit.planner.plan import CHECKPOINTING, OPTIMIZER_IMPLS, ZERO_STAGES, MemoryPlan
 from labkit.planner.precision import (DTYPE_OF, FSDP2_BF16, LOW_BIT, OPTIMIZERS, PRECISION_BYTES,
-                                      PRECISIONS, PrecisionBytes, low_bit_state_bytes,
+                                      PRECISIONS, QUANTIZED_MIN, PrecisionBytes, low_bit_state_bytes,
                                       low_bit_update_bytes, optimizer_bytes_per_param,
                                       precision_bytes)
 from labkit.planner.quantized import (INT4_GROUP_SIZE, NF4_BLOCK_SIZE, NF4_SCALER_BLOCKS, nf4_bytes,
@@ -64,7 +64,7 @@ __all__ = ["BASE_FORMAT", "CHECKPOINTING", "ConfigError", "DTYPE_OF", "FINETUNE_
            "FINETUNE_METHODS", "FSDP2_BF16", "GIB", "INT4_GROUP_SIZE", "LORA_MODULES",
            "LORA_TARGET_ALIASES", "LORA_TARGET_NAMES", "LOW_BIT", "LocalShape", "MemoryPlan", "NF4_BLOCK_SIZE", "NF4_SCALER_BLOCKS",
            "OPTIMIZERS", "OPTIMIZER_IMPLS", "PRECISIONS", "PRECISION_BYTES", "PRESETS",
-           "PrecisionBytes", "RECOMMENDED_PRECISIONS", "Recommendation", "SEARCH", "StageParams",
+           "PrecisionBytes", "QUANTIZED_MIN", "RECOMMENDED_PRECISIONS", "Recommendation", "SEARCH", "StageParams",
            "ZERO_STAGES", "adamw_state_bytes", "attention_flops", "block_linear_params",
            "block_tensors", "check_tp", "finetune_compute_dtype", "finetune_frontier",
            "finetune_memory", "float8_cast_bytes", "float8_flop_share", "float8_shapes",

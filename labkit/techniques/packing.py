@@ -75,6 +75,11 @@ def documents(cfg: Config) -> list[torch.Tensor]:
                                   max_len=cfg.seq_len, vocab_size=cfg.model.vocab_size, seed=cfg.seed)
 
 
+def lengths(cfg: Config) -> list[int]:
+    """The step's document lengths (`documents`)."""
+    return [len(d) for d in documents(cfg)]
+
+
 def layout(variant: str) -> str:
     return "padded" if variant == REFERENCE else "packed"
 
@@ -192,21 +197,21 @@ def expected(cfg: Config) -> dict[str, float]:
     """From the documents' lengths alone: padding fraction, rows and attention pairs of an ideal
     packing (packed) or of one row per document (padded), the step's FLOPs and its speed-up over
     padded if time followed the tokens computed."""
-    lengths = [len(d) for d in packing.split_long(documents(cfg), cfg.seq_len)]
-    rows, T = shape(cfg, lengths)
-    pad_rows, pad_T = shape(cfg, lengths, REFERENCE)
+    sizes = lengths(cfg)
+    rows, T = shape(cfg, sizes)
+    pad_rows, pad_T = shape(cfg, sizes, REFERENCE)
     plan = planner.training_memory(cfg.model, batch_size=rows, seq_len=T, precision="fp32",
                                    optimizer="adamw", device=cfg.device)
     flops = planner.train_step_flops(cfg.model, batch=rows, seq_len=T, attention=cfg.attention)
     mask = mask_bytes(cfg, rows, T)
-    out = {"padding_fraction": packing.padding_fraction(lengths, rows, T), "num_rows": rows,
-           "document_tokens": sum(lengths), "attention_pairs": predicted_pairs(cfg, lengths),
+    out = {"padding_fraction": packing.padding_fraction(sizes, rows, T), "num_rows": rows,
+           "document_tokens": sum(sizes), "attention_pairs": predicted_pairs(cfg, sizes),
            "documents_isolated": float(cfg.variant != "packed_naive"),
            "speedup": pad_rows * pad_T / (rows * T), "peak_mem_bytes": plan.total_bytes + mask,
            "activation_bytes": plan.activation_bytes + mask, "flops": flops}
     peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(cfg.dtype)
     if peak:
-        out["useful_tokens_per_s"] = sum(lengths) / (flops / (peak * 1e12))
+        out["useful_tokens_per_s"] = sum(sizes) / (flops / (peak * 1e12))
     return out
 
 
@@ -250,8 +255,7 @@ def notes(cfg: Config) -> dict[str, str]:
            "speedup": "padded's step time / this one's, timed alternately on the same weights; "
                       "predicted: padded's tokens computed / these, as if time followed tokens.",
            "peak_mem_bytes": "predicted: the planner's step at the rows x T of this layout."}
-    lengths = [len(d) for d in packing.split_long(documents(cfg), cfg.seq_len)]
-    rows, T = shape(cfg, lengths)
+    rows, T = shape(cfg, lengths(cfg))
     out["attention_pairs"] = ("(query, key) pairs the step's mask lets through for document tokens, "
                               "counted in the mask; predicted: sum of L(L+1)/2, each document alone.")
     if cfg.variant == "packed":

@@ -340,11 +340,8 @@ def planned(cfg: Config) -> planner.MemoryPlan | None:
     None where the planner has no case for the recipe (offload, compile)."""
     n = cfg.nproc or 2
     if cfg.variant == REFERENCE:
-        whole = dataclasses.replace(cfg, batch_size=cfg.batch_size * (n // cfg.tensor_parallel))
-        if cfg.packing:  # one document per row, padded to the longest
-            documents = recipes.packed_documents(cfg, n // cfg.tensor_parallel)
-            whole = dataclasses.replace(whole, batch_size=len(documents),
-                                        seq_len=max(len(d) for d in documents))
+        rows, seq_len, _ = computed_shape(cfg)  # with packing: one padded row per document
+        whole = dataclasses.replace(cfg, batch_size=rows, seq_len=seq_len)
         return recipes.planned_memory(whole, recipes.converters(recipe_of(cfg)))  # on one process
     try:
         return recipes.planned_memory(cfg, recipe_of(cfg), n)
@@ -468,9 +465,10 @@ def notes(cfg: Config) -> dict[str, str]:
                                   "base less its loss before quantizing (lossy: what the "
                                   "quantized base costs; both variants train on it)")
     if cfg.optimizer != "adamw" and cfg.variant != REFERENCE:
-        where = "compiled" if cfg.device.startswith("cuda") else "eager (a CPU's: torchao's compile costs ~10 s)"
-        out["optimizer_bytes"] = (f"{cfg.optimizer}: each moment of a tensor of >= 4096 elements in "
-                                  f"{optimizers.BITS[cfg.optimizer]}-bit codes with block scales, "
+        where = ("compiled" if cfg.device.startswith("cuda")
+                 else "eager (on a CPU, rather than pay torchao's compile before the first step)")
+        out["optimizer_bytes"] = (f"{cfg.optimizer}: each moment of a tensor of >= {planner.QUANTIZED_MIN} "
+                                  f"elements in {planner.LOW_BIT[cfg.optimizer].bits}-bit codes with block scales, "
                                   f"smaller ones fp32; the update {where}, its temporaries in the "
                                   "step phase (planner.low_bit_update_bytes).")
     if cfg.precision in ("bf16", "fp16") and cfg.variant != REFERENCE:

@@ -304,8 +304,9 @@ def sizing_exercises(topic: str) -> list[Exercise]:
     ]
 
 
-def measured_is(variant: str, metric: str, predicted, r: Rows, tol: float = 0.0) -> str | None:
-    value = r.get(variant, metric)
+def measured_is(variant: str, metric: str, predicted, r: Rows, tol: float = 0.0, **point) -> str | None:
+    """None when the run measured `predicted` within `tol` (at the Run's `point`), else why not."""
+    value = r.get(variant, metric, **point)
     if value is None or abs(value - predicted) > tol:
         return f"{variant} measured {metric} = {show(value)}, not the predicted {show(predicted)}"
     return None

@@ -13,8 +13,7 @@ from labkit.study.exercises.inference import measured_is
 def lengths(s: Setup) -> list[int]:
     from labkit.techniques import packing as experiment
 
-    cfg = s.cfg("packed")
-    return [len(d) for d in packing.split_long(experiment.documents(cfg), cfg.seq_len)]
+    return experiment.lengths(s.cfg("packed"))
 
 
 def rows(s: Setup) -> int:

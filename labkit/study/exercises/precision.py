@@ -10,6 +10,7 @@ import math
 from labkit import planner
 from labkit.study.exercises.core import MiB, TOPICS, Exercise, Rows, Setup, mib, model_words, show
 from labkit.study.exercises.formulas import FP16_MAX, fp16_demo, fp16_round
+from labkit.study.exercises.inference import measured_is
 from labkit.study.exercises.memory import psi, within
 
 BF16_MAX = (2 - 2.0**-7) * 2.0**127  # fp32's exponent range, 8 significant bits: ~3.39e38
@@ -138,8 +139,7 @@ def fp8_weight_bytes() -> Exercise:
         "fp8_rowwise_weight_bytes", TOPICS[1], "fp8", answer=fp8_copies, details=fp8_words,
         evidence=lambda r, s: {"measured": show(r.get("fp8_rowwise", "fp8_weight_bytes"), "bytes")},
         level=1, mistake=lambda s: fp8_copies(s, "tensorwise"), unit="bytes", rel_tol=0.001,
-        supports=lambda r, s: None if r.get("fp8_rowwise", "fp8_weight_bytes") == fp8_copies(s) else
-        f"the run's casts made {show(r.get('fp8_rowwise', 'fp8_weight_bytes'), 'bytes')}, not {fp8_copies(s):,}")
+        supports=lambda r, s: measured_is("fp8_rowwise", "fp8_weight_bytes", fp8_copies(s), r))
 
 
 def build_exercises() -> list[Exercise]:

@@ -19,6 +19,7 @@ import math
 
 from labkit import planner
 from labkit.study.exercises.core import MiB, TOPICS, Exercise, Rows, Setup, mib, show
+from labkit.study.exercises.inference import measured_is
 from labkit.study.exercises.runs import RECIPE_RUNGS as RUNGS  # the ladder: the Run's points
 from labkit.techniques import recipe
 
@@ -318,7 +319,7 @@ def tensor_words(s: Setup) -> str:
 
 
 def eight_bit_states(s: Setup) -> int:
-    return recipe.planned(s.cfg(VARIANT, **EIGHT_BIT)).optimizer_bytes
+    return eight_bit_plan(s).optimizer_bytes
 
 
 def counters(s: Setup) -> int:
@@ -326,18 +327,16 @@ def counters(s: Setup) -> int:
     return 4 * len(planner.stage_tensors(s.cfg(VARIANT, **EIGHT_BIT).model))
 
 
-def measured_close(metric: str, point: dict, want, within: float, r: Rows) -> str | None:
-    got = r.get(VARIANT, metric, **point)
-    return None if got is not None and abs(got - want) <= within else \
-        f"the run measured {show(got, 'bytes')} of {metric}, the planner's {want:,}"
+def eight_bit_plan(s: Setup) -> planner.MemoryPlan:
+    return recipe.planned(s.cfg(VARIANT, **EIGHT_BIT))
 
 
 def eight_bit_peak(s: Setup) -> int:
-    return recipe.planned(s.cfg(VARIANT, **EIGHT_BIT)).total_bytes
+    return eight_bit_plan(s).total_bytes
 
 
 def eight_bit_peak_words(s: Setup) -> str:
-    p = recipe.planned(s.cfg(VARIANT, **EIGHT_BIT))
+    p = eight_bit_plan(s)
     return (tensor_words(s) + f" At the optimizer step the weights and the gradients take {p.param_bytes:,} bytes "
             f"each and AdamW8bit's states {p.optimizer_bytes:,}.")
 
@@ -362,25 +361,26 @@ def optimizer_exercises() -> list[Exercise]:
                                    "fp32": show(r.get(VARIANT, "optimizer_bytes", **PLAIN_LOSS), "bytes"),
                                    "counters": counters(s)},
             level=2, mistake=lambda s: 2 * planner.num_params(s.cfg(VARIANT, **EIGHT_BIT).model),
-            supports=lambda r, s: measured_close("optimizer_bytes", EIGHT_BIT, eight_bit_states(s) + counters(s),
-                                                 0, r),
+            supports=lambda r, s: measured_is(VARIANT, "optimizer_bytes", eight_bit_states(s) + counters(s),
+                                              r, **EIGHT_BIT),
             unit="bytes", rel_tol=0.001),
         Exercise(
             "adamw8bit_step_peak", TOPICS[0], "chunked", answer=eight_bit_peak, details=eight_bit_peak_words,
             evidence=lambda r, s: {"measured": show(r.get(VARIANT, "peak_mem_bytes", **EIGHT_BIT), "bytes"),
                                    "fp32": show(r.get(VARIANT, "peak_mem_bytes", **PLAIN_LOSS), "bytes")},
             level=3, mistake=lambda s: (lambda p: p.param_bytes + p.grad_bytes + p.optimizer_bytes)(
-                recipe.planned(s.cfg(VARIANT, **EIGHT_BIT))),
-            supports=lambda r, s: measured_close("peak_mem_bytes", EIGHT_BIT, eight_bit_peak(s),
-                                                 0.01 * eight_bit_peak(s), r),
+                eight_bit_plan(s)),
+            supports=lambda r, s: measured_is(VARIANT, "peak_mem_bytes", eight_bit_peak(s), r,
+                                              0.01 * eight_bit_peak(s), **EIGHT_BIT),
             unit="bytes", rel_tol=0.01),
         Exercise(
             "packed_mask_bytes", TOPICS[0], "chunked", answer=mask_growth, details=mask_words,
             evidence=lambda r, s: {"packed": show(r.get(VARIANT, "activation_bytes", **PACKED), "bytes"),
                                    "plain": show(r.get(VARIANT, "activation_bytes", **PLAIN_LOSS), "bytes")},
             level=3, mistake=lambda s: (lambda c: c.batch_size * c.seq_len ** 2)(s.cfg(VARIANT, **PACKED)),
-            supports=lambda r, s: measured_close(
-                "activation_bytes", PACKED, (r.get(VARIANT, "activation_bytes", **PLAIN_LOSS) or 0) + mask_growth(s), 0, r),
+            supports=lambda r, s: measured_is(
+                VARIANT, "activation_bytes", (r.get(VARIANT, "activation_bytes", **PLAIN_LOSS) or 0) + mask_growth(s),
+                r, **PACKED),
             unit="bytes", rel_tol=0.001),
     ]
 
