@@ -215,3 +215,27 @@ def test_frozen_survivors_are_left_out_and_a_later_cycle_is_still_freed():
     finally:
         sys.modules.pop("_labkit_just_imported", None)
         gc.unfreeze()
+
+
+def test_comm_counter_counts_all_to_all_and_point_to_point_bytes_once():
+    """On a fake 4-rank group (no transport): a send's bytes are on the link, a recv's are not
+    counted twice, an all-to-all moves (n-1)/n of its input and an all-reduce 2(n-1)/n."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from labkit.measure.comm import CommCounter
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        x = torch.ones(8)  # 32 bytes
+        with CommCounter() as counter:
+            dist.send(x, 1)
+            dist.recv(torch.empty(4), 2)
+            dist.all_to_all_single(torch.empty(8), x)
+            dist.all_reduce(x)
+    finally:
+        dist.destroy_process_group()
+    assert dict(counter.bytes) == {"send": 32, "recv": 16, "all_to_all": 32, "all_reduce": 32}
+    metrics = counter.metrics()
+    assert metrics["comm_bytes"] == 32 * 3
+    assert metrics["comm_bus_bytes"] == 32 + 32 * 3 / 4 + 32 * 2 * 3 / 4
+    assert (metrics["send_count"], metrics["recv_count"], metrics["all_to_all_count"]) == (1, 1, 1)

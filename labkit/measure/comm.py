@@ -1,5 +1,7 @@
 """Counting a block's collectives: how many of each and their bytes (`CommCounter`), seen where
-they are dispatched: DTensor's functional collectives and the c10d ones that FSDP2 and DDP call.
+they are dispatched: DTensor's functional collectives, the c10d ones that FSDP2 and DDP call, and
+the all-to-all and point-to-point calls (send, recv) that ring attention, Ulysses and expert
+parallelism make.
 A dispatch mode and nothing more (CommDebugMode's module tracker fails inside FSDP2's and
 checkpointing's hooks)."""
 from __future__ import annotations
@@ -12,15 +14,17 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+EXCHANGES = ("all_to_all", "send", "recv")  # counted, and reported, only where a block makes them
 
 
 def collective(packet) -> str | None:
-    """all_reduce, all_gather or reduce_scatter for a functional or c10d collective op, else None."""
+    """The op's name in COLLECTIVES or EXCHANGES for a functional or c10d communication op, else None."""
     namespace = getattr(packet, "_qualified_op_name", "").split("::")[0]
     if namespace not in ("_c10d_functional", "c10d_functional", "c10d"):
         return None
-    name = packet.__name__.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
-    return next((c for c in COLLECTIVES if c in name), None)
+    name = (packet.__name__.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
+            .replace("alltoall", "all_to_all"))
+    return next((c for c in COLLECTIVES + EXCHANGES if c in name), None)
 
 
 def _bytes(value) -> int:
@@ -33,9 +37,11 @@ def _bytes(value) -> int:
 
 class CommCounter(TorchDispatchMode):
     """Each collective's count and bytes: S as nccl-tests defines it (the all-reduce's buffer, the
-    all-gather's output, the reduce-scatter's input: the largest of the op's first two arguments
-    and its output), and the bytes each rank moves on its busiest link with a ring (x 2(n-1)/n
-    for all-reduce, (n-1)/n otherwise)."""
+    all-gather's output, the reduce-scatter's input, the all-to-all's input: the largest of the
+    op's first two arguments and its output), and the bytes each rank moves on its busiest link with
+    a ring (x 2(n-1)/n for all-reduce, (n-1)/n otherwise). A send counts its tensors' bytes, all on
+    the link; a recv counts what it received (`bytes["recv"]`) and adds nothing to the link or to
+    `comm_bytes`, which the sender counted."""
 
     def __init__(self):
         super().__init__()
@@ -53,9 +59,18 @@ class CommCounter(TorchDispatchMode):
             size = max(_bytes(args[0]) if args else 0, _bytes(args[1]) if len(args) > 1 else 0, _bytes(out))
             self.counts[name] += 1
             self.bytes[name] += size
-            self.bus_bytes += size * (2 if name == "all_reduce" else 1) * (n - 1) / n
+            self.bus_bytes += size * _link_share(name, n)
         return out
 
     def metrics(self) -> dict[str, float]:
         out = {f"{c}_count": float(self.counts[c]) for c in COLLECTIVES}
-        return {**out, "comm_bytes": float(sum(self.bytes.values())), "comm_bus_bytes": self.bus_bytes}
+        out.update({f"{c}_count": float(self.counts[c]) for c in EXCHANGES if self.counts[c]})
+        sent = sum(b for c, b in self.bytes.items() if c != "recv")
+        return {**out, "comm_bytes": float(sent), "comm_bus_bytes": self.bus_bytes}
+
+
+def _link_share(name: str, n: int) -> float:
+    """The share of an op's S that one rank moves on its busiest link."""
+    if name in ("send", "recv"):
+        return 1.0 if name == "send" else 0.0
+    return (2 if name == "all_reduce" else 1) * (n - 1) / n
