@@ -1,9 +1,5 @@
-"""torch.compile: what a compiler buys, what it costs up front, and when it pays for itself.
-
-`torch.compile` traces Python with TorchDynamo into FX graphs (a graph break where it cannot, a
-recompile when a guard on the traced inputs fails), AOTAutograd derives the backward graph, and
-Inductor fuses the pointwise and reduction ops into generated kernels (C++/OpenMP on the CPU,
-Triton on GPUs), calling the vendor GEMMs for the matmuls. The first call pays for all of that.
+"""torch.compile: what a compiler buys, what it costs up front, and when it pays for itself
+(how Dynamo, AOTAutograd and Inductor get there: notebooks/text/18_compile.md).
 
 - `eager` (the reference): plain PyTorch, one kernel per op.
 - `default`: `torch.compile` with Inductor's default mode: fusion, no autotuning. On a CPU each

@@ -8,11 +8,8 @@ batches each), the data work runs beside the compute and only what is not ready 
 waited for: the step is about max(compute, data / N), when there are cores to spare.
 
 - `baseline` (the reference): `num_workers=0`, pageable host memory, blocking copies.
-- `pinned`: `pin_memory=True`: the loader copies each batch into page-locked host memory (in a
-  thread), which the GPU's DMA engine reads directly; a pageable copy is staged through a pinned
-  buffer by the driver first.
-- `non_blocking`: pinned, and `.to(device, non_blocking=True)`: the host queues the copy and
-  goes on (the compute queued after it on the same stream still waits for it).
+- `pinned`: `pin_memory=True` (what page-locked memory changes: notebooks/text/23_dataloading.md).
+- `non_blocking`: pinned, and `.to(device, non_blocking=True)`.
 - `workers`: `num_workers` processes, `prefetch_factor` batches in flight per worker.
 - `workers_pinned`: both.
 

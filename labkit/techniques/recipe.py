@@ -1,46 +1,24 @@
 """Recipes: several techniques on one training step at once, on every rank, against the plain step.
 
-The knobs each turn one technique on (every default is off), and `composed` is
-`labkit.blocks.recipe.compose` of them, in its fixed order:
-
-- `precision`: fp32, bf16 or fp16 autocast over fp32 weights and fp32 AdamW (fp16 with a
-  GradScaler), or bf16_weights (bf16 weights, fp32 master copies in the optimizer);
-- `checkpointing`: none, full, selective or every_n (every `checkpoint_every`-th block);
-- `micro_batches`: k micro-batches per rank and step, gradients accumulated; each rank's
-  `batch_size` is split, so the global batch is unchanged;
-- `zero_stage`: 0 (plain DDP when there are several replicas), 1 (ZeroRedundancyOptimizer), 2 or
-  3 (FSDP2), over the data-parallel replicas;
-- `tensor_parallel`: the ranks of one model replica (Megatron's split, `transforms.
-  apply_tensor_parallel`); the `nproc / tensor_parallel` replicas are data parallel (FSDP2 with
-  tensor parallelism: zero_stage 2 or 3);
-- `offload`: the activations or the optimizer's states in host memory (GPUs only);
-- `compile`: each block through torch.compile; `attention`: sdpa or naive;
-- `optimizer`: adamw8bit or adamw4bit, AdamW with its two moments block-quantized (torchao;
-  `labkit.blocks.optimizers`), checked against plain's fp32 AdamW within `optimizers.TOLERANCE`;
-- `packing`: documents of varied lengths (`blocks.recipe.packed_documents`) packed into the
-  rows, each token attending within its document (`labkit.blocks.packing`); `plain` trains the
-  same documents one per row, padded, so the check holds the packed step to each document alone;
-- `finetune`: the model converters, applied before any parallelism: `lora` freezes the base and
-  trains rank-`lora_rank` adapters on `lora_targets` (PEFT); `qlora` also stores the base's block
-  linears in NF4 (torchao), `lora_int8` and `lora_int4` in weight-only int8 or int4
-  (labkit.blocks.quant). The optimizer keeps state for the adapters alone. A quantized base is
-  lossy: `base_loss_delta` is the first batch's loss on it against the base before quantizing.
+Each knob of `Config` turns one technique on (every default is off; its help says what it does);
+`composed` is `labkit.blocks.recipe.compose` of them, in its fixed order. What each does and what
+to look for: notebooks/text/26_recipe.md.
 
 Variants:
 - `plain` (the reference): fp32, nothing applied but the model converters (they say what
   trains), every rank computing the whole global batch (replicas x batch_size sequences) as one
-  process would;
-- `composed`: the recipe. Checked against `plain`: the losses of `steps` steps and the whole
-  weights after them, within the tolerance of its precision. Under `fault=corrupt_reduction`
-  fault_rank scales its DDP buckets before the all-reduce, or its FSDP2 reduce-scatter shard
-  after it (zero's `corrupt_reduction`), and that check must fail.
+  process would; `packing=True` trains the same documents one per padded row;
+- `composed`: the recipe, checked against `plain` on the losses of `steps` steps and the whole
+  weights after them, within the tolerance of its precision (8- and 4-bit optimizers:
+  `optimizers.TOLERANCE`). A quantized base is lossy: `base_loss_delta` is the first batch's loss
+  on it against the base before quantizing. Under `fault=corrupt_reduction` fault_rank scales its
+  DDP buckets before the all-reduce, or its FSDP2 reduce-scatter shard after it, and the check
+  must fail.
 
 Every rank measures its own peak, model states, activations and speed, each beside the planner's
-prediction for that exact recipe (`planned`). `budget_gib` is a virtual memory budget for
-`composed` only (plain, the reference that checks it, runs without it): a composed run whose
-measured peak passes it on any rank becomes an `oom` row on every rank, its message beside the
-prediction. The budget is judged after the check's steps, on every rank together, so no rank
-stops in the middle of a collective the others are in.
+prediction for that exact recipe (`planned`). `budget_gib` is a virtual memory budget of
+`composed` alone: a measured peak past it on any rank becomes an `oom` row on every rank, judged
+after the check's steps on every rank together, so no rank stops inside a collective.
 """
 from __future__ import annotations
 

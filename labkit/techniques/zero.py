@@ -1,44 +1,18 @@
 """ZeRO: data parallelism that stops keeping every model state on every rank.
 
-Every rank trains the same decoder on its own slice of one global batch (batch_size sequences per
-rank, nproc x batch_size in all); the gradients are averaged over the ranks, so after a step every
-variant holds the same weights. What differs is which bytes each rank keeps (Rajbhandari et al.,
-"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020, section 5):
+Every rank trains the same decoder on its own slice of one global batch; the gradients are
+averaged, so every variant ends with the same weights. Variants: `ddp` (the reference, ZeRO's
+stage 0), `zero1` (`ZeroRedundancyOptimizer`), `zero2` (FSDP2, `reshard_after_forward=False`),
+`zero3` (FSDP2's default) and `zero3_offload` (FSDP2's `CPUOffloadPolicy`; GPUs only). Which bytes
+each keeps, and why: notebooks/text/11_zero.md.
 
-- `ddp` (the reference): plain DDP, the paper's stage 0. Every rank keeps all parameters,
-  gradients (DDP's all-reduce buckets, which the gradients live in: `gradient_as_bucket_view`)
-  and AdamW states.
-- `zero1`: DDP with `ZeroRedundancyOptimizer`: each rank keeps AdamW's moments for its share of the
-  parameter tensors (whole tensors, balanced by size), updates those, then broadcasts them.
-- `zero2`: FSDP2 `fully_shard(reshard_after_forward=False)`: gradients reduce-scattered into
-  shards, moments sharded. FSDP2 reshards the parameters after the backward, so at rest they are
-  sharded too; only between the forward and the backward are they kept whole (the paper's stage 2
-  keeps them whole always): at rest this is stage 3's figure, in the step it saves stage 3's
-  second all-gather.
-- `zero3`: FSDP2 with its default `reshard_after_forward`: parameters gathered one block at a time
-  in the forward and again in the backward; the root unit (embedding, final norm, head), whose
-  backward comes first, stays gathered from its forward to its backward (FSDP2's default for the
-  root, as in torchtitan).
-- `zero3_offload`: `zero3` with FSDP2's `CPUOffloadPolicy`: the shards of the parameters, their
-  gradients and the optimizer states stay in host memory, the optimizer steps on the CPU and each
-  block is copied to the GPU for its forward and backward. GPUs only.
-
-Order of transforms (`build_step`): the plain step, its model seeded the same on every rank and
-its optimizer deferred -> `transforms.apply_data_parallel`: `fully_shard` each block, then the
-root (the root's own parameters, embedding, final norm and head, form the last unit; each block's
-unit is gathered and freed on its own, which is what bounds the peak), or wrap in DDP -> the
-fault's hook -> build the optimizer over the wrapped (sharded) parameters, since its states take
-their shape, and so their shard, from them.
-
-The check holds each variant to plain DDP twice: the whole gradients of the first step, then the
-weights and losses after CHECK_STEPS steps. Both are needed: AdamW's update is nearly invariant
-to a positive scale of a gradient, so a reduction that scaled every gradient (a missing average)
-would train the same weights. `fault=corrupt_reduction` scales fault_rank's bucket before DDP's
-all-reduce (`zero1`), or its reduce-scatter shard after it (FSDP2's hook: `zero2`, `zero3`); the
-reference `ddp` is left alone.
-
-The timed step calls `zero_grad(set_to_none=True)` first, so the gradients of a step are kept until
-the next one and `grad_bytes` is measured at rest, after the step, with everything else.
+`build_step` wraps the plain step with `transforms.apply_data_parallel`, then builds the optimizer
+over the wrapped (sharded) parameters, whose shards its states take. The check holds each
+variant to DDP twice: the first step's whole gradients, then the weights and losses after
+CHECK_STEPS steps (AdamW's update hides a positive scale of a gradient, so the weights alone would
+miss a missing average). `fault=corrupt_reduction` scales fault_rank's bucket before DDP's
+all-reduce (`zero1`), or its reduce-scatter shard after it (`zero2`, `zero3`), and must fail it.
+The timed step zeroes the gradients first, so `grad_bytes` is measured at rest after the step.
 """
 from __future__ import annotations
 
