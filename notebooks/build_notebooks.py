@@ -303,7 +303,7 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
                         predicted=("busbw_gbps", "step_ms"), fields=("nproc",), model=False),
     "data_parallel": dict(predicted=("comm_bytes", "peak_mem_bytes", "num_buckets")),
     "zero": dict(predicted=("param_bytes", "grad_bytes", "optimizer_bytes", "peak_mem_bytes")),
-    "tensor_parallel": dict(predicted=("param_bytes", "comm_bytes", "comm_bus_bytes")),
+    "tensor_parallel": dict(predicted=("param_bytes", "activation_bytes", "comm_bytes", "comm_bus_bytes")),
     "pipeline_parallel": dict(sweep='{"micro_batches": [1, 2, 4, 8]}', predicted=("ideal_bubble_fraction",)),
     "hybrid": dict(predicted=("param_bytes", "peak_mem_bytes")),
     "recipe": dict(extra=(("predicted", "viz.readable(viz.predicted_table(frame))"),

@@ -360,3 +360,12 @@ def test_training_memory_refuses_bad_input():
             planner.training_memory(TINY, **kw)
     with pytest.raises(ConfigError):
         planner.training_memory()
+
+
+def test_sequence_parallel_is_planned_for_whole_pieces_of_the_sequence_without_checkpointing():
+    m = MODELS["tiny"]
+    with pytest.raises(ConfigError, match="multiple of tp"):
+        planner.training_memory(m, batch_size=1, seq_len=33, tp=2, gpus=2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="without checkpointing"):
+        planner.training_memory(m, batch_size=1, seq_len=32, tp=2, gpus=2, sequence_parallel=True,
+                                checkpointing="full")

@@ -120,3 +120,20 @@ def test_tp_degree_must_divide_the_heads():
 def test_sequence_parallel_needs_whole_pieces_of_the_sequence():
     assert tp.skip_reason(cfg(variant="tp_sp", seq_len=15)).startswith("sequence parallel splits")
     assert tp.skip_reason(cfg(variant="tp", seq_len=15)) is None
+
+
+
+def test_activation_bytes_follow_the_planner_and_sequence_parallel_shards_the_block_norms(rows):
+    """single and tp keep exactly the planner's activations. tp_sp keeps each block norm's saved
+    tensors for seq_len / n tokens (the planner's saving: 2 norms a layer), and at most the final
+    norm's saving more, which the planner leaves out (DTensor keeps tensors there that autograd
+    did not save)."""
+    layers = cfg().model.num_layers
+    for rank in range(N):
+        for v in ("single", "tp"):
+            row = value(rows, v, "activation_bytes", rank)
+            assert row["value"] == row["predicted"] > 0
+        tp_row, sp_row = (value(rows, v, "activation_bytes", rank) for v in ("tp", "tp_sp"))
+        per_norm = (tp_row["predicted"] - sp_row["predicted"]) / (2 * layers)
+        assert per_norm > 0
+        assert 2 * layers * per_norm <= tp_row["value"] - sp_row["value"] <= (2 * layers + 1) * per_norm

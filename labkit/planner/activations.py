@@ -32,7 +32,8 @@ def korthikanti_activation_bytes(*, s: int, b: int, h: int, a: int, L: int = 1, 
 
 
 def layer_activation_bytes(m: ModelConfig, *, batch_size: int, seq_len: int, precision: str = "fp32",
-                           tp: int = 1, checkpointing: str = "none", device: str | None = None) -> int:
+                           tp: int = 1, checkpointing: str = "none", device: str | None = None,
+                           sequence_parallel: bool = False) -> int:
     """Bytes one block of `labkit.blocks.model` keeps for backward at (batch_size, seq_len), read off
     what autograd saves (SavedTensorMeter.by_producer) and checked against it in the tests.
 
@@ -50,21 +51,29 @@ def layer_activation_bytes(m: ModelConfig, *, batch_size: int, seq_len: int, pre
     - selective recomputation keeps what `SAVED_BY_SELECTIVE` marks (every matmul's output and
       SDPA's), not the paper's "all but the attention core"; full keeps the block's input.
     Tensor parallelism divides the head- and f-wide terms; the norms' are replicated, as in the
-    paper's sbh(10 + 24/t + ...)."""
+    paper's sbh(10 + 24/t + ...). With `sequence_parallel` each norm keeps what it saves for its
+    rank's tokens alone; its output, all-gathered for the next matmul, is kept whole by that
+    matmul (the paper's 34sbh/t also shards the matmuls' inputs, which Megatron gathers again in
+    the backward)."""
     run = _resolve(m, batch_size=batch_size, seq_len=seq_len, precision=precision, tp=tp,
-                   gpus=tp, checkpointing=checkpointing, device=device)
-    return batch_size * seq_len * _layer_bytes_per_token(run, run.checkpointing)
+                   gpus=tp, checkpointing=checkpointing, device=device, sequence_parallel=sequence_parallel)
+    return _layer_bytes(run, run.checkpointing)
 
 
 def _norm_bytes(r: _Run, consumers: int = 1) -> int:
     """Per token, one norm: what it keeps for backward plus its output (the next matmul's input).
     Under autocast the output stays fp32 and is not kept: each of its `consumers` (the matmuls
     it feeds) saves its own 16-bit cast of it (autocast caches only the weights' casts)."""
-    s, n = r.shape, r.prec.residual
+    s = r.shape
     out = consumers * r.prec.cast * s.d if r.prec.cast else r.prec.act * s.d
-    if r.m.arch == "llama":  # x32 (4d, the input itself in fp32), rsqrt (4), x·rsqrt (n·d), output
-        return 4 * s.d + 4 + n * s.d + out
-    return n * s.d + out + 2 * r.stat  # input (n·d), output, mean and rstd
+    return _norm_kept_bytes(r) + out
+
+
+def _norm_kept_bytes(r: _Run) -> int:
+    """Per token, what one norm saves for its own backward. Llama's RMSNorm: x32 (4d, the input
+    itself in fp32), rsqrt (4), x·rsqrt (n·d); GPT-2's LayerNorm: its input (n·d), mean and rstd."""
+    d, n = r.shape.d, r.prec.residual
+    return 4 * d + 4 + n * d if r.m.arch == "llama" else n * d + 2 * r.stat
 
 
 def _attention_bytes(r: _Run) -> int:
@@ -85,6 +94,16 @@ def _selective_bytes(r: _Run) -> int:
     s, a = r.shape, r.prec.act
     mlp = (2 if r.m.arch == "llama" else 1) * s.f + s.d
     return r.prec.residual * s.d + a * (s.q + 2 * s.kv + s.d + mlp + s.q) + 4 * s.heads
+
+
+def _layer_bytes(r: _Run, mode: str) -> int:
+    """One layer's bytes kept for backward over the micro-batch. Sequence parallelism (no
+    recomputation) leaves each of the two norms its own saved tensors for this rank's tokens alone."""
+    tokens = r.batch_size * r.seq_len
+    out = tokens * _layer_bytes_per_token(r, mode)
+    if r.sequence_parallel and mode == "none":
+        out -= 2 * _norm_kept_bytes(r) * (tokens - tokens // r.tp)
+    return out
 
 
 def _layer_bytes_per_token(r: _Run, mode: str) -> int:
@@ -150,10 +169,9 @@ def _checkpointed_on_stage(r: _Run, layers: int) -> int:
 def _stage_activations(r: _Run, sp: StageParams, first: bool, last: bool) -> tuple[int, int]:
     """(activation bytes the stage holds, one layer's). With 1F1B pipelining stage i holds
     pp - i micro-batches in flight (the paper's section 4.2.3): pp on the first, one on the last."""
-    tokens = r.batch_size * r.seq_len
     k = _checkpointed_on_stage(r, sp.num_layers)
-    recomputed = tokens * _layer_bytes_per_token(r, r.checkpointing)
-    plain = tokens * _layer_bytes_per_token(r, "none")
+    recomputed = _layer_bytes(r, r.checkpointing)
+    plain = _layer_bytes(r, "none")
     layers = k * recomputed + (sp.num_layers - k) * plain
     masks = _document_mask_bytes(r, sp.num_layers - k, k)
     in_flight = r.pp if first else 1

@@ -77,6 +77,7 @@ class _Run:
     shape: LocalShape | None
     loss_chunk: int = 0  # the chunked loss's tokens of logits at a time (0: the plain loss)
     packed: bool = False  # documents packed into the rows, a per-document mask (labkit.blocks.packing)
+    sequence_parallel: bool = False  # Megatron's: the norms and the residual stream split by tokens over tp
 
     @property
     def fsdp2_sharded(self) -> bool:
@@ -100,13 +101,16 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
              checkpointing: str = "none", checkpointed_layers: int | None = None,
              accumulation_steps: int = 1, device: str | None = None,
              optimizer_impl: str | None = None, fsdp2: bool = False, loss_chunk: int = 0,
-             packed: bool = False) -> _Run:
+             packed: bool = False, sequence_parallel: bool = False) -> _Run:
     """Check every input (ConfigError naming the valid choices) and derive the rest."""
     _positive(batch_size=batch_size, seq_len=seq_len, tp=tp, pp=pp, gpus=gpus,
               accumulation_steps=accumulation_steps)
     if loss_chunk < 0 or (loss_chunk and tp > 1):
         raise ConfigError(f"loss_chunk={loss_chunk}: 0 (the plain loss) or a count of tokens, "
                           "with tp=1 (the chunks need the head's whole vocabulary)")
+    if sequence_parallel and (seq_len % tp or checkpointing != "none"):
+        raise ConfigError(f"sequence_parallel splits seq_len={seq_len} over tp={tp} ranks: it needs a "
+                          f"multiple of tp, and is planned without checkpointing (not {checkpointing!r})")
     check_choice("precision", precision, PRECISIONS), check_choice("optimizer", optimizer, OPTIMIZERS)
     check_choice("checkpointing", checkpointing, CHECKPOINTING)
     if zero_stage not in ZERO_STAGES:
@@ -126,7 +130,7 @@ def _resolve(m: ModelConfig | None = None, *, num_params: int | None = None, bat
                 checkpointed_layers=checkpointed_layers, accumulation_steps=accumulation_steps,
                 impl=impl, fsdp2=fsdp2, stat=p.residual if device.startswith("cpu") else 4,
                 shape=local_shape(m, tp) if m is not None else None, loss_chunk=loss_chunk,
-                packed=packed)
+                packed=packed, sequence_parallel=sequence_parallel)
 
 
 def _optimizer_impl(optimizer: str, impl: str | None, device: str, *, m: ModelConfig | None,

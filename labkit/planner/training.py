@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from labkit.config import ModelConfig
-from labkit.planner.activations import (_checkpointed_on_stage, _head_bytes, _layer_bytes_per_token,
+from labkit.planner.activations import (_checkpointed_on_stage, _head_bytes, _layer_bytes,
                                         _stage_activations)
 from labkit.planner.formulas import _formulas
 from labkit.planner.model import LocalShape, StageParams, layer_params, stage_params
@@ -30,7 +30,8 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
                     gpus: int = 1, checkpointing: str = "none",
                     checkpointed_layers: int | None = None, accumulation_steps: int = 1,
                     device: str | None = None, optimizer_impl: str | None = None,
-                    fsdp2: bool = False, loss_chunk: int = 0, packed: bool = False) -> MemoryPlan:
+                    fsdp2: bool = False, loss_chunk: int = 0, packed: bool = False,
+                    sequence_parallel: bool = False) -> MemoryPlan:
     """Predict one training step's memory on one GPU (the busiest pipeline stage when pp > 1).
 
     The step, as `labkit.blocks.training.Trainer` runs it (zero_grad(set_to_none=True)):
@@ -59,12 +60,14 @@ def training_memory(m: ModelConfig | None = None, *, num_params: int | None = No
     `packed`: each row holds several documents, masked apart (`labkit.blocks.packing`): the
     position tables per row and the document mask (`_document_mask_bytes`).
     `loss_chunk`: the head and the loss fused, that many tokens of logits at a time
-    (`labkit.blocks.losses.chunked_lm_loss`; 0: the plain loss on whole logits)."""
+    (`labkit.blocks.losses.chunked_lm_loss`; 0: the plain loss on whole logits).
+    `sequence_parallel` (with tp > 1): Megatron's, as `transforms.apply_tp` builds it: each
+    block's norms keep what they save for backward for this rank's seq_len / tp tokens alone."""
     r = _resolve(m, num_params=num_params, batch_size=batch_size, seq_len=seq_len,
                  precision=precision, optimizer=optimizer, zero_stage=zero_stage, tp=tp, pp=pp,
                  gpus=gpus, checkpointing=checkpointing, checkpointed_layers=checkpointed_layers,
                  accumulation_steps=accumulation_steps, device=device, optimizer_impl=optimizer_impl,
-                 fsdp2=fsdp2, loss_chunk=loss_chunk, packed=packed)
+                 fsdp2=fsdp2, loss_chunk=loss_chunk, packed=packed, sequence_parallel=sequence_parallel)
     if r.m is None:
         psi = -(-r.num_params // (tp * pp))
         return _stage_plan(r, StageParams(psi, psi, 2 * psi, psi, 0), "all", first=False, last=False)
@@ -244,8 +247,8 @@ def _block_backward(r: _Run, sp: StageParams, resident: bool) -> tuple[int, int]
     which an earlier micro-batch has already made when accumulating."""
     tokens, s, p = r.batch_size * r.seq_len, r.shape, r.prec
     k = _checkpointed_on_stage(r, sp.num_layers)
-    plain = tokens * _layer_bytes_per_token(r, "none")
-    kept = tokens * _layer_bytes_per_token(r, r.checkpointing) if k else plain
+    plain = _layer_bytes(r, "none")
+    kept = _layer_bytes(r, r.checkpointing) if k else plain
     recompute = plain - tokens * _recompute_overlap(r) if k else 0
     recompute += p.cast * _matmul_weights(s, r.m.arch) if k else 0  # autocast's casts again
     w2_grad = 0 if resident else p.whole_grad * s.d * s.f

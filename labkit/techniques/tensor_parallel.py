@@ -42,6 +42,7 @@ from labkit.config import knob
 from labkit.blocks.distributed import DistConfig, corrupt_scale, default_nproc, world_size
 from labkit.blocks.layout import Layout
 from labkit.measure.comm import COLLECTIVES, CommCounter
+from labkit.measure.memory import ActivationMeter
 from labkit.blocks.sharded import (TP_TOLERANCE as TOLERANCE, backward, build_sharded_step,
                                    check_tp_shape, corrupt_row_outputs, full_grads, grads, train_step)
 from labkit.blocks.training import Trainer, compare_grads, lm_loss, optimizer_state
@@ -108,19 +109,27 @@ def _comm_rows(counts: dict[str, int], total: float, bus: float) -> dict[str, fl
 
 def check_step(trainer: Trainer, measured: dict[str, float]) -> dict:
     """One training step: logits, loss and whole gradients; the collectives of its forward and
-    backward counted into `measured` (AdamW on local shards communicates nothing)."""
+    backward counted into `measured` (AdamW on local shards communicates nothing), and what its
+    forward leaves held for backward (`activation_bytes`)."""
     trainer.drop_grads()
     with CommCounter() as counter, warnings.catch_warnings():
         # CommDebugMode's module tracker hooks the embedding, whose token ids need no grad
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        logits = trainer.model(trainer.inputs)  # (B, T, V), replicated on every rank
-        loss = lm_loss(logits, trainer.targets)
+        out: list = []
+        meter = ActivationMeter(trainer.model.parameters()).measure(lambda: out.append(forward(trainer)) or out[0])
+        logits, loss = out[0]
         backward(trainer, loss)
-    measured.update(counter.metrics())
+    measured.update(counter.metrics(), activation_bytes=meter.total_bytes)
     out = {"loss": loss.item(), "logits": logits.detach().cpu().numpy().copy(),
            "grads": full_grads(trainer.model)}
     trainer.update()
     return out
+
+
+def forward(trainer: Trainer) -> tuple:
+    """(logits (B, T, V), replicated on every rank; the loss)."""
+    logits = trainer.model(trainer.inputs)
+    return logits, lm_loss(logits, trainer.targets)
 
 
 def sharding(cfg: Config, n: int) -> Callable[[Trainer], Trainer]:
@@ -166,7 +175,18 @@ def expected(cfg: Config) -> dict[str, float]:
     return {"param_bytes": 4.0 * params, "grad_bytes": 4.0 * params,
             "optimizer_bytes": 8.0 * params,  # AdamW: m and v, fp32
             "loss_abs_diff": 0.0, "logits_max_abs_diff": 0.0, "grad_max_rel_diff": 0.0,
-            **comm_formula(cfg, cfg.variant, n)}
+            **comm_formula(cfg, cfg.variant, n), **activation_formula(cfg, n)}
+
+
+def activation_formula(cfg: Config, n: int) -> dict[str, float]:
+    """What the forward keeps for backward on one rank (fp32 runs): the planner's blocks with
+    their head- and f-wide terms divided by n, and with sequence parallelism (tp_sp) each block
+    norm's saved tensors for its seq_len / n tokens alone."""
+    if cfg.dtype != "float32" or cfg.seq_len % n:
+        return {}
+    plan = planner.training_memory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, tp=n,
+                                   gpus=n, device=cfg.device, sequence_parallel=cfg.variant == "tp_sp")
+    return {"activation_bytes": float(plan.activation_bytes)}
 
 
 def notes(cfg: Config) -> dict[str, str]:
@@ -175,6 +195,12 @@ def notes(cfg: Config) -> dict[str, str]:
             "grad_bytes": "at rest after the step, each laid out as its parameter (match_grad_placements).",
             "optimizer_bytes": "predicted: AdamW's two fp32 moments of the local shard (the "
                                "per-tensor step counters, 4 bytes each, are left out).",
+            "activation_bytes": "what the forward and the loss leave held for backward on this rank "
+                                "(ActivationMeter). predicted: planner.training_memory(tp=n, "
+                                "sequence_parallel for tp_sp): under tp_sp each block's two norms "
+                                "keep their saved tensors for seq_len / n tokens; the final norm's "
+                                "saving is not predicted (DTensor keeps tensors there that autograd "
+                                "did not save).",
             "comm_bytes": "forward + backward of one step; S per collective as nccl-tests "
                           "defines it. predicted: Megatron's count (see comm_formula).",
             "comm_bus_bytes": "bytes through each rank's busiest link with a ring: the same for tp "
