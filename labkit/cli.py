@@ -151,6 +151,8 @@ def _add_plan_parser(sub) -> None:
                     help="torch's Adam implementation: foreach (CUDA's default), single or fused")
     pl.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3")
     pl.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a mixture-of-experts "
+                    "model): one rank's experts and replicated weights")
     pl.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
     pl.add_argument("--gpus", type=int, help="GPUs in all (default: tp x pp); dp = gpus / (tp x pp)")
     pl.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU (GiB)")
@@ -511,7 +513,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          tp=args.tp, pp=args.pp, gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gib,
                          checkpointing=args.checkpointing, effective_batch=args.effective_batch,
                          finetune=args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                         lora_targets=args.lora_targets)
+                         lora_targets=args.lora_targets, ep=args.ep)
     print(json.dumps(report, allow_nan=False) if args.json else format_plan(report))
     return 0
 

@@ -71,6 +71,19 @@ class ModelConfig:
     norm_eps: float = knob(1e-5, min=0.0, help="norm epsilon")
     tie_embeddings: bool = knob(False, help="share input and output embeddings")
     qkv_bias: bool = knob(False, help="biases on the q, k and v projections (Qwen2; gpt2 has all)")
+    # Mixture of experts (labkit.blocks.moe; Llama-style only): every block's MLP becomes a
+    # router and num_experts SwiGLU experts. 0 experts: the dense MLP above, nothing else changes.
+    num_experts: int = knob(0, min=0, help="experts per MoE layer (0: the dense MLP)")
+    experts_per_token: int = knob(2, min=1, help="k of top-k: the experts each token is sent to")
+    moe_ffn_size: int = knob(0, min=0, help="each expert's inner width (0: ffn_size)")
+    shared_expert_ffn_size: int = knob(0, min=0, help="inner width of a shared expert every token "
+                                       "passes, gated by a sigmoid (Qwen2-MoE); 0: none")
+    capacity_factor: float = knob(0.0, min=0.0, help="expert capacity = ceil(factor x tokens x k "
+                                  "/ experts) per group of tokens, the rest dropped; 0: no limit")
+    router_aux_loss_coef: float = knob(0.01, min=0.0, help="weight of the load-balancing loss "
+                                       "added to the training loss")
+    norm_topk_prob: bool = knob(True, help="renormalise the top-k router weights to sum to 1 "
+                                "(Mixtral; Qwen2-MoE's norm_topk_prob)")
     # Read from a Hugging Face config.json (labkit.blocks.hf), never set with --set:
     # Llama 3's RoPE scaling (factor, low_freq_factor, high_freq_factor, original context) ...
     rope_llama3: tuple[float, float, float, int] | None = field(default=None,
@@ -86,6 +99,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each expert's inner width (moe_ffn_size, or ffn_size when that is 0)."""
+        return self.moe_ffn_size or self.ffn_size
 
 
 def _llama(**kw: Any) -> ModelConfig:
@@ -291,6 +309,12 @@ def _check_model(m: ModelConfig) -> None:
         raise ConfigError(f"num_heads={m.num_heads} must be a multiple of num_kv_heads={m.num_kv_heads}")
     if m.arch == "gpt2" and m.num_kv_heads != m.num_heads:
         raise ConfigError("gpt2-style models have num_kv_heads == num_heads")
+    if m.num_experts and m.arch != "llama":
+        raise ConfigError("num_experts: mixture-of-experts layers are Llama-style (SwiGLU experts); "
+                          "valid: arch=llama, or num_experts=0")
+    if m.num_experts and m.experts_per_token > m.num_experts:
+        raise ConfigError(f"experts_per_token={m.experts_per_token} is more than num_experts="
+                          f"{m.num_experts}; valid: 1 to {m.num_experts}")
 
 
 def _check_lengths(cfg: RunConfig) -> None:

@@ -201,6 +201,30 @@ from labkit.views import packing as packing_views
 packing_views.throughput_figure(frame).show()
 pcfg = resolve(packing.Config, preset, {**overrides, "device": device}, experiment="packing")
 packing_views.document_loss_figure(packing.document_loss_table(pcfg)).show()'''
+CONTEXT_FIGURES = '''from labkit.config import resolve
+from labkit.techniques import context_parallel
+from labkit.views import context_parallel as cp_views
+
+cp_views.per_rank_figure(frame).show()
+cp_views.balance_figure(frame).show()
+ccfg = resolve(context_parallel.Config, preset, {**overrides, "device": device, "nproc": nproc},
+               experiment="context_parallel")
+cp_views.scaling_figure(context_parallel.scaling_table(ccfg), frame).show()'''
+MOE_FIGURES = '''from labkit.views import moe as moe_views
+
+moe_views.drops_figure(frame).show()
+moe_views.bytes_figure(frame).show()'''
+MOE_MIXTRAL = '''import pandas as pd
+from labkit import planner
+
+mixtral = planner.MIXTRAL_8X7B
+per_rank = planner.ep_memory(mixtral, 8, "bf16_weights", "adamw")
+pd.Series({"parameters": planner.num_params(mixtral), "active per token": planner.active_params(mixtral),
+           "routed experts": planner.expert_params(mixtral), "per rank at EP 8": per_rank["params"],
+           "of which experts": per_rank["expert_params"], "of which replicated": per_rank["replicated_params"],
+           "bf16 weights per rank, GiB": round(per_rank["param_bytes"] / 2**30, 2),
+           "bf16_weights model states per rank, GiB": round(per_rank["model_states_bytes"] / 2**30, 2)},
+          dtype=object)'''
 FP8_FIGURES = '''from labkit.blocks import fp8 as fp8_formats
 from labkit.config import resolve
 from labkit.techniques import fp8
@@ -210,6 +234,17 @@ fcfg = resolve(fp8.Config, preset, {**overrides, "device": device}, experiment="
 table = fp8.numerics_table(fcfg)
 fp8_views.numerics_figure(table, {f: fp8_formats.rms_rounding_error(f) for f in fp8_formats.FORMATS}).show()
 fp8_views.bounds_table(table)'''
+GRAD_COMPRESSION_PARAMETERS = ('\nscale_model = "llama-3-8b"  # the at-scale table: a published shape'
+                               '\nscale_world = 8  # its data-parallel ranks'
+                               '\nscale_powersgd_rank = 4  # its PowerSGD rank'
+                               '\nlink_gbps = 50.0  # its link, GB/s one direction (e.g. 400 Gb/s Ethernet)')
+GRAD_COMPRESSION_FIGURES = '''from labkit.views import grad_compression as gc_views
+
+gc_views.compression_figure(frame).show()'''
+GRAD_COMPRESSION_SCALE = '''from labkit.techniques import grad_compression
+
+viz.readable(grad_compression.scale_table(scale_model, world=scale_world, powersgd_rank=scale_powersgd_rank,
+                                          link_gbps=link_gbps))'''
 FINETUNE_MEMORY = '''from labkit.views import finetune as finetune_views
 
 finetune_views.memory_figure(frame).show()'''
@@ -287,6 +322,17 @@ from labkit.techniques import weight_quant
 
 beside = pd.DataFrame(weight_quant.against_rtn(viz.metric_table(frame).to_dict()))
 viz.readable(beside.set_index("variant")) if len(beside) else print("run the calibrated variants beside int4, int8 and w8a8")'''
+PIPELINE_TIMELINES = '''import pandas as pd
+from labkit.config import resolve
+from labkit.techniques import pipeline_parallel
+from labkit.views import pipeline as pipeline_views
+
+pcfg = resolve(pipeline_parallel.Config, preset, {**overrides, "device": device, "nproc": nproc},
+               experiment="pipeline_parallel")
+pipeline_views.timeline_figure(pd.DataFrame(pipeline_parallel.timelines(pcfg))).show()'''
+PIPELINE_BUBBLES = '''from labkit.views import pipeline as pipeline_views
+
+pipeline_views.bubble_figure(frame).show()'''
 EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "mixed_precision": dict(predicted=("param_bytes", "optimizer_bytes", "activation_bytes", "step_ms")),
     "kv_cache": dict(extra=(("block_tables", KV_BLOCK_TABLE), ("int8", KV_INT8)),
@@ -304,7 +350,8 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "data_parallel": dict(predicted=("comm_bytes", "peak_mem_bytes", "num_buckets")),
     "zero": dict(predicted=("param_bytes", "grad_bytes", "optimizer_bytes", "peak_mem_bytes")),
     "tensor_parallel": dict(predicted=("param_bytes", "activation_bytes", "comm_bytes", "comm_bus_bytes")),
-    "pipeline_parallel": dict(sweep='{"micro_batches": [1, 2, 4, 8]}', predicted=("ideal_bubble_fraction",)),
+    "pipeline_parallel": dict(extra=(("timelines", PIPELINE_TIMELINES), ("bubbles", PIPELINE_BUBBLES)),
+                              predicted=("ideal_bubble_fraction",)),
     "hybrid": dict(predicted=("param_bytes", "peak_mem_bytes")),
     "recipe": dict(extra=(("predicted", "viz.readable(viz.predicted_table(frame))"),
                           ("ladder", RECIPE_LADDER), ("timeline", RECIPE_TIMELINE),
@@ -340,6 +387,18 @@ EXPERIMENTS = {  # name -> keyword arguments of experiment_notebook
     "packing": dict(extra=(("figures", PACKING_FIGURES),),
                     predicted=("padding_fraction", "speedup", "attention_pairs", "peak_mem_bytes"),
                     fields=("batch_size", "seq_len", "median_len", "length_sigma")),
+    "context_parallel": dict(extra=(("figures", CONTEXT_FIGURES),),
+                             predicted=("comm_bytes", "comm_bus_bytes", "activation_bytes", "attended_pairs"),
+                             fields=("batch_size", "seq_len", "num_heads", "num_kv_heads", "nproc"), model=False),
+    "moe": dict(sweep='{"capacity_factor": [1.0, 1.25, 2.0]}',
+                extra=(("figures", MOE_FIGURES), ("mixtral", MOE_MIXTRAL)),
+                predicted=("param_bytes", "expert_param_bytes", "capacity_tokens", "load_imbalance",
+                           "offrank_bytes"),
+                fields=("batch_size", "seq_len", "num_experts", "experts_per_token", "capacity_factor", "nproc")),
+    "grad_compression": dict(extra=(("figures", GRAD_COMPRESSION_FIGURES), ("scale", GRAD_COMPRESSION_SCALE)),
+                             parameters=GRAD_COMPRESSION_PARAMETERS,
+                             predicted=("grad_comm_bytes", "grad_bus_bytes", "compression_ratio", "num_buckets"),
+                             fields=("batch_size", "seq_len", "bucket_cap_mb", "powersgd_rank", "nproc")),
     "fp8": dict(extra=(("figures", FP8_FIGURES), ("outliers", "fp8.outlier_rows(fcfg)")),
                 predicted=("e4m3_max_rel_error", "e5m2_max_rel_error", "max_rel_error", "fp8_weight_bytes",
                            "fp8_input_bytes"),

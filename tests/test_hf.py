@@ -34,7 +34,17 @@ CONFIGS = {  # config.json as the Hub ships them (the older rope_theta / rope_sc
     "qwen2": {"model_type": "qwen2", **SMALL, "tie_word_embeddings": True},
     "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128,
              "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0},
+    # mixture of experts (labkit.blocks.moe), dropless as transformers runs them
+    "mixtral": {"model_type": "mixtral", **SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"model_type": "qwen2_moe", **SMALL, "moe_intermediate_size": 32, "num_experts": 4,
+                  "num_experts_per_tok": 2, "shared_expert_intermediate_size": 80},
 }
+# Mixtral-8x7B's published config.json (mistralai/Mixtral-8x7B-v0.1)
+MIXTRAL_8X7B = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "vocab_size": 32000, "max_position_embeddings": 32768, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False}
 
 
 @pytest.fixture(autouse=True)
@@ -202,8 +212,28 @@ def test_sliding_window_caps_the_context(tmp_path):
         resolve(KVConfig, "tiny", {"model": cfg, "prompt_len": 10, "new_tokens": 10})
 
 
+def test_mixtral_8x7b_counts_what_transformers_builds_on_meta(tmp_path):
+    """46,702,792,704 parameters, 12,879,925,248 active per token, as transformers'
+    MixtralForCausalLM holds them (built on the meta device: nothing allocated); labkit's own
+    decoder and planner.MIXTRAL_8X7B the same."""
+    import transformers
+
+    folder = write_folder(tmp_path / "mixtral", MIXTRAL_8X7B)
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(transformers.AutoConfig.from_pretrained(folder))
+    cfg = hf.model_config(folder)
+    assert sum(p.numel() for p in model.parameters()) == planner.num_params(cfg) == 46_702_792_704
+    assert num_params(build_model(cfg, device="meta")) == 46_702_792_704
+    experts = model.model.layers[0].mlp.experts  # each token uses 2 of the 8
+    unused = 32 * 6 * (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel())
+    assert planner.active_params(cfg) == 46_702_792_704 - unused == 12_879_925_248
+    assert dataclasses.replace(cfg, source="") == planner.MIXTRAL_8X7B
+
+
 @pytest.mark.parametrize("config, words", [
     ({"model_type": "phi3", **SMALL}, "valid: llama, mistral, qwen2, gpt2"),
+    ({**CONFIGS["qwen2_moe"], "mlp_only_layers": [1]}, "decoder_sparse_step=1"),
+    ({**CONFIGS["mixtral"], "router_jitter_noise": 0.1}, "router_jitter_noise"),
     ({**CONFIGS["llama"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "supported: default, llama3"),
     ({**CONFIGS["llama"], "head_dim": 32}, "head_dim=32"),
     ({**CONFIGS["llama"], "attention_bias": True}, "attention_bias"),

@@ -6,8 +6,11 @@ the transformers module. So the transforms, the planner and the tensor-parallel 
 all know that decoder, apply unchanged, and the core needs no transformers. The mapping is
 claimed exact, and tests/test_hf.py holds it to transformers' logits, parameter count, cache
 bytes and greedy tokens. Llama, Mistral and Qwen2 are the Llama-style decoder (Qwen2 with q, k, v
-biases); GPT-2 is the GPT-2-style one, its Conv1D weights transposed. What the decoder cannot
-reproduce exactly is refused with one line.
+biases); GPT-2 is the GPT-2-style one, its Conv1D weights transposed. Mixtral and Qwen2-MoE are
+the Llama-style decoder with mixture-of-experts MLPs (`labkit.blocks.moe`: dropless, as
+transformers runs them; Qwen2-MoE with its gated shared expert), their weights in transformers
+5's layout (each layer's experts stacked, gate and up fused). What the decoder cannot reproduce
+exactly is refused with one line.
 """
 from __future__ import annotations
 
@@ -19,11 +22,15 @@ import torch
 
 from labkit.config import ConfigError, ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe")
+MOE = ("mixtral", "qwen2_moe")
 ROPE_TYPES = ("default", "llama3")
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation labkit computes
 # transformers' defaults where a config.json leaves a field out (its configuration classes).
-CONTEXT_DEFAULT = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+CONTEXT_DEFAULT = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "mixtral": 4096 * 32,
+                   "qwen2_moe": 32768}
+EPS_DEFAULT = {"mixtral": 1e-5}  # others 1e-6
+THETA_DEFAULT = {"mixtral": 1e6}  # others 10000
 MISTRAL_WINDOW_DEFAULT = 4096
 
 
@@ -85,9 +92,31 @@ def _llama_shape(raw: dict, kind: str) -> dict[str, Any]:
     return dict(arch="llama", num_layers=layers, hidden_size=d, num_heads=heads,
                 num_kv_heads=raw.get("num_key_value_heads") or heads, ffn_size=f, vocab_size=vocab,
                 max_seq_len=min(context, window or context), rope_theta=float(theta),
-                norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                norm_eps=float(raw.get("rms_norm_eps", EPS_DEFAULT.get(kind, 1e-6))),
                 tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=kind == "qwen2", rope_llama3=llama3)
+                qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and bool(raw.get("qkv_bias", True))),
+                rope_llama3=llama3, **(_moe_shape(raw, kind) if kind in MOE else {}))
+
+
+def _moe_shape(raw: dict, kind: str) -> dict[str, Any]:
+    """Mixtral's and Qwen2-MoE's experts, transformers' defaults where a field is left out.
+    Dropless (capacity_factor 0), as transformers computes them."""
+    if kind == "mixtral":
+        if raw.get("router_jitter_noise", 0.0):
+            _refuse(kind, "router_jitter_noise", "0")
+        return dict(num_experts=raw.get("num_local_experts", 8), experts_per_token=raw.get("num_experts_per_tok", 2),
+                    moe_ffn_size=raw["intermediate_size"], norm_topk_prob=True,
+                    router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)))
+    if raw.get("decoder_sparse_step", 1) != 1 or raw.get("mlp_only_layers"):
+        _refuse(kind, "dense layers among the MoE ones (decoder_sparse_step, mlp_only_layers)",
+                "decoder_sparse_step=1, mlp_only_layers=[]")
+    if raw.get("shared_expert_intermediate_size", 5632) < 1:
+        _refuse(kind, "no shared expert", "shared_expert_intermediate_size > 0")
+    return dict(num_experts=raw.get("num_experts", 60), experts_per_token=raw.get("num_experts_per_tok", 4),
+                moe_ffn_size=raw.get("moe_intermediate_size", 1408),
+                shared_expert_ffn_size=raw.get("shared_expert_intermediate_size", 5632),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)))
 
 
 def _sliding_window(raw: dict, kind: str) -> int | None:
@@ -96,7 +125,9 @@ def _sliding_window(raw: dict, kind: str) -> int | None:
     instead of computed wrongly."""
     if kind == "mistral":
         return raw.get("sliding_window", MISTRAL_WINDOW_DEFAULT)
-    if kind == "qwen2" and raw.get("use_sliding_window"):
+    if kind == "mixtral":
+        return raw.get("sliding_window")
+    if kind in ("qwen2", "qwen2_moe") and raw.get("use_sliding_window"):
         return raw.get("sliding_window", 4096)
     return None
 
@@ -107,7 +138,7 @@ def _rope(raw: dict, kind: str) -> tuple[float, tuple[float, float, float, int] 
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         _refuse(kind, "per-layer RoPE parameters", "one rope_parameters object")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", raw.get("rope_theta", THETA_DEFAULT.get(kind, 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         _refuse(kind, f"rope scaling {rope_type!r}", ", ".join(ROPE_TYPES))
@@ -149,12 +180,26 @@ def config_dict(cfg: ModelConfig) -> dict[str, Any]:
         factor, low, high, original = cfg.rope_llama3
         rope.update(rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
                     original_max_position_embeddings=original)
-    return {"model_type": "qwen2" if cfg.qkv_bias else "llama", "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-            "hidden_act": "silu", "rope_theta": cfg.rope_theta, "rope_parameters": rope}
+    out = {"model_type": "qwen2" if cfg.qkv_bias else "llama", "hidden_size": cfg.hidden_size,
+           "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+           "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
+           "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+           "hidden_act": "silu", "rope_theta": cfg.rope_theta, "rope_parameters": rope}
+    return out if not cfg.num_experts else {**out, **_moe_dict(cfg)}
+
+
+def _moe_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """An MoE shape's fields: `mixtral` (renormalised top-k, no shared expert, no biases), else
+    `qwen2_moe`. transformers' MoE blocks are dropless: capacity_factor is not written."""
+    common = {"num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.router_aux_loss_coef}
+    if cfg.norm_topk_prob and not cfg.shared_expert_ffn_size and not cfg.qkv_bias:
+        return {**common, "model_type": "mixtral", "num_local_experts": cfg.num_experts,
+                "intermediate_size": cfg.expert_ffn_size}
+    return {**common, "model_type": "qwen2_moe", "num_experts": cfg.num_experts,
+            "moe_intermediate_size": cfg.expert_ffn_size, "qkv_bias": cfg.qkv_bias,
+            "shared_expert_intermediate_size": cfg.shared_expert_ffn_size,
+            "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 # --- names: labkit's parameter <-> transformers' -------------------------------------------------
@@ -173,6 +218,12 @@ GPT2_NAMES = {  # per block, below transformer.h.{i}.; Conv1D weights are (in, o
     "attn.wo.weight": "attn.c_proj.weight", "attn.wo.bias": "attn.c_proj.bias",
     "mlp.w1.weight": "mlp.c_fc.weight", "mlp.w1.bias": "mlp.c_fc.bias",
     "mlp.w2.weight": "mlp.c_proj.weight", "mlp.w2.bias": "mlp.c_proj.bias"}
+MOE_NAMES = {  # per block, an MoE's tensors mapped one to one (gate_up_proj is [w1; w3], fused)
+    "mlp.router.weight": "mlp.gate.weight", "mlp.experts.w2": "mlp.experts.down_proj",
+    "mlp.shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "mlp.shared.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "mlp.shared.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_gate.weight": "mlp.shared_expert_gate.weight"}
 TOP_NAMES = {"llama": {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                        "lm_head.weight": "lm_head.weight"},
              "gpt2": {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
@@ -186,6 +237,9 @@ def name_map(cfg: ModelConfig) -> dict[str, str]:
     per_block, prefix = (GPT2_NAMES, "transformer.h") if cfg.arch == "gpt2" else (LLAMA_NAMES, "model.layers")
     if cfg.arch == "llama" and not cfg.qkv_bias:
         per_block = {k: v for k, v in per_block.items() if not k.endswith("bias")}
+    if cfg.num_experts:
+        moe = {k: v for k, v in MOE_NAMES.items() if cfg.shared_expert_ffn_size or ".shared" not in k}
+        per_block = {**{k: v for k, v in per_block.items() if not k.startswith("mlp.")}, **moe}
     names = dict(TOP_NAMES[cfg.arch])
     for i in range(cfg.num_layers):
         names.update({f"layers.{i}.{k}": f"{prefix}.{i}.{v}" for k, v in per_block.items()})
@@ -207,7 +261,14 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
         for kind in ("weight", "bias"):  # c_attn = [q; k; v], (d, 3d) as a Conv1D
             fused = torch.cat([state[f"layers.{i}.attn.w{p}.{kind}"] for p in "qkv"])
             out[f"transformer.h.{i}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
+    for i in range(cfg.num_layers if cfg.num_experts else 0):  # (E, 2f, d): gate rows, then up
+        experts = f"layers.{i}.mlp.experts"
+        out[_gate_up(i)] = torch.cat([state[f"{experts}.w1"], state[f"{experts}.w3"]], dim=1)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _gate_up(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.experts.gate_up_proj"
 
 
 def from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -222,7 +283,8 @@ def from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
     names = name_map(cfg)
     fused = [f"transformer.h.{i}.attn.c_attn.{k}" for i in range(cfg.num_layers if cfg.arch == "gpt2" else 0)
              for k in ("weight", "bias")]
-    missing = [n for n in [*names.values(), *fused] if state.get(n) is None]
+    gate_up = [_gate_up(i) for i in range(cfg.num_layers if cfg.num_experts else 0)]
+    missing = [n for n in [*names.values(), *fused, *gate_up] if state.get(n) is None]
     if missing:
         raise ConfigError(f"the weights lack {len(missing)} of this config's tensors, e.g. {missing[0]}")
     out = {ours: state[theirs].t() if _transposed(cfg, ours) else state[theirs]
@@ -232,6 +294,8 @@ def from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
         tensor = state[name].t() if kind == "weight" else state[name]
         for p, part in zip("qkv", tensor.chunk(3, dim=0)):
             out[f"layers.{i}.attn.w{p}.{kind}"] = part
+    for i, name in enumerate(gate_up):
+        out[f"layers.{i}.mlp.experts.w1"], out[f"layers.{i}.mlp.experts.w3"] = state[name].chunk(2, dim=1)
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -1,5 +1,6 @@
 """One plain decoder: Llama-style (RMSNorm, RoPE, grouped-query attention, SwiGLU) or, by config,
-GPT-2-style (learned positions, LayerNorm with biases, GELU MLP, tied embeddings).
+GPT-2-style (learned positions, LayerNorm with biases, GELU MLP, tied embeddings). With
+`num_experts` > 0 each Llama-style block's MLP is a mixture of experts (`labkit.blocks.moe`).
 
 No technique code lives here. Techniques act from outside: through the attention switch
 (`model.attention`), the KV-cache slot (`forward(..., cache=...)`), or by transforming the module.
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.blocks import losses
+from labkit.blocks.moe import MoE
 from labkit.config import ModelConfig
 
 StartPos = int | torch.Tensor  # a batch's first position, or one per row (B,)
@@ -192,7 +194,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm, self.mlp_norm = make_norm(cfg), make_norm(cfg)
-        self.attn, self.mlp = Attention(cfg, layer_idx), MLP(cfg)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)  # MoE: labkit.blocks.moe
 
     def forward(self, x: torch.Tensor, start_pos: StartPos, cache, impl: str, rope,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -266,7 +269,7 @@ def init_parameter(name: str, p: torch.Tensor, num_layers: int) -> None:
     std = 0.02
     if p.dim() == 1:
         nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-    elif name.endswith(("wo.weight", "w2.weight")):
+    elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         nn.init.normal_(p, 0.0, std / math.sqrt(2 * num_layers))
     else:
         nn.init.normal_(p, 0.0, std)

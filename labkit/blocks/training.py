@@ -21,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.blocks.losses import IGNORE, lm_loss
+from labkit.blocks.moe import add_aux_loss
 from labkit.config import RunConfig
 from labkit.model import build_model
 from labkit.workload import Comparison
@@ -179,8 +180,10 @@ class Trainer:
             for context in self.contexts:
                 stack.enter_context(context())
             if getattr(self.model, "loss_chunk", 0):  # the head and the loss fused in its forward
-                return self.net(inputs, targets=targets, **documents)
-            return lm_loss(self.net(inputs, **documents), targets)
+                loss = self.net(inputs, targets=targets, **documents)
+            else:
+                loss = lm_loss(self.net(inputs, **documents), targets)
+            return add_aux_loss(self.model, loss)  # + an MoE's load-balancing loss
 
     def micro_batches(self) -> Iterator[Piece]:
         """Each micro-batch: consecutive rows, weighted by its share of the rows, or of the

@@ -182,8 +182,16 @@ FAMILIES: dict[str, Family] = {
     ), cuda_s=60),  # 60 s on an H200 (2026-12-04)
     "parallel": Family((
         Run("tensor_parallel", ("tp",), {"cpu": dict(_TWO_LAYERS)}, fixed_s=14),
-        Run("pipeline_parallel", ("gpipe",), {"cpu": dict(_TWO_LAYERS)}, fixed_s=14),
+        # GPipe and the zero-bubble schedule (2 modules a rank, the backward split into I and W)
+        Run("pipeline_parallel", ("gpipe", "zero_bubble"), {"cpu": dict(_TWO_LAYERS)}, fixed_s=16),
         Run("hybrid", ("fsdp_tp",), {"cpu": dict(_TWO_LAYERS)}, fixed_s=25),  # four ranks on the CPU
+        # one attention layer of 128 tokens split over two ranks: the ring and Ulysses beside one process
+        Run("context_parallel", ("ring", "ulysses"), {"cpu": {"seq_len": 128, "timed_steps": 2, **QUICK}},
+            fixed_s=12),
+        # 2 MoE layers of 4 experts, 2 on each of two ranks, beside one process running all of them
+        Run("moe", ("ep",), {"cpu": {"seq_len": 32, "timed_steps": 2, **QUICK}}, fixed_s=14),
+        # DDP's int8 hook and PowerSGD beside its own fp32 all-reduce, 2 ranks of 2 blocks
+        Run("grad_compression", ("int8", "powersgd"), {"cpu": {**_TWO_LAYERS, "steps": 2}}, fixed_s=14),
     )),
     "serving": Family((
         # the first requests of the preset's workload, outputs clipped: the sequential reference
@@ -597,8 +605,28 @@ CHECKS: dict[str, list[Check]] = {
               checked_ok("tensor_parallel", "tp"), ">=", 1.0),
         Check("parallel", "pipeline_parallel", "GPipe (2 stages) matches one process",
               checked_ok("pipeline_parallel", "gpipe"), ">=", 1.0),
+        Check("parallel", "pipeline_parallel", "zero-bubble ZB1P (2 ranks, split backward) matches one process",
+              checked_ok("pipeline_parallel", "zero_bubble"), ">=", 1.0),
         Check("parallel", "hybrid", "FSDP x TP on a 2 x 2 mesh matches one process", checked_ok("hybrid", "fsdp_tp"),
               ">=", 1.0),
+        Check("parallel", "context_parallel", "ring attention (2 ranks): output and dq, dk, dv as one process",
+              checked_ok("context_parallel", "ring"), ">=", 1.0),
+        Check("parallel", "context_parallel", "ring attention: bytes sent per rank, measured / predicted (exactly)",
+              against_prediction("context_parallel", "ring", "comm_bytes"), "within", 0.0),
+        Check("parallel", "context_parallel", "Ulysses (2 ranks): output and dq, dk, dv as one process",
+              checked_ok("context_parallel", "ulysses"), ">=", 1.0),
+        Check("parallel", "moe", "expert parallel (2 ranks): logits, loss and gradients as one process",
+              checked_ok("moe", "ep"), ">=", 1.0),
+        Check("parallel", "moe", "expert parallel: all-to-all bytes, measured / predicted from the routing "
+              "(exactly)", against_prediction("moe", "ep", "all_to_all_bytes"), "within", 0.0),
+        Check("parallel", "grad_compression", "int8 gradients (2 ranks): within the int8 bound of fp32's, "
+              "every rank the same", checked_ok("grad_compression", "int8"), ">=", 1.0),
+        Check("parallel", "grad_compression", "int8 gradients: bytes per rank, measured / predicted (exactly)",
+              against_prediction("grad_compression", "int8", "grad_comm_bytes"), "within", 0.0),
+        Check("parallel", "grad_compression", "int8 / fp32 gradient bytes (issue 29: about 4x fewer, less "
+              "one fp32 scale per bucket)", of("grad_compression", "int8", "compression_ratio"), ">=", 3.99, "", "x"),
+        Check("parallel", "grad_compression", "PowerSGD (2 ranks): the projection of fp32's gradient",
+              checked_ok("grad_compression", "powersgd"), ">=", 1.0),
         # issue 5's 1.4x is a benchmark on the preset's whole workload (`labkit run batching`),
         # not a check; these are its mechanisms on the first requests
         Check("serving", "batching", "continuous batching: every token's log-prob as the sequential reference's",

@@ -12,13 +12,26 @@ from labkit.config import DTYPE_BYTES, ConfigError, ModelConfig
 from labkit.planner.precision import optimizer_bytes_per_param
 
 
-def block_linear_params(m: ModelConfig, *, biases: bool = True) -> int:
+def mlp_params(m: ModelConfig, *, active: bool = False) -> int:
+    """Weights of one block's MLP: the dense MLP, or an MoE's router, num_experts SwiGLU experts
+    and its gated shared expert (`active`: the router, the k experts one token uses and the
+    shared expert)."""
+    d = m.hidden_size
+    if not m.num_experts:
+        return (3 if m.arch == "llama" else 2) * d * m.ffn_size
+    experts = m.experts_per_token if active else m.num_experts
+    shared = 3 * d * m.shared_expert_ffn_size + d if m.shared_expert_ffn_size else 0  # + its gate
+    return m.num_experts * d + experts * 3 * d * m.expert_ffn_size + shared
+
+
+def block_linear_params(m: ModelConfig, *, biases: bool = True, active: bool = False) -> int:
     """Weights (and biases) of the linear layers of one block; the weights alone are what the
-    matmuls multiply by (bias adds are not counted as FLOPs)."""
+    matmuls multiply by (bias adds are not counted as FLOPs). `active`: an MoE block's weights
+    one token uses (`mlp_params`)."""
     hd, gpt2 = m.head_dim, m.arch == "gpt2"
     q_o = 2 * m.hidden_size * m.num_heads * hd
     k_v = 2 * m.hidden_size * m.num_kv_heads * hd
-    mlp = (3 if m.arch == "llama" else 2) * m.hidden_size * m.ffn_size
+    mlp = mlp_params(m, active=active)
     if not biases:
         return q_o + k_v + mlp
     qkv = (m.num_heads + 2 * m.num_kv_heads) * hd if gpt2 or m.qkv_bias else 0  # Qwen2: these alone
@@ -55,8 +68,9 @@ def attention_flops(m: ModelConfig, *, batch: int, new: int, keys: int) -> int:
 
 def forward_flops(m: ModelConfig, *, batch: int, new: int, keys: int, logits: int) -> int:
     """FLOPs of one forward pass over `new` tokens attending to `keys` positions, projecting
-    `logits` positions to the vocabulary (multiply-add = 2)."""
-    blocks = 2 * new * m.num_layers * block_linear_params(m, biases=False)
+    `logits` positions to the vocabulary (multiply-add = 2). An MoE block counts the weights one
+    token uses (router, k experts, shared expert), as if no assignment were dropped."""
+    blocks = 2 * new * m.num_layers * block_linear_params(m, biases=False, active=True)
     head = 2 * logits * m.hidden_size * m.vocab_size
     return batch * (blocks + head) + attention_flops(m, batch=batch, new=new, keys=keys)
 
@@ -102,15 +116,20 @@ class LocalShape:
 
 def local_shape(m: ModelConfig, tp: int = 1) -> LocalShape:
     """Widths on one of `tp` ranks. kv heads split when tp divides them; with fewer kv heads than
-    ranks each rank keeps one (Megatron replicates them)."""
+    ranks each rank keeps one (Megatron replicates them). An MoE's `f` is the inner width one
+    token passes through (k experts and the shared one), what its activations scale with."""
     check_tp(m, tp)
     kv_heads = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+    f = m.experts_per_token * m.expert_ffn_size + m.shared_expert_ffn_size if m.num_experts else m.ffn_size
     return LocalShape(d=m.hidden_size, q=m.num_heads // tp * m.head_dim, kv=kv_heads * m.head_dim,
-                      f=-(-m.ffn_size // tp), heads=m.num_heads // tp, vocab=-(-m.vocab_size // tp),
+                      f=-(-f // tp), heads=m.num_heads // tp, vocab=-(-m.vocab_size // tp),
                       logits=m.vocab_size)
 
 
 def check_tp(m: ModelConfig, tp: int) -> None:
+    if m.num_experts and tp > 1:
+        raise ConfigError(f"tp={tp} with num_experts={m.num_experts}: labkit does not split experts "
+                          "by tensor parallelism; split them over ranks with expert parallelism (ep)")
     if m.num_heads % tp:
         raise ConfigError(f"tp={tp} does not divide the model's {m.num_heads} attention heads")
     if m.num_kv_heads % tp and tp % m.num_kv_heads:
@@ -133,14 +152,23 @@ def block_tensors(m: ModelConfig, s: LocalShape) -> list[int]:
     """Sizes of one block's parameters on one rank, in the module's order (attn_norm, mlp_norm,
     wq, wk, wv, wo, w1, [w3], w2; each Linear's bias after its weight). Column-parallel weights
     (wq, wk, wv, w1, w3) and their biases split; row-parallel ones (wo, w2) split, their biases
-    replicated; norms replicated. Qwen2's q, k, v biases (qkv_bias) split with their weights."""
-    if m.arch == "llama" and m.qkv_bias:
-        return [s.d, s.d, s.d * s.q, s.q, s.d * s.kv, s.kv, s.d * s.kv, s.kv, s.q * s.d, s.d * s.f,
-                s.d * s.f, s.f * s.d]
+    replicated; norms replicated. Qwen2's q, k, v biases (qkv_bias) split with their weights.
+    An MoE block (tp 1): router, stacked w1, w3, w2 of its experts, the shared expert and its gate."""
     if m.arch == "llama":
-        return [s.d, s.d, s.d * s.q, s.d * s.kv, s.d * s.kv, s.q * s.d, s.d * s.f, s.d * s.f, s.f * s.d]
+        attn = ([s.d * s.q, s.q, s.d * s.kv, s.kv, s.d * s.kv, s.kv] if m.qkv_bias
+                else [s.d * s.q, s.d * s.kv, s.d * s.kv])
+        return [s.d, s.d, *attn, s.q * s.d, *_mlp_tensors(m, s)]
     return [s.d, s.d, s.d, s.d, s.d * s.q, s.q, s.d * s.kv, s.kv, s.d * s.kv, s.kv, s.q * s.d, s.d,
             s.d * s.f, s.f, s.f * s.d, s.d]
+
+
+def _mlp_tensors(m: ModelConfig, s: LocalShape) -> list[int]:
+    """A Llama-style block's MLP tensors, in the module's order (`labkit.blocks.moe.MoE`)."""
+    if not m.num_experts:
+        return [s.d * s.f, s.d * s.f, s.f * s.d]
+    E, f, fs = m.num_experts, m.expert_ffn_size, m.shared_expert_ffn_size
+    shared = [s.d * fs, s.d * fs, fs * s.d, s.d] if fs else []
+    return [E * s.d, E * f * s.d, E * f * s.d, E * s.d * f, *shared]
 
 
 def layer_params(m: ModelConfig, s: LocalShape) -> tuple[int, int]:

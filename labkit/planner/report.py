@@ -12,6 +12,7 @@ from labkit.planner.finetune import (FINETUNE_METHODS, finetune_frontier, finetu
 from labkit.planner.quantized import NF4_BLOCK_SIZE
 from labkit.planner.inference import inference_memory, kv_bytes_per_token
 from labkit.planner.model import num_params as _count_params
+from labkit.planner.moe import active_params, ep_memory, expert_params
 from labkit.planner.plan import MemoryPlan, _positive
 from labkit.planner.precision import DTYPE_OF, PRECISIONS
 from labkit.planner.search import recommend
@@ -26,7 +27,7 @@ def plan_report(*, model: str | ModelConfig | None = None, params: float | str |
                 tp: int = 1, pp: int = 1, gpus: int | None = None, gpu_mem_gib: float = 80.0,
                 checkpointing: str = "none", effective_batch: int | None = None,
                 finetune: str | None = None, lora_rank: int = 8, lora_alpha: float = 16.0,
-                lora_targets: str | tuple = "q,v") -> dict:
+                lora_targets: str | tuple = "q,v", ep: int = 1) -> dict:
     """One JSON-safe answer for a GPU run: the per-GPU terms of the step at `batch_size` sequences
     per micro-batch, whether it fits `gpu_mem_gib`, the KV cache for serving at the same batch and
     sequence, and the cheapest plan that fits `effective_batch` sequences per optimizer step.
@@ -35,8 +36,10 @@ def plan_report(*, model: str | ModelConfig | None = None, params: float | str |
     `finetune` (full, lora, qlora): the step is `finetune_memory`'s on one GPU, in the compute
     dtype `precision` implies (fp32 for fp32, fp16 for fp16, bf16 otherwise), with
     `trainable_params` at the top level, `finetune` (its settings) and `finetune_frontier`;
-    `lora_alpha` scales the update, not the memory."""
+    `lora_alpha` scales the update, not the memory. A mixture-of-experts shape adds `moe`: its
+    active parameters per token and one of `ep` expert-parallel ranks' model states."""
     m, psi, name = _model_or_params(model, params)
+    moe = _moe_fields(m, ep, precision, optimizer)
     if seq_len is None:
         seq_len = min(2048, m.max_seq_len) if m else 2048
     gpus = tp * pp if gpus is None else gpus
@@ -61,7 +64,7 @@ def plan_report(*, model: str | ModelConfig | None = None, params: float | str |
                   effective_batch=effective_batch, accumulation_steps=accumulation)
     serving = _serving_fields(m, inputs, mem)
     out = {"model": name, "num_params": psi, "inputs": inputs, **_plan_fields(plan, mem), **serving,
-           "recommendation": dataclasses.asdict(rec)}
+           "recommendation": dataclasses.asdict(rec), **moe}
     # The cache serving this batch and sequence would hold; not part of the training total.
     out["per_gpu"]["kv_cache_bytes"] = serving["inference"]["kv_cache_bytes"] if m else 0
     if finetune is not None:
@@ -111,6 +114,20 @@ def _model_or_params(model: str | ModelConfig | None, params) -> tuple[ModelConf
     if not math.isfinite(value) or value < 1 or value != int(value):
         raise ConfigError(f"params={params!r} must be a positive whole number of parameters")
     return None, int(value), None
+
+
+def _moe_fields(m: ModelConfig | None, ep: int, precision: str, optimizer: str) -> dict:
+    """{"moe": ...} for a mixture-of-experts shape: experts, total and active parameters per
+    token, and one of `ep` expert-parallel ranks' model states (experts split, the rest
+    replicated); {} for a dense one (where ep must be 1)."""
+    _positive(ep=ep)
+    if m is None or not m.num_experts:
+        if ep != 1:
+            raise ConfigError(f"ep={ep}: expert parallelism needs a mixture-of-experts model (num_experts > 0)")
+        return {}
+    return {"moe": {"num_experts": m.num_experts, "experts_per_token": m.experts_per_token,
+                    "expert_params": expert_params(m), "active_params": active_params(m),
+                    "per_rank": ep_memory(m, ep, precision, optimizer)}}
 
 
 def _gpu_mem_bytes(gib: float) -> int:

@@ -34,6 +34,8 @@ def format_plan(report: dict) -> str:
     lines += ["", _fits_line(report)]
     if report["inference"]:
         lines.append(_serving_line(report))
+    if report.get("moe"):
+        lines += _moe_lines(report)
     if report.get("finetune"):
         lines += _finetune_lines(report)
     else:
@@ -63,6 +65,18 @@ def _finetune_lines(r: dict) -> list[str]:
         out.append(f"  {row['method']:<9} checkpointing {row['checkpointing']:<5} "
                    f"max seq {row['max_seq_len']:>7,}  max micro-batch {row['max_micro_batch']:>6,}")
     return out
+
+
+def _moe_lines(r: dict) -> list[str]:
+    """A mixture of experts: the parameters one token uses, and one expert-parallel rank's share."""
+    moe, rank = r["moe"], r["moe"]["per_rank"]
+    return [f"mixture of experts: {moe['num_experts']} experts, top-{moe['experts_per_token']}: "
+            f"{moe['active_params']:,} active parameters per token of {r['num_params']:,} "
+            f"({moe['active_params'] / r['num_params']:.1%}); experts {moe['expert_params']:,}",
+            f"expert parallel ep {rank['ep']}: {rank['params']:,} parameters per rank "
+            f"({rank['expert_params']:,} of experts, {rank['replicated_params']:,} replicated); "
+            f"weights {gib(rank['param_bytes']):.2f} GiB, model states {gib(rank['model_states_bytes']):.2f} "
+            f"GiB per rank ({r['inputs']['precision']}, {r['inputs']['optimizer']}, no ZeRO)"]
 
 
 def _header(r: dict) -> str:

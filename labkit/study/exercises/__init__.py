@@ -24,7 +24,7 @@ Solution mode (`solution=True`, the papermill parameter) fills in the reference 
 prediction, so `papermill ... -p solution True` produces an answer key.
 
 The exercises live in one module per topic (`memory`, `precision`, `parallel`, `profiling`,
-`inference`, `quantization`, `speculative`, `serving`, `sla`, `recipes`, `finetune`, `packing`, `labs`); `core` holds what they are made of and `runs` the measurements they share.
+`inference`, `quantization`, `speculative`, `serving`, `sla`, `recipes`, `finetune`, `packing`, `context`, `moe`, `compression`, `pipelines`, `labs`); `core` holds what they are made of and `runs` the measurements they share.
 Their words (every exercise's and lab's title, scenario or symptoms, question, hint, why and
 feedback) are Markdown, one file per key in notebooks/exercises/text/, read by `text`.
 """
@@ -33,8 +33,9 @@ from __future__ import annotations
 from typing import Any
 
 from labkit.config import ConfigError
-from labkit.study.exercises import (finetune, inference, memory, packing, parallel, precision,
-                                    profiling, quantization, recipes, serving, sla, speculative)
+from labkit.study.exercises import (compression, context, finetune, inference, memory, moe, packing,
+                                    parallel, pipelines, precision, profiling, quantization, recipes,
+                                    serving, sla, speculative)
 from labkit.study.exercises.attempts import load_attempts, record_attempt
 from labkit.study.exercises.core import (LEVELS, SOURCES, TOPICS, Exercise, Outcome, Rows, Run, Setup, grade,
                                    measure, measure_setup, parse_prediction, show)
@@ -53,7 +54,8 @@ __all__ = ["DIAGNOSES", "EXERCISES", "LABS", "LAB_RUNS", "LEVELS", "RUNS", "SOUR
 
 # The troubleshooting labs are not exercises: they live in LABS (labkit.study.exercises.labs).
 _ALL = [ex for module in (memory, precision, parallel, profiling, inference, quantization,
-                         speculative, serving, sla, recipes, finetune, packing)
+                         speculative, serving, sla, recipes, finetune, packing, context, moe,
+                         compression, pipelines)
         for ex in module.build_exercises()]
 # Ordered by level (stable: within a level, in topic order), so the notebooks' numbers climb.
 EXERCISES: dict[str, Exercise] = {ex.key: ex for ex in sorted(_ALL, key=lambda ex: ex.level)}

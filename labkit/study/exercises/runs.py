@@ -52,6 +52,9 @@ RUNS = {
                     {"packing": True}]),
     "pipe": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "delay_stage": 0},
                 ("single", "gpipe"), {"stage_delay_ms": [0.0, SLOW_STAGE_MS]}),
+    # the pipeline schedules the drills read, on the two gloo ranks: m = 4, v = 2 modules per rank
+    "zb": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "virtual_stages": 2},
+              ("single", "1f1b", "interleaved_1f1b", "zero_bubble")),
     "quant": Run("weight_quant", {**FAST, "prompt_len": 4, "new_tokens": 8, "num_layers": 1,
                                   "calib_sequences": 2, "calib_len": 64}, ("none", "int8", "int4", "gptq_int4")),
     # one layer, 16 tokens: the fp8 copies' bytes follow the shapes alone
@@ -72,6 +75,14 @@ RUNS = {
     # 6 seeded documents packed into rows of 64 tokens, 2 tiny layers: seconds on any CPU
     "packing": Run("packing", {**FAST, "num_layers": 2, "batch_size": 6, "seq_len": 64},
                    ("padded", "packed_naive", "packed")),
+    # one attention layer of 64 tokens (4 q heads reading 2 kv heads) on the two gloo ranks
+    "context": Run("context_parallel", {**DIST, "batch_size": 1, "seq_len": 64, "num_kv_heads": 2},
+                   ("ring", "ring_zigzag")),
+    # the tiny MoE (4 experts, top-2, capacity factor 1.25) on the two gloo ranks, 64 tokens each
+    "moe": Run("moe", {**DIST, "batch_size": 2, "seq_len": 32, "timed_steps": 1}, ("single", "ep")),
+    # DDP with the int8 and PowerSGD (rank 2) hooks on the two gloo ranks, 2 tiny layers
+    "compression": Run("grad_compression", {**DIST, "batch_size": 2, "timed_steps": 1, "steps": 2,
+                                            "powersgd_rank": 2}, ("int8", "powersgd")),
     # 8 requests of at most 16 tokens on 4 rows, two bisection steps: seconds on any CPU
     "sla": Run("sla", {"num_layers": 2, "num_requests": 8, "max_output_len": 16,
                        "batch_size": 4, "search_steps": 2}, ("continuous",)),
