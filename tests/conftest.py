@@ -86,6 +86,13 @@ def by(rows, variant, metric):
 FAULTS = {"fault": ["none", "corrupt_reduction"]}  # one launch: the clean run and the corrupted one
 
 
+def one_row(rows, variant, metric, rank=0):
+    """The one row of `variant`'s `metric` on `rank` (a launch's rows)."""
+    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)]
+    assert len(hits) == 1, (variant, metric, rank, hits)
+    return hits[0]
+
+
 def fault_fixtures(experiment: str, overrides: dict):
     """Module-scoped fixtures of one launch of `experiment` swept over FAULTS: `run` (every row),
     `rows` (the clean ones) and `corrupted` (fault_rank's gradient reduction spoiled). Bind them
@@ -130,7 +137,7 @@ PARAMETERS = {
     "10_data_parallel": {"overrides": TINY_DIST, "variants": "ddp", "nproc": 2},
     "11_zero": {"overrides": TINY_DIST, "variants": "zero3", "nproc": 2},
     "12_tensor_parallel": {"overrides": TINY_DIST, "variants": "tp", "nproc": 2},
-    "13_pipeline_parallel": {"overrides": {**TINY_DIST, "micro_batches": 2},
+    "13_pipeline_parallel": {"overrides": TINY_DIST, "sweep": {"micro_batches": [2]},
                                    "variants": "zero_bubble", "nproc": 2},
     "14_hybrid": {"overrides": {**TINY_DIST, "batch_size": 4, "num_layers": 1, "timed_steps": 1},
                         "variants": "fsdp_tp", "nproc": 4},

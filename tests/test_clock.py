@@ -57,6 +57,9 @@ PRIVATE_TORCH_ALLOWED = {
     ("techniques/matmul.py", "torch._scaled_mm"),
     # CUDA graphs replay at fixed addresses: the decode cache must be marked so (reduce-overhead)
     ("techniques/compiling.py", "torch._dynamo.mark_static_address"),
+    # the inverse of the public context_parallel's sharding (its load-balanced order) lives only
+    # in its private module in torch 2.13; the GPU-only torch_cp variant reads its results whole
+    ("techniques/context_parallel.py", "torch.distributed.tensor.experimental._attention.context_parallel_unshard"),
 }
 
 

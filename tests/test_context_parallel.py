@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import FAST
+from conftest import one_row as get
 from labkit import planner
 from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
@@ -43,11 +44,6 @@ def run(tmp_path_factory):
 def rows(run):
     return [r for r in run if r["params"]["ring_bug"] == "none"]
 
-
-def get(rows, variant, metric, rank):
-    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)]
-    assert len(hits) == 1, (variant, metric, rank, hits)
-    return hits[0]
 
 
 def test_every_variant_matches_one_process_on_every_rank(rows):

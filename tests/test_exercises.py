@@ -41,14 +41,14 @@ def test_counts_topics_and_fields():
         assert isinstance(exercises.reference_answer(ex.key, "cpu"), str) == bool(ex.choices)
 
 
-def test_the_exercises_launch_ranks_seven_times():
-    """Each gloo launch costs 6-12 s: the exercises of one distributed experiment share one,
-    but for the pipeline's two (the delayed stage's sweep, and the schedules with two modules a
-    rank)."""
+def test_the_exercises_launch_ranks_eight_times():
+    """Each gloo launch costs 6-12 s: the exercises of one distributed experiment share one, but
+    for the pipeline's two (a delayed stage's sweep; schedules with two modules a rank) and the
+    recipe's two (the ladder's rungs; the chunked loss, 8-bit AdamW and packing)."""
     from labkit.techniques import record
 
     dist = [r.experiment for r in exercises.RUNS.values() if record(r.experiment).distributed]
-    assert sorted(dist) == sorted(["zero", "pipeline_parallel", "pipeline_parallel", "recipe",
+    assert sorted(dist) == sorted(["zero", "pipeline_parallel", "pipeline_parallel", "recipe", "recipe",
                                    "context_parallel", "moe", "grad_compression"])
 
 

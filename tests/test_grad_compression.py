@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY_DIST
+from conftest import one_row as get
 from labkit import planner
 from labkit.blocks import compression
 from labkit.blocks.model import build_model
@@ -42,11 +43,6 @@ def run(tmp_path_factory):
 def rows(run):
     return [r for r in run if r["params"]["int8_fault"] == "none"]
 
-
-def get(rows, variant, metric, rank=0):
-    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)]
-    assert len(hits) == 1, (variant, metric, rank, hits)
-    return hits[0]
 
 
 def value(rows, variant, metric, rank=0):

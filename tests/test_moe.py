@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY_DIST
+from conftest import one_row as get
 from labkit import cli, planner
 from labkit.blocks import moe
 from labkit.blocks.losses import lm_loss
@@ -33,11 +34,6 @@ def run(tmp_path_factory):
 def rows(run):
     return [r for r in run if r["params"]["moe_fault"] == "none"]
 
-
-def get(rows, variant, metric, rank):
-    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)]
-    assert len(hits) == 1, (variant, metric, rank, hits)
-    return hits[0]
 
 
 # --- two ranks, one launch -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import FAULTS, TINY_DIST, fault_fixtures
+from conftest import one_row as get
 from labkit import planner
 from labkit.config import ConfigError, resolve
 from labkit.harness.experiment import run_experiment
@@ -32,11 +33,6 @@ def config(variant="ddp", **overrides):
 
 run, rows, corrupted = fault_fixtures("zero", CPU)
 
-
-def get(rows, variant, metric, rank):
-    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)]
-    assert len(hits) == 1, (variant, metric, rank, hits)
-    return hits[0]
 
 
 def value(rows, variant, metric, rank):

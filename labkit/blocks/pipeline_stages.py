@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,6 @@ from labkit.blocks.model import rope_tables
 from labkit.blocks.pipeline_schedule import step_bubbles
 from labkit.blocks.training import lm_loss
 from labkit.measure.clock import clock, repeat_seconds
-from labkit.measure.memory import storage_keys
 from labkit.measure.modes import unmetered
 
 COST_REPEATS = 5  # timed runs per cost probe, after one warm-up
@@ -208,56 +206,3 @@ def bubble_metrics(every: list[list[list[tuple[float, float, float]]]], r: int) 
     return {"bubble_fraction": bubble[r], "bubble_fraction_mean": sum(bubble) / len(bubble),
             "schedule_wall_ms": wall * 1e3, "stage_busy_ms": busy[r] * 1e3,
             "stall_fraction": stall[r], "stall_fraction_max": max(stall)}
-
-
-class _Saved:
-    """One tensor autograd saved; dropped when autograd releases it (its graph freed)."""
-
-    def __init__(self, t: torch.Tensor):
-        # Detached: a saved output that referenced its own grad_fn would make a reference cycle
-        # through C++ that the garbage collector cannot see, and the graph would never be freed.
-        self.t = t.detach()
-
-
-def _unpack(saved: _Saved | torch.Tensor) -> torch.Tensor:
-    return saved.t if isinstance(saved, _Saved) else saved
-
-
-class SavedBytes:
-    """The peak, while inside, of the bytes autograd holds saved for backward: each storage
-    counted once while any saved tensor on it is held, from the pack to the release of the last
-    such saved tensor (its graph freed by a backward, or by the weight-gradient step of a split
-    one), the `exclude`d tensors (the parameters) left out. Unlike a storage's own lifetime, a
-    buffer reused across micro-batches (a stage's receive buffer) counts only while saved."""
-
-    def __init__(self, exclude=()):
-        self.excluded = storage_keys(exclude)
-        self.holders: dict[int, list[int]] = {}  # held storage -> [bytes, saved tensors on it]
-        self.current = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def __enter__(self) -> "SavedBytes":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, t: torch.Tensor) -> _Saved | torch.Tensor:
-        st = t.untyped_storage()
-        if st._cdata in self.excluded or t.device.type == "meta":
-            return t
-        holder = self.holders.setdefault(st._cdata, [st.nbytes(), 0])
-        if holder[1] == 0:
-            self.current += holder[0]
-            self.peak = max(self.peak, self.current)
-        holder[1] += 1
-        saved = _Saved(t)
-        weakref.finalize(saved, self._release, st._cdata)
-        return saved
-
-    def _release(self, key: int) -> None:
-        holder = self.holders[key]
-        holder[1] -= 1
-        if holder[1] == 0:  # forgotten: a later storage may reuse its address
-            self.current -= self.holders.pop(key)[0]

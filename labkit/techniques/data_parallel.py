@@ -34,6 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from labkit import hardware, planner
 from labkit.config import ConfigError, knob
+from labkit.blocks import compression
 from labkit.blocks.distributed import DistConfig, corrupt_scale, link_gbps, world_size
 from labkit.measure.clock import clock, lined_up
 from labkit.blocks.model import build_model
@@ -64,11 +65,6 @@ FP32_TOLERANCE = 1e-5
 # PowerSGD with error feedback needs >= 2 plain iterations (DDP rebuilds its buckets after the
 # first); check() runs them as untimed backward passes so its first step is already compressed.
 POWERSGD_START_ITER = 2
-# PowerSGD issues its P and Q all-reduces from completion callbacks; with several buckets in flight
-# gloo's threads can issue them in a different order on each rank, a collective mismatch ("Received
-# data size doesn't match expected size"; torch does not test the hook on gloo:
-# https://github.com/pytorch/pytorch/issues/58467). On CPU ranks it gets one bucket of everything.
-ONE_BUCKET_MB = 2.0**20
 
 
 @dataclass(kw_only=True)
@@ -92,9 +88,10 @@ def is_ddp(variant: str) -> bool:
 
 
 def bucket_cap_mb(cfg: Config) -> float:
-    """The bucket size DDP gets: the knob's, but one bucket for PowerSGD on gloo (see above)."""
-    gloo_powersgd = cfg.variant == "powersgd" and not cfg.device.startswith("cuda")
-    return ONE_BUCKET_MB if gloo_powersgd else cfg.bucket_cap_mb
+    """The bucket size DDP gets: the knob's, but one bucket for PowerSGD on gloo ranks, whose
+    callbacks' all-reduces can otherwise fall out of order ("Received data size doesn't match
+    expected size"; `compression.bucket_cap_mb`)."""
+    return compression.bucket_cap_mb(cfg.variant, cfg.device) or cfg.bucket_cap_mb
 
 
 def pieces_per_rank(cfg: Config) -> int:

@@ -49,9 +49,6 @@ FP32_TOLERANCE = 1e-5
 # PowerSGD's first compressed gradient is the projection of the mean onto P's orthonormal columns:
 # ||g_hat - g||^2 + ||g_hat||^2 = ||g||^2, up to fp32 rounding of the orthogonalisation.
 PROJECTION_TOLERANCE = 1e-4
-# PowerSGD's callback-issued all-reduces can fall out of order across ranks on gloo with several
-# buckets in flight (https://github.com/pytorch/pytorch/issues/58467): one bucket on CPU ranks.
-ONE_BUCKET_MB = 2.0**20
 
 
 @dataclass(kw_only=True)
@@ -85,8 +82,7 @@ def is_fsdp2(variant: str) -> bool:
 
 
 def bucket_cap_mb(cfg: Config) -> float:
-    gloo_powersgd = cfg.variant == "powersgd" and not cfg.device.startswith("cuda")
-    return ONE_BUCKET_MB if gloo_powersgd else cfg.bucket_cap_mb
+    return compression.bucket_cap_mb(cfg.variant, cfg.device) or cfg.bucket_cap_mb
 
 
 def warmup_passes(variant: str) -> int:

@@ -30,12 +30,13 @@ from labkit.blocks.model import build_model
 from labkit.blocks.pipeline_schedule import (LOOPED, SPLIT, actions_of, bubbles, in_flight,
                                              local_stages, rank_of, replay_actions, stages_per_rank,
                                              timeline, torch_orders)
-from labkit.blocks.pipeline_stages import (SavedBytes, Spans, StageModule, TimedStage, agreed_costs,
+from labkit.blocks.pipeline_stages import (Spans, StageModule, TimedStage, agreed_costs,
                                            balance, bubble_metrics, min_layers, stage_cost)
 from labkit.blocks.training import Trainer, compare_grads, lm_loss, make_batch, step_with_gradients
 from labkit.config import ConfigError, knob
 from labkit.measure.clock import clock
 from labkit.measure.comm import CommCounter
+from labkit.measure.memory import SavedBytes
 from labkit.planner import pipeline as pipe_plan
 from labkit.workload import Comparison, Workload
 
