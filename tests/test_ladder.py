@@ -28,6 +28,7 @@ def test_rungs_follow_the_composition_roots_order():
     calls = {"packing": "packing.apply_packing", "precision": "transforms.apply_precision",
              "loss": "transforms.apply_loss", "checkpointing": "transforms.apply_checkpointing",
              "compile": "transforms.apply_compile", "zero_stage": "transforms.apply_data_parallel",
+             "grad_compression": "compression.apply_grad_compression",
              "micro_batches": "transforms.apply_accumulation", "offload": "transforms.apply_offload",
              "optimizer": "transforms.apply_optimizer"}
     source = inspect.getsource(recipes.compose)

@@ -19,7 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from conftest import TINY_TRAIN
 from labkit.blocks import recipe as recipe_module
 from labkit.blocks.recipe import Recipe, compose, refusal
-from labkit.blocks.training import CopyAdamW, Trainer, gradient_difference, step_with_gradients
+from labkit.blocks.training import (CopyAdamW, Trainer, global_relative_difference, gradient_difference,
+                                   step_with_gradients)
 from labkit.config import ConfigError, RunConfig, resolve
 from labkit.techniques.mixed_precision import TOLERANCE
 from labkit.techniques.zero import full_tensor
@@ -267,8 +268,13 @@ PARALLEL = {
     "zero3_bf16_full_accumulation2": (
         Recipe(zero_stage=3, precision="bf16", checkpointing="full", micro_batches=2),
         Recipe(precision="bf16", checkpointing="full", micro_batches=4)),
+    # the gradients sent in bf16, or int8 with one agreed scale a bucket (DDP hooks), against
+    # the fp32 step of the whole batch
+    "ddp_bf16_wire": (Recipe(grad_compression="bf16"), 2),
+    "ddp_int8_wire": (Recipe(grad_compression="int8"), 2),
 }
-DATA_PARALLEL_CASES = [n for n in PARALLEL if not n.startswith("tensor")]
+COMPRESSED = ("ddp_bf16_wire", "ddp_int8_wire")
+DATA_PARALLEL_CASES = [n for n in PARALLEL if not n.startswith("tensor") and n not in COMPRESSED]
 REFUSED_ON_RANKS = {"tp2_zero2_no_replicas": Recipe(tensor_parallel=2, zero_stage=2),
                     "zero3_activation_offload": Recipe(zero_stage=3, offload="activations")}
 
@@ -298,9 +304,11 @@ def count_all_reduces(trainer: Trainer) -> list[int]:
 
 def check_on_rank(recipe: Recipe, reference: dict) -> dict:
     trainer = compose(config(batch_size=recipe.micro_batches), recipe)  # micro-batches of one
-    calls = count_all_reduces(trainer)
+    # DDP takes one comm hook: a compressed recipe's is its format's
+    calls = count_all_reduces(trainer) if recipe.grad_compression == "none" else []
     got = one_step(trainer)
     return {"max_rel": gradient_difference(reference, got["grads"])[1], "loss": got["loss"],
+            "global_rel": global_relative_difference(reference, got["grads"]),
             "all_reduce_micro_batches": calls, "num_micro_batches": len(trainer.sizes),
             "num_sharded": sum(isinstance(p, torch.distributed.tensor.DTensor)
                                for p in trainer.model.parameters())}
@@ -362,6 +370,22 @@ def test_a_data_parallel_recipe_matches_the_plain_step_of_the_global_batch(ranks
     assert ranks[0][name]["loss"] != ranks[1][name]["loss"]  # each rank trained its own slice
     assert ranks[0][name]["num_micro_batches"] == PARALLEL[name][0].micro_batches
     assert all((rank[name]["num_sharded"] > 0) == sharded for rank in ranks)
+
+
+@pytest.mark.multiprocess  # the module's one launch of 2 gloo ranks (`ranks`)
+def test_a_compressed_gradient_recipe_differs_from_fp32_by_its_formats_rounding(ranks):
+    """The whole gradient's relative difference from fp32's. bf16 on the wire: each rank's
+    gradient and the sum rounded to 8 bits of mantissa, more than fp32's reordering and within
+    bf16's rounding. int8 (63 levels a rank on 2 ranks, one absmax scale a bucket) by more, within
+    the recipe's tolerance of it; a small tensor sharing a bucket with a large one can round to
+    zero whole (its own relative difference 1), which only the whole gradient's measure allows."""
+    from labkit.blocks import compression
+
+    for rank in ranks:
+        bf16, int8 = (rank[name]["global_rel"] for name in COMPRESSED)
+        assert SPLIT_ROUNDING < bf16 <= BF16_ROUNDING, bf16
+        assert bf16 < int8 <= compression.RECIPE_TOLERANCE["int8"], int8
+        assert all(rank[name]["num_sharded"] == 0 for name in COMPRESSED)
 
 
 @pytest.mark.parametrize("name", [n for n in PARALLEL if n.startswith("tensor")])

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import planner
-from labkit.blocks import hf, losses, optimizers, packing, transforms
+from labkit.blocks import compression, hf, losses, optimizers, packing, transforms
 from labkit.blocks.layout import HOST_OPTIMIZER, SHARDED, ZERO_MODES, Layout, data_mode
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
@@ -26,7 +26,7 @@ from labkit.config import ConfigError, RunConfig, check_choice
 OFFLOADS = ("none", "activations", "optimizer", "both")
 # The recipe's knobs in the order compose applies them (its steps 0 to 9): the ladder's order too
 ORDER = ("packing", "precision", "finetune", "loss", "tensor_parallel", "checkpointing", "compile",
-         "zero_stage", "micro_batches", "offload", "optimizer")
+         "zero_stage", "grad_compression", "micro_batches", "offload", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +49,7 @@ class Recipe:
     loss_chunk: int = 1024               # chunked: tokens of logits at a time
     optimizer: str = "adamw"             # optimizers.OPTIMIZERS: AdamW's moments in 32, 8 or 4 bits
     packing: bool = False                # documents of varied lengths packed into the rows, masked apart
+    grad_compression: str = "none"       # compression.RECIPE_FORMATS: the gradients on the wire
 
     def techniques(self) -> list[str]:
         """The fields that differ from the plain step, as `name=value`."""
@@ -68,7 +69,8 @@ def refusal(recipe: Recipe, device: str, world: int = 1, *, launched: bool | Non
         return why
     mode = data_mode(recipe.zero_stage, world // recipe.tensor_parallel)
     return (_optimizer_clash(recipe, mode) or _offload_clash(recipe, mode, device)
-            or _device_clash(recipe, device) or _converter_clash(recipe, mode))
+            or _device_clash(recipe, device) or _converter_clash(recipe, mode)
+            or compression.recipe_clash(recipe.grad_compression, mode))
 
 
 def _unknown(recipe: Recipe) -> str | None:
@@ -78,7 +80,8 @@ def _unknown(recipe: Recipe) -> str | None:
                                ("offload", recipe.offload, OFFLOADS),
                                ("finetune", recipe.finetune, transforms.FINETUNE),
                                ("loss", recipe.loss, losses.LOSSES),
-                               ("optimizer", recipe.optimizer, optimizers.OPTIMIZERS)):
+                               ("optimizer", recipe.optimizer, optimizers.OPTIMIZERS),
+                               ("grad_compression", recipe.grad_compression, compression.RECIPE_FORMATS)):
         try:
             check_choice(name, value, valid)
         except ConfigError as e:
@@ -243,7 +246,13 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     if layout.dp_enabled:
         transforms.apply_data_parallel(trainer, layout.data_parallel, layout.dp_mesh,
                                        offload=layout.host_optimizer and layout.fsdp_enabled,
-                                       mp_policy=mp_policy)
+                                       mp_policy=mp_policy,
+                                       bucket_cap_mb=compression.bucket_cap_mb(recipe.grad_compression,
+                                                                               cfg.device))
+        #    the gradients' wire format: a DDP communication hook on its buckets (under FSDP2,
+        #    the policy's reduce dtype, step 1)
+        if not layout.fsdp_enabled:
+            compression.apply_grad_compression(trainer, recipe.grad_compression)
     if meta:
         materialize(trainer.model, cfg.device, seed=cfg.seed)
     # 7. accumulation splits this rank's slice into micro-batches, around whatever the forward
@@ -269,8 +278,10 @@ def packed_documents(cfg: RunConfig, replicas: int) -> list[torch.Tensor]:
 def mixed_precision_policy(recipe: Recipe, layout: Layout) -> transforms.MixedPrecisionPolicy | None:
     """FSDP2's mixed-precision policy for the recipe on this layout (compose's step 1), or None:
     `transforms.fsdp_mixed_precision`, where FSDP2 shards at all."""
-    return (transforms.fsdp_mixed_precision(recipe.precision, layout.data_parallel)
-            if layout.fsdp_enabled else None)
+    if not layout.fsdp_enabled:
+        return None
+    policy = transforms.fsdp_mixed_precision(recipe.precision, layout.data_parallel)
+    return compression.with_reduce_dtype(policy, recipe.grad_compression)
 
 
 def converters(recipe: Recipe) -> Recipe:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import hardware, planner
-from labkit.blocks import hf, lora, optimizers, packing
+from labkit.blocks import compression, hf, lora, optimizers, packing
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
@@ -92,6 +92,9 @@ class Config(DistConfig):
                           "AdamW's two moments block-quantized to 8 or 4 bits (torchao)")
     packing: bool = knob(False, help="documents of varied lengths packed into the rows with a "
                          "per-document mask (plain: the same documents, one per padded row)")
+    grad_compression: str = knob("none", choices=compression.RECIPE_FORMATS,
+                                 help="the gradients on the wire: bf16, fp16, int8 or powersgd DDP "
+                                      "hooks; under FSDP2 bf16 alone, its reduce dtype")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
@@ -127,6 +130,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"budget_gib needs steps >= 2 (got {cfg.steps}): the first step makes "
                           "AdamW's state, so the budget is judged at the peak only from the second")
     recipes.micro_batch_size(cfg.batch_size, cfg.micro_batches)
+    if cfg.fault == "corrupt_reduction" and cfg.grad_compression != "none" and cfg.zero_stage < 2:
+        raise ConfigError("fault=corrupt_reduction puts its own hook on DDP, which takes one beside "
+                          "grad_compression's: use fault=none (the grad_compression experiment "
+                          "injects both)")
     if cfg.tensor_parallel > 1:
         check_tp_shape(cfg, cfg.tensor_parallel)
     why = refused(cfg)
@@ -290,7 +297,8 @@ def report(seen: Observed) -> dict[str, float]:
 
 
 def tolerance(cfg: Config) -> float:
-    return max(PRECISION_TOLERANCE[cfg.precision], optimizers.TOLERANCE[cfg.optimizer], FP32_TOLERANCE)
+    return max(PRECISION_TOLERANCE[cfg.precision], optimizers.TOLERANCE[cfg.optimizer],
+               compression.RECIPE_TOLERANCE[cfg.grad_compression], FP32_TOLERANCE)
 
 
 def compare(reference: dict, outputs: dict, cfg: Config) -> Comparison:
@@ -419,7 +427,11 @@ def notes(cfg: Config) -> dict[str, str]:
     out = {"step_ms": "predicted: this rank's FLOPs (recomputation included) at the device's "
                       "peak for the precision: a bound, communication not counted.",
            "peak_mem_bytes": "this rank's, measured over one timed step; predicted: the "
-                             "planner's training_memory for this exact recipe.",
+                             "planner's training_memory for this exact recipe"
+                             + (f" but for grad_compression={cfg.grad_compression}'s own buffers "
+                                "(the hook's compressed copies, PowerSGD's P, Q and error "
+                                "feedback), which it does not count" if cfg.grad_compression
+                                not in ("none", "bf16", "fp16") else "") + ".",
            "grad_bytes": "at the optimizer step (dropped after it): DDP's buckets, FSDP2's "
                          "gradient shards or whole gradients.",
            "activation_bytes": "what the first micro-batch's forward leaves allocated for its "
