@@ -277,6 +277,26 @@ def test_the_longest_choice_is_rarely_the_answer():
     assert set(stats["by_topic"]) == set(TOPICS) and sum(stats["answer_positions"].values()) == len(bank)
 
 
+def test_no_rank_of_four_numeric_choices_is_the_answer_too_often():
+    """A guesser who picks the middle numbers must not win (issue 30's goal: each rank 15-35%)."""
+    ranks = quiz.bank_stats()["numeric_answer_ranks"]
+    total = sum(ranks.values())
+    assert total >= 40 and all(0.15 <= c / total <= 0.35 for c in ranks.values()), ranks
+
+
+def test_the_cue_statistics_parse_numbers_units_and_hedges():
+    def q(choices, answer, qid="x-01"):
+        return quiz.Question(id=qid, topic="memory", question="?", choices=tuple(choices), answer=answer,
+                             explanation="", feedback=tuple("f" for _ in choices), notebook="")
+    assert quiz.numeric_values(q(["1 GiB", "512 MiB", "2 GiB", "3,072 MiB"], 0)) == [2**30, 2**29, 2**31, 3 * 2**30]
+    assert quiz.numeric_values(q(["1 GB", "2 requests/s", "3", "4"], 0)) is None  # units differ
+    assert quiz.numeric_answer_ranks([q(["4", "1", "3", "2"], 0), q(["4", "1", "3", "2"], 3)]) == {3: 1, 1: 1}
+    assert quiz.hedge_counts([q(["Both a and b", "a", "b", "c"], 0), q(["a", "None of these", "b", "c"], 0),
+                              q(["a", "b", "c", "d"], 0)]) == (2, 1)
+    assert quiz.id_prefix(q(["a", "b"], 0, "finetune-12")) == "finetune"
+    assert quiz.longest_share_by([q(["aaaa", "b"], 0), q(["aaaa", "b"], 1)], quiz.id_prefix) == {"x": 0.5}
+
+
 def test_longest_choice_hit_splits_ties():
     def q(choices, answer):
         return Question("x", "memory", "?", tuple(choices), answer, "why", tuple("f" * len(choices)),

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -469,18 +470,75 @@ def longest_answer_offenders(bank: Sequence[Question]) -> list[str]:
     return [q.id for q in bank if longest_choice_hit(q) == 1.0]
 
 
+# A choice that hedges ("Both...", "Neither...", "None...", "Nothing...", "either way", "in both
+# cases"): a test-wise guesser's cue when such choices are never (or always) the answer.
+HEDGE = re.compile(r"^(both|neither|nothing|none)\b|either way|in both cases", re.IGNORECASE)
+# A choice that is one number with at most a unit ("112 GB", "0.16", "9,437,184", "3.99995x")
+NUMBER = re.compile(r"^\s*[~≈]?\s*(-?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?)\s*([%x×]|[A-Za-z]+(?:/[A-Za-z]+)?)?\s*$")
+BYTE_UNITS = {"b": 1, "bytes": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
+              "gib": 2**30, "tib": 2**40}
+
+
+def id_prefix(q: Question) -> str:
+    """The family of an id: "mem" for mem-01, "finetune" for finetune-12."""
+    return re.sub(r"-?\d+$", "", q.id)
+
+
+def longest_share_by(bank: Sequence[Question], key: Callable[[Question], str]) -> dict[str, float]:
+    """The mean of `longest_choice_hit` per group of `key`."""
+    groups: dict[str, list[float]] = {}
+    for q in bank:
+        groups.setdefault(key(q), []).append(longest_choice_hit(q))
+    return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+
+
+def hedge_counts(bank: Sequence[Question]) -> tuple[int, int]:
+    """(questions with a hedging choice, those whose answer is one)."""
+    hedged = [q for q in bank if any(HEDGE.search(c) for c in q.choices)]
+    return len(hedged), sum(bool(HEDGE.search(q.choices[q.answer])) for q in hedged)
+
+
+def numeric_values(q: Question) -> list[float] | None:
+    """The choices as numbers when every one is a number in one unit (byte units made bytes),
+    else None."""
+    parsed = [NUMBER.match(c) for c in q.choices]
+    if not all(parsed):
+        return None
+    units = [(m.group(2) or "").lower() for m in parsed]
+    values = [float(m.group(1).replace(",", "")) * BYTE_UNITS.get(u, 1) for m, u in zip(parsed, units)]
+    kinds = {"bytes" if u in BYTE_UNITS else u for u in units}
+    return values if len(kinds) == 1 and len(set(values)) == len(values) else None
+
+
+def numeric_answer_ranks(bank: Sequence[Question]) -> Counter[int]:
+    """Among the questions with four numeric choices: how often the answer is the smallest (0),
+    the second smallest (1), ... A guesser's cue when the middle ones win."""
+    ranks: Counter[int] = Counter()
+    for q in bank:
+        values = numeric_values(q)
+        if values is not None and len(values) == 4:
+            ranks[sorted(values).index(values[q.answer])] += 1
+    return ranks
+
+
 def bank_stats(bank: Sequence[Question] | None = None, seed: int = 0) -> dict[str, Any]:
     """{"num_questions", "by_topic": {topic: count} (every key of TOPICS), "longest_is_answer_share"
     (the mean of `longest_choice_hit`: the share of questions where the longest choice is the
-    answer, ties split), "longest_answer_offenders" (ids), "answer_positions": {position: count}
-    after shuffling every question once with random.Random(seed), in bank order}."""
+    answer, ties split), the same "longest_by_topic" and "longest_by_prefix" (`id_prefix`),
+    "longest_answer_offenders" (ids), "hedge": (questions with a hedging choice, those it answers),
+    "numeric_answer_ranks": {rank: count} (`numeric_answer_ranks`), "answer_positions":
+    {position: count} after shuffling every question once with random.Random(seed), in bank order}."""
     bank = load_bank() if bank is None else list(bank)
     rng = random.Random(seed)
     counts = Counter(q.topic for q in bank)
     positions = Counter(q.shuffled(rng).answer for q in bank)
+    ranks = numeric_answer_ranks(bank)
     return {"num_questions": len(bank), "by_topic": {t: counts[t] for t in TOPICS},
             "longest_is_answer_share": sum(map(longest_choice_hit, bank)) / max(1, len(bank)),
+            "longest_by_topic": longest_share_by(bank, lambda q: q.topic),
+            "longest_by_prefix": longest_share_by(bank, id_prefix),
             "longest_answer_offenders": longest_answer_offenders(bank),
+            "hedge": hedge_counts(bank), "numeric_answer_ranks": {r: ranks[r] for r in range(4)},
             "answer_positions": {p: positions[p] for p in range(max(positions, default=-1) + 1)}}
 
 
@@ -491,6 +549,14 @@ def format_stats(stats: Mapping[str, Any]) -> str:
     lines += [f"  {TOPICS[t]}: {c}" for t, c in stats["by_topic"].items()]
     lines.append(f"longest choice is the answer: {stats['longest_is_answer_share']:.0%} of questions "
                  f"(ties split); the only longest: {', '.join(stats['longest_answer_offenders']) or 'none'}")
+    lines.append("  by topic: " + ", ".join(f"{t} {v:.0%}" for t, v in stats["longest_by_topic"].items()))
+    lines.append("  by id prefix: " + ", ".join(f"{p} {v:.0%}" for p, v in stats["longest_by_prefix"].items()))
+    hedged, answered = stats["hedge"]
+    lines.append(f"a hedging choice (both, neither, none...) is the answer in {answered} of the "
+                 f"{hedged} questions that have one ({answered / max(1, hedged):.0%})")
+    ranks = stats["numeric_answer_ranks"]
+    lines.append(f"four numeric choices ({sum(ranks.values())} questions): the answer is the "
+                 + ", ".join(f"{n} {c}" for n, c in zip(("smallest", "2nd", "3rd", "largest"), ranks.values())))
     lines.append("answer positions after one seeded shuffle: " + ", ".join(
         f"{chr(65 + p)} {c} ({c / total:.0%})" for p, c in stats["answer_positions"].items()))
     return "\n".join(lines)
