@@ -11,7 +11,7 @@ SHARED = ("report", "shared_runs")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """A test that starts ranks or executes notebooks is slow whatever else it does; so is one
     that reads `shared_runs` (every exercise's run, measured once: over a minute).
 
@@ -31,6 +31,26 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group(group[item]))
     slow = collections.Counter(group[item] for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: (group[item] not in SHARED, -slow[group[item]]))
+    scale_shared_timeouts(config, [item for item in items if group[item] in SHARED])
+
+
+def scale_shared_timeouts(config, items) -> None:
+    """The SHARED fixtures' first test waits for the whole fixture (every notebook; every
+    exercise's run): about 3 minutes here, five times that on a CPU five times slower. Their
+    tests get pytest-timeout's limit times this CPU's measured slowdown against the reference
+    CPU's (labkit.measure.pace), so that they end on a slow CPU too; a hang still ends."""
+    try:
+        limit = float(config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout not installed: no limit to scale
+        return
+    if not items or not limit:
+        return
+    from labkit.measure.pace import measure_pace
+
+    scaled = limit * max(1.0, measure_pace().slowdown)
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(scaled))
 
 
 def needs(*packages: str):
