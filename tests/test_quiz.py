@@ -284,6 +284,12 @@ def test_no_rank_of_four_numeric_choices_is_the_answer_too_often():
     assert total >= 40 and all(0.15 <= c / total <= 0.35 for c in ranks.values()), ranks
 
 
+def test_a_hedging_choice_is_sometimes_the_answer():
+    """"Both...", "Neither...", "None..." choices: never the answer is a cue (issue 30: 15-35%)."""
+    hedged, answered = quiz.bank_stats()["hedge"]
+    assert 0.15 <= answered / hedged <= 0.35, (answered, hedged)
+
+
 def test_the_cue_statistics_parse_numbers_units_and_hedges():
     def q(choices, answer, qid="x-01"):
         return quiz.Question(id=qid, topic="memory", question="?", choices=tuple(choices), answer=answer,
