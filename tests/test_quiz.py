@@ -273,6 +273,9 @@ def test_the_longest_choice_is_rarely_the_answer():
     bank = quiz.load_bank()
     stats = quiz.bank_stats(bank)
     assert stats["longest_is_answer_share"] <= 0.35, stats["longest_answer_offenders"]
+    # in every topic and every family of ids too (issue 30): new questions must not bring it back
+    for group in ("longest_by_topic", "longest_by_prefix"):
+        assert {k: v for k, v in stats[group].items() if v > 0.35} == {}, group
     assert stats["num_questions"] == len(bank) and sum(stats["by_topic"].values()) == len(bank)
     assert set(stats["by_topic"]) == set(TOPICS) and sum(stats["answer_positions"].values()) == len(bank)
 
