@@ -209,6 +209,11 @@ def show(value: Any, unit: str = "") -> str:
     return f"{format_number(value)} {unit}".strip()
 
 
+def percent(fraction: float | None) -> str:
+    """A fraction as a percentage in an exercise's text (`show`)."""
+    return show(None if fraction is None else 100 * fraction, "%")
+
+
 def mib(x: float | None) -> str:
     return "n/a" if x is None else f"{x / MiB:.2f} MiB"
 

@@ -6,7 +6,7 @@ Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text
 from __future__ import annotations
 
 from labkit.blocks import packing
-from labkit.study.exercises.core import TOPICS, Exercise, Setup, show
+from labkit.study.exercises.core import TOPICS, Exercise, Setup, percent, show
 from labkit.study.exercises.inference import measured_is
 
 
@@ -47,10 +47,6 @@ def pair_share(s: Setup, per_row: int | None = None) -> float:
     """The documents' pairs over the rows' causal pairs (or `per_row` pairs a row), in %."""
     T = s.cfg("packed").seq_len
     return 100 * packing.document_pairs(lengths(s)) / (rows(s) * (per_row or packing.causal_pairs(T)))
-
-
-def percent(fraction: float | None) -> str:
-    return show(None if fraction is None else 100 * fraction, "%")
 
 
 def build_exercises() -> list[Exercise]:

@@ -6,7 +6,7 @@ Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text
 from __future__ import annotations
 
 from labkit.planner import pipeline as plan
-from labkit.study.exercises.core import TOPICS, Exercise, Setup, show
+from labkit.study.exercises.core import TOPICS, Exercise, Setup, percent, show
 from labkit.study.exercises.inference import measured_is
 
 RANK = 1  # the rank the in-flight exercise asks about: the last stage's, where ZB1P and 1F1B differ most
@@ -38,10 +38,6 @@ def interleaved_ratio_pct(s: Setup) -> float:
 def held(s: Setup, variant: str) -> int:
     p, m, v = sizes(s, variant)
     return plan.in_flight_micro_batches(variant, p, m, RANK, v)
-
-
-def percent(fraction: float | None) -> str:
-    return show(None if fraction is None else 100 * fraction, "%")
 
 
 def build_exercises() -> list[Exercise]:
