@@ -11,7 +11,7 @@ SHARED = ("report", "shared_runs")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """A test that starts ranks or executes notebooks is slow whatever else it does; so is one
     that reads `shared_runs` (every exercise's run, measured once: over a minute).
 
@@ -31,26 +31,26 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group[item]))
     slow = collections.Counter(group[item] for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: (group[item] not in SHARED, -slow[group[item]]))
-    scale_shared_timeouts(config, [item for item in items if group[item] in SHARED])
 
 
-def scale_shared_timeouts(config, items) -> None:
-    """The SHARED fixtures' first test waits for the whole fixture (every notebook; every
-    exercise's run): about 3 minutes here, five times that on a CPU five times slower. Their
-    tests get pytest-timeout's limit times this CPU's measured slowdown against the reference
-    CPU's (labkit.measure.pace), so that they end on a slow CPU too; a hang still ends."""
-    try:
-        limit = float(config.getini("timeout") or 0)
-    except ValueError:  # pytest-timeout not installed: no limit to scale
-        return
-    if not items or not limit:
-        return
-    from labkit.measure.pace import measure_pace
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # before pytest-timeout's wrapper reads the mark
+def pytest_runtest_protocol(item, nextitem):
+    """A SHARED fixture's tests wait for the whole fixture (every notebook; every exercise's run:
+    about 3 minutes here, five times that on a CPU five times slower). They get pytest-timeout's
+    limit times this CPU's measured slowdown against the reference CPU's (labkit.measure.pace,
+    measured once per worker, only where such a test runs), so that they end on a slow CPU too;
+    a hang still ends."""
+    group = item.get_closest_marker("xdist_group")
+    if group is not None and group.args[0] in SHARED and item.get_closest_marker("timeout") is None:
+        try:
+            limit = float(item.config.getini("timeout") or 0)
+        except ValueError:  # pytest-timeout not installed: no limit to scale
+            limit = 0.0
+        if limit:
+            from labkit.measure.pace import measure_pace
 
-    scaled = limit * max(1.0, measure_pace().slowdown)
-    for item in items:
-        if item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(scaled))
+            item.add_marker(pytest.mark.timeout(limit * max(1.0, measure_pace().slowdown)))
+    yield
 
 
 def needs(*packages: str):
@@ -113,20 +113,28 @@ def one_row(rows, variant, metric, rank=0):
     return hits[0]
 
 
-def fault_fixtures(experiment: str, overrides: dict):
-    """Module-scoped fixtures of one launch of `experiment` swept over FAULTS: `run` (every row),
-    `rows` (the clean ones) and `corrupted` (fault_rank's gradient reduction spoiled). Bind them
-    at module level: `run, rows, corrupted = fault_fixtures(...)`."""
+def launch_fixtures(experiment: str, overrides: dict, sweep, clean: dict):
+    """Module-scoped fixtures of one launch of `experiment` over `sweep`: `run` (every row) and
+    `rows` (those of the points whose params are `clean`). Bind them at module level:
+    `run, rows = launch_fixtures(...)`."""
     from labkit.harness.experiment import run_experiment
 
     @pytest.fixture(scope="module")
     def run(tmp_path_factory):
-        return run_experiment(experiment, preset="tiny", overrides=overrides, sweep=FAULTS,
+        return run_experiment(experiment, preset="tiny", overrides=overrides, sweep=sweep,
                               runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
 
     @pytest.fixture(scope="module")
     def rows(run):
-        return [r for r in run if r["params"]["fault"] == "none"]
+        return [r for r in run if all(r["params"][k] == v for k, v in clean.items())]
+
+    return run, rows
+
+
+def fault_fixtures(experiment: str, overrides: dict):
+    """`launch_fixtures` swept over FAULTS, and `corrupted` (fault_rank's gradient reduction
+    spoiled): `run, rows, corrupted = fault_fixtures(...)`."""
+    run, rows = launch_fixtures(experiment, overrides, FAULTS, {"fault": "none"})
 
     @pytest.fixture(scope="module")
     def corrupted(run):

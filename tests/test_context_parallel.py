@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import FAST
+from conftest import FAST, launch_fixtures
 from conftest import one_row as get
 from labkit import planner
 from labkit.config import ConfigError, resolve
@@ -34,15 +34,7 @@ def config(variant="single", **overrides):
                    experiment="context_parallel")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return run_experiment("context_parallel", preset="tiny", overrides=CPU, sweep=BUGS,
-                          runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
-
-
-@pytest.fixture(scope="module")
-def rows(run):
-    return [r for r in run if r["params"]["ring_bug"] == "none"]
+run, rows = launch_fixtures("context_parallel", CPU, BUGS, {"ring_bug": "none"})
 
 
 

@@ -9,14 +9,13 @@ import math
 import pytest
 import torch
 
-from conftest import TINY_DIST
+from conftest import TINY_DIST, launch_fixtures
 from conftest import one_row as get
 from labkit import cli, planner
 from labkit.blocks import moe
 from labkit.blocks.losses import lm_loss
 from labkit.blocks.training import Trainer
 from labkit.config import ConfigError, ModelConfig, RunConfig, resolve
-from labkit.harness.experiment import run_experiment
 from labkit.techniques import moe as moe_exp
 
 RANKS = (0, 1)
@@ -24,15 +23,7 @@ CPU = {**TINY_DIST, "timed_steps": 1, "device": "cpu", "nproc": 2}
 POINTS = [{"moe_fault": f} for f in moe.FAULTS]  # none first
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return run_experiment("moe", preset="tiny", overrides=CPU, sweep=POINTS,
-                          runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
-
-
-@pytest.fixture(scope="module")
-def rows(run):
-    return [r for r in run if r["params"]["moe_fault"] == "none"]
+run, rows = launch_fixtures("moe", CPU, POINTS, {"moe_fault": "none"})
 
 
 

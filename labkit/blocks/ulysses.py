@@ -45,30 +45,18 @@ def heads_to_seq(x: torch.Tensor, n: int, group=None) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, n * h, seq // n, d)
 
 
-class SeqToHeads(torch.autograd.Function):
-    """`seq_to_heads`, whose backward is `heads_to_seq` (saves nothing)."""
+class Reshard(torch.autograd.Function):
+    """`seq_to_heads` (to_heads) or `heads_to_seq`; its backward is the other one (saves nothing)."""
 
     @staticmethod
-    def forward(ctx, x, n: int, group):
-        ctx.n, ctx.group = n, group
-        return seq_to_heads(x, n, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_seq(grad.contiguous(), ctx.n, ctx.group), None, None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    """`heads_to_seq`, whose backward is `seq_to_heads` (saves nothing)."""
-
-    @staticmethod
-    def forward(ctx, x, n: int, group):
-        ctx.n, ctx.group = n, group
-        return heads_to_seq(x, n, group)
+    def forward(ctx, x, n: int, group, to_heads: bool):
+        ctx.n, ctx.group, ctx.to_heads = n, group, to_heads
+        return (seq_to_heads if to_heads else heads_to_seq)(x, n, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return seq_to_heads(grad.contiguous(), ctx.n, ctx.group), None, None
+        back = heads_to_seq if ctx.to_heads else seq_to_heads
+        return back(grad.contiguous(), ctx.n, ctx.group), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -78,6 +66,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     if n == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    qh, kh, vh = (SeqToHeads.apply(t.contiguous(), n, group) for t in (q, k, v))
+    qh, kh, vh = (Reshard.apply(t.contiguous(), n, group, True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True)
-    return HeadsToSeq.apply(out, n, group)
+    return Reshard.apply(out, n, group, False)
