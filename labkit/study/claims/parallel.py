@@ -1,15 +1,14 @@
-"""The claims table: every number in a question's text that labkit computes, with the computation
-that produces it at the settings the question states (issue 30). `check()` lists the claims whose
-number labkit no longer produces, or that the text no longer holds; `python -m labkit.study.claims`
-prints the table. A claim is (the question's id, the words as written, how labkit makes them)."""
+"""Claims of the parallelism questions of issue 29 (cp-, moe-, gc-, zb-): ring and Ulysses bytes,
+causal work per rank, Mixtral's parameters, expert-parallel traffic and memory, compressed
+gradients' bytes, and the pipeline schedules' bubbles and micro-batches in flight."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
 
 from labkit import planner
 from labkit.config import MODELS
 from labkit.planner.pipeline import handoffs_per_micro_batch
+from labkit.study.claims.base import Claim
 
 MIB, GIB = 2**20, 2**30
 M8 = planner.MIXTRAL_8X7B  # the published Mixtral-8x7B shape
@@ -34,12 +33,6 @@ def ep_layer_bytes() -> float:
     forward and backward."""
     return planner.uniform_offrank_bytes(dataclasses.replace(M8, num_layers=1), 4096, 8, dtype_bytes=2)
 handoffs = handoffs_per_micro_batch
-
-
-class Claim(NamedTuple):
-    text: str  # the question's id
-    number: str  # the words as the text has them
-    make: Callable[[], str]  # labkit's computation of those words
 
 
 CLAIMS = [
@@ -147,28 +140,3 @@ CLAIMS = [
     Claim('zb-06', '4 whole stages',
           lambda: f"{held('zbv', 4, 8, 0) // 2} whole stages"),
 ]
-
-
-def texts() -> dict[str, str]:
-    """Each question's words: stem, explanation, choices and feedback."""
-    from labkit.study.quiz import load_bank
-
-    return {q.id: " ".join([q.question, q.explanation, *q.choices, *q.feedback]) for q in load_bank()}
-
-
-def check(claims: list[Claim] = CLAIMS) -> list[str]:
-    """One line per claim that fails: labkit makes other words, or the text lacks them."""
-    words, failed = texts(), []
-    for claim in claims:
-        made = claim.make()
-        if made != claim.number:
-            failed.append(f"{claim.text}: labkit makes {made!r}, the table says {claim.number!r}")
-        elif claim.number not in words.get(claim.text, ""):
-            failed.append(f"{claim.text}: its text no longer says {claim.number!r}")
-    return failed
-
-
-if __name__ == "__main__":
-    for claim in CLAIMS:
-        print(f"{claim.text:8s} {claim.number}")
-    print(f"{len(CLAIMS)} claims; failing: {check() or 'none'}")
