@@ -320,11 +320,19 @@ def gradient_difference(reference: dict, grads: dict) -> tuple[float, float]:
             raise ValueError(f"gradient {name!r}: {found}, the reference's is {tuple(ref.shape)}")
         diff = got.astype(np.float64) - ref
         largest = float(np.abs(diff).max()) if diff.size else 0.0
-        norm = float(np.linalg.norm(ref))
+        norm = _norm(ref)
         # np.maximum keeps a nan; the builtin max(0.0, nan) is 0.0, and a nan gradient would pass
         max_abs = float(np.maximum(max_abs, largest))
-        max_rel = float(np.maximum(max_rel, float(np.linalg.norm(diff)) / norm if norm else largest))
+        max_rel = float(np.maximum(max_rel, _norm(diff) / norm if norm else largest))
     return max_abs, max_rel
+
+
+def _norm(x: np.ndarray) -> float:
+    """The 2-norm in float64, without BLAS: numpy's threaded OpenBLAS (dnrm2) took 7.7 ms of CPU
+    for a million float64 values here, its threads spinning on the cores the ranks need; this
+    loop takes 0.5 ms."""
+    flat = x.astype(np.float64, copy=False).ravel()
+    return math.sqrt(float(np.einsum("i,i", flat, flat)))
 
 
 def global_relative_difference(reference: dict, got: dict) -> float:
