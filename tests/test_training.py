@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_TRAIN
 from labkit.config import resolve
 from labkit.techniques import mixed_precision
-from labkit.blocks.training import CopyAdamW, Trainer, compare_grads, gradient_difference
+from labkit.blocks.training import CopyAdamW, Trainer, compare_grads, gradient_difference, total_norm
 
 
 def grads(**tensors) -> dict[str, np.ndarray]:
@@ -197,3 +197,23 @@ def test_global_relative_difference_weighs_every_tensor_together():
     assert global_relative_difference(ref, got) == pytest.approx(math.sqrt(4 * 2e-3**2 / (100 + 4e-6)))
     assert global_relative_difference(ref, ref) == 0.0
     assert math.isnan(global_relative_difference(ref, {**got, "w": np.full(100, np.nan)}))
+
+
+def test_total_norm_over_gradients_on_two_meshes_is_the_plain_norm(tmp_path):
+    """Tensor-parallel gradients live on the (dp, tp) mesh, the norms' weights on dp's alone
+    (FSDP2 over TP): their norms are made whole before they are stacked."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        a, b = torch.arange(6.0).reshape(2, 3), torch.tensor([3.0, 4.0])
+        params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(2))]
+        params[0].grad = distribute_tensor(a, mesh, [Shard(0), Shard(1)])
+        params[1].grad = distribute_tensor(b, mesh["dp"], [Replicate()])
+        norm = total_norm(params)
+    finally:
+        dist.destroy_process_group()
+    assert norm == pytest.approx(math.sqrt(float((a ** 2).sum() + (b ** 2).sum())))

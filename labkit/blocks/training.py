@@ -51,8 +51,13 @@ def optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 def total_norm(params) -> float:
     """The global L2 norm of the gradients (nan when there are none), accumulated in fp32 one
     gradient at a time: a 16-bit gradient's fp32 copy lives only for its own norm, so measuring
-    the norm adds no whole-model temporary to the step it reports on."""
+    the norm adds no whole-model temporary to the step it reports on. A sharded (DTensor)
+    gradient's norm is made whole first (a collective): tensor-parallel and data-parallel-only
+    parameters live on different meshes, and their norms do not stack."""
+    from torch.distributed.tensor import DTensor
+
     norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if p.grad is not None]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     if not norms:
         return math.nan
     return torch.linalg.vector_norm(torch.stack(norms)).item()
