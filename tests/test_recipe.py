@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from conftest import TINY_TRAIN
+from labkit.blocks import context_parallel, ring
 from labkit.blocks import recipe as recipe_module
+from labkit.blocks.layout import Layout
 from labkit.blocks.recipe import Recipe, compose, refusal
 from labkit.blocks.training import (CopyAdamW, Trainer, global_relative_difference, gradient_difference,
                                    step_with_gradients)
@@ -168,6 +170,7 @@ def test_fp16_builds_a_grad_scaler_that_unscales_exactly_before_the_update():
 # --- refusals -------------------------------------------------------------------------------------
 
 UNKNOWN = [(Recipe(precision="fp8"), "valid: fp32, tf32, bf16, fp16, bf16_weights"),
+           (Recipe(cp_mode="stripes"), "valid: ring, ring_zigzag, ulysses"),
            (Recipe(checkpointing="some"), "valid: none, full, every_n, selective, blocks"),
            (Recipe(zero_stage=4), "valid: 0, 1, 2, 3"),
            (Recipe(offload="disk"), "valid: none, activations, optimizer, both")]
@@ -187,7 +190,14 @@ REFUSED_IN_DIST = [(Recipe(tensor_parallel=2), 4, "DDP cannot wrap"),
                    (Recipe(tensor_parallel=2, offload="activations"), 2, "DTensor"),
                    (Recipe(tensor_parallel=2, precision="fp16"), 2, "DTensor refuses"),
                    (Recipe(tensor_parallel=2, offload="optimizer"), 2, "FSDP2's offload"),
-                   (Recipe(zero_stage=2, offload="optimizer"), 2, "needs a GPU")]
+                   (Recipe(zero_stage=2, offload="optimizer"), 2, "needs a GPU"),
+                   # context parallel: a recipe's sequence shards (labkit.blocks.context_parallel)
+                   (Recipe(context_parallel=3), 4, "does not divide the 4 ranks"),
+                   (Recipe(context_parallel=2, tensor_parallel=2), 4, "DDP cannot wrap"),
+                   (Recipe(context_parallel=2, packing=True), 2, "per-document mask"),
+                   (Recipe(context_parallel=2, precision="bf16"), 2, "use cp_mode=ulysses"),
+                   (Recipe(context_parallel=2, cp_mode="ring_zigzag", precision="bf16_weights"), 2,
+                    "use cp_mode=ulysses")]
 
 
 def one_line(why):
@@ -226,6 +236,35 @@ def test_a_parallel_recipe_outside_torch_distributed_is_refused(recipe):
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="torch.distributed started"):
         compose(config(), recipe)
+
+
+@pytest.mark.parametrize("seq_len, recipe, reason", [
+    (6, Recipe(context_parallel=2, cp_mode="ring_zigzag"), "use a multiple of 4"),
+    (64, Recipe(context_parallel=4, cp_mode="ulysses"), "must both be multiples of 4")])  # 2 kv heads
+def test_a_sequence_or_heads_that_do_not_split_over_the_cp_ranks_are_refused(seq_len, recipe, reason):
+    assert refusal(recipe, "cpu", 4, launched=True) is None  # the layout is fine; the shape is not
+    why = recipe_module.cp_shape_refusal(config(seq_len=seq_len), recipe)
+    assert one_line(why) and reason in why, why
+
+
+def test_the_layout_is_dp_cp_tp_and_reduces_the_gradients_over_dp_x_cp():
+    layout = Layout.of(Recipe(context_parallel=2, tensor_parallel=2, zero_stage=2), 8)
+    assert (layout.dp, layout.cp, layout.tp, layout.dp_cp, layout.world) == (2, 2, 2, 4, 8)
+    assert list(layout.dims) == ["dp", "cp", "tp"] and layout.data_parallel == "zero2"
+    # one replica's two shards: no replicas, but the gradients are still reduced over the shards
+    assert Layout.of(Recipe(context_parallel=2), 2).data_parallel == "ddp"
+
+
+def test_sequence_rows_hand_rank_d_cp_plus_c_replica_ds_shard_c():
+    """The data-parallel wrapper over dp x cp hands rank d·cp + c its slice of the rows: replica
+    d's rows, each cut to shard c (zig-zag: pieces c and 2cp-1-c)."""
+    tokens = torch.arange(2 * 3 * 8).view(6, 8)  # 2 replicas of 3 rows of 8 tokens
+    rows = context_parallel.sequence_rows(tokens, 2, 2, "zigzag")
+    for d, c in itertools.product(range(2), range(2)):
+        mine = tokens[3 * d:3 * d + 3]
+        runs = ring.pieces(8, 2, c, "zigzag")
+        expected = torch.cat([mine[:, start:start + n] for start, n in runs], 1)
+        assert torch.equal(rows.chunk(4)[d * 2 + c], expected)
 
 
 GRID = {"precision": ["fp32", "bf16", "fp16", "bf16_weights"], "checkpointing": ["none", "selective"],
@@ -275,6 +314,15 @@ PARALLEL = {
 }
 COMPRESSED = ("ddp_bf16_wire", "ddp_int8_wire")
 DATA_PARALLEL_CASES = [n for n in PARALLEL if not n.startswith("tensor") and n not in COMPRESSED]
+# Context parallel on the 2 ranks: each holds one shard of every row's CP_SEQ tokens (zig-zag:
+# pieces c and 3-c of 4), its attention over both, against the plain step of the one global row;
+# and a bug put in on purpose, which the check must catch: every shard's tokens at positions
+# 0..S/cp-1 (RoPE not offset to the shard's own positions).
+CP_SEQ = 64
+CONTEXT = {"cp2_ring": Recipe(context_parallel=2),
+           "cp2_ring_zigzag": Recipe(context_parallel=2, cp_mode="ring_zigzag"),
+           "cp2_ulysses": Recipe(context_parallel=2, cp_mode="ulysses")}
+CONTEXT_BUG = "cp2_ring_positions_from_0"
 REFUSED_ON_RANKS = {"tp2_zero2_no_replicas": Recipe(tensor_parallel=2, zero_stage=2),
                     "zero3_activation_offload": Recipe(zero_stage=3, offload="activations")}
 
@@ -314,6 +362,26 @@ def check_on_rank(recipe: Recipe, reference: dict) -> dict:
                                for p in trainer.model.parameters())}
 
 
+def check_cp_on_rank(recipe: Recipe, reference: dict, *, positions_from_0: bool = False) -> dict:
+    """One context-parallel step against the plain one: the gradients, this rank's loss, what
+    its forward keeps for the backward, and the live tensors' peak over a second step (the
+    first makes AdamW's state), the build included (the model states are in the peak)."""
+    from labkit.measure.memory import ActivationMeter, MemoryMeter
+
+    with MemoryMeter("cpu") as meter:
+        trainer = compose(config(seq_len=CP_SEQ), recipe)
+        if positions_from_0:  # the bug: each shard's tokens numbered as if it began the row
+            shard = trainer.sequence_shard
+            shard.positions = torch.arange(len(shard.positions))
+        kept = ActivationMeter(trainer.model.parameters()).measure(trainer.forward).total_bytes
+        got = one_step(trainer)
+        meter.reset_peak()
+        trainer.step()
+        peak = meter.peak_bytes
+    return {"max_rel": gradient_difference(reference, got["grads"])[1], "loss": got["loss"],
+            "activation_bytes": kept, "peak_bytes": peak}
+
+
 def refused_on_rank(recipe: Recipe) -> str:
     try:
         compose(config(), recipe)
@@ -335,6 +403,11 @@ def run_recipes(rank: int, folder: str) -> None:
         for name, (recipe, _) in PARALLEL.items():
             with np.load(f"{folder}/{name}.npz") as ref:
                 results[name] = check_on_rank(recipe, dict(ref))
+        with np.load(f"{folder}/context.npz") as ref:
+            row = dict(ref)
+        for name, recipe in CONTEXT.items():
+            results[name] = check_cp_on_rank(recipe, row)
+        results[CONTEXT_BUG] = check_cp_on_rank(CONTEXT["cp2_ring"], row, positions_from_0=True)
         results["refused"] = {name: refused_on_rank(r) for name, r in REFUSED_ON_RANKS.items()}
     finally:
         dist.destroy_process_group()
@@ -343,7 +416,13 @@ def run_recipes(rank: int, folder: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def context_row() -> dict:
+    """The plain step of the context-parallel recipes' one global row of CP_SEQ tokens."""
+    return one_step(Trainer(config(seq_len=CP_SEQ)))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, context_row):
     """Each rank's results: one launch of 2 gloo ranks for every parallel recipe."""
     import numpy as np
 
@@ -354,6 +433,7 @@ def ranks(tmp_path_factory):
     torch.set_num_threads(1)
     for name, (_, reference) in PARALLEL.items():
         np.savez(folder / f"{name}.npz", **reference_grads(reference))
+    np.savez(folder / "context.npz", **context_row["grads"])
     torch.set_num_threads(threads)
     exits = spawn(run_recipes, (str(folder),), 2)
     assert all(e.ok for e in exits), exits
@@ -395,6 +475,45 @@ def test_a_tensor_parallel_recipe_matches_the_plain_step(ranks, name):
         assert rank[name]["max_rel"] <= SPLIT_ROUNDING, (name, rank[name]["max_rel"])
         assert rank[name]["num_sharded"] > 0
     assert ranks[0][name]["loss"] == ranks[1][name]["loss"]  # one replica: the same batch
+
+
+@pytest.mark.parametrize("name", CONTEXT)
+@pytest.mark.multiprocess  # the module's one launch of 2 gloo ranks (`ranks`)
+def test_a_context_parallel_recipe_is_the_plain_step_of_the_global_row(ranks, context_row, name):
+    """Each rank's gradients are the whole row's within fp32's reordering; each rank's loss is
+    the mean over its own shard's tokens (they differ), and their mean is the row's loss."""
+    for rank in ranks:
+        assert rank[name]["max_rel"] <= SPLIT_ROUNDING, (name, rank[name]["max_rel"])
+    losses = [rank[name]["loss"] for rank in ranks]
+    assert losses[0] != losses[1]
+    assert sum(losses) / len(losses) == pytest.approx(context_row["loss"], rel=FP32_ROUNDING)
+
+
+@pytest.mark.parametrize("name", CONTEXT)
+@pytest.mark.multiprocess
+def test_a_context_parallel_rank_keeps_half_the_rows_activations_and_peaks_as_planned(ranks, name):
+    """A rank's forward keeps what one process keeps for a row of S/cp tokens, plus the attention
+    output each block keeps twice (`output_copy_bytes`), to the byte; the planner's step of S/cp
+    tokens (half the whole row's activations) says so within 0.1%, and the peak within 2% (the
+    ring's blocks in flight are not planned)."""
+    from labkit.measure.memory import ActivationMeter
+
+    shard = Trainer(config(seq_len=CP_SEQ // 2))
+    kept = ActivationMeter(shard.model.parameters()).measure(shard.forward).total_bytes
+    copies = context_parallel.output_copy_bytes(config().model, 1, CP_SEQ, 2)
+    plan = recipe_module.planned_memory(config(seq_len=CP_SEQ), CONTEXT[name], 2)
+    row = recipe_module.planned_memory(config(seq_len=CP_SEQ), Recipe(), 1)
+    assert 2 * plan.activation_bytes == pytest.approx(row.activation_bytes, abs=16)  # a scalar's bytes
+    for rank in ranks:
+        assert rank[name]["activation_bytes"] == kept + copies, name
+        assert rank[name]["activation_bytes"] == pytest.approx(plan.activation_bytes + copies, rel=1e-3)
+        assert rank[name]["peak_bytes"] == pytest.approx(plan.total_bytes, rel=0.02), name
+
+
+@pytest.mark.multiprocess
+def test_positions_not_offset_per_shard_fail_the_check(ranks):
+    for rank in ranks:  # the second shard's RoPE angles wrong: far past fp32's reordering
+        assert rank[CONTEXT_BUG]["max_rel"] > 100 * SPLIT_ROUNDING, rank[CONTEXT_BUG]["max_rel"]
 
 
 @pytest.mark.parametrize("ddp, accumulated", [("ddp", "ddp_accumulation2"),

@@ -180,7 +180,10 @@ REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
            ({"finetune": "qlora", "zero_stage": 1}, "NF4 weights are buffers"),
            ({"finetune": "lora_int9"}, "valid: none, lora, qlora, lora_int8, lora_int4"),
            ({"finetune": "lora", "tensor_parallel": 2, "zero_stage": 0}, "use tensor_parallel=1 with finetune"),
-           ({"finetune": "lora", "lora_targets": "q,x"}, "unknown LoRA target 'x'")]
+           ({"finetune": "lora", "lora_targets": "q,x"}, "unknown LoRA target 'x'"),
+           ({"context_parallel": 2, "zero_stage": 0}, "use cp_mode=ulysses"),  # RECIPE's bf16
+           ({"context_parallel": 2, "cp_mode": "ring_zigzag", "precision": "fp32", "seq_len": 30},
+            "use a multiple of 4")]
 
 
 @pytest.mark.parametrize("overrides, reason", REFUSED)
@@ -202,6 +205,17 @@ def test_tensor_parallel_is_a_knob_whose_replicas_share_the_global_batch():
     assert recipe.refused(pure) is None
     plain = recipe.planned(config(variant="plain", zero_stage=2, tensor_parallel=2, nproc=4))
     assert plain == recipe.planned(config(variant="plain", zero_stage=2, nproc=2))
+
+
+def test_context_parallel_is_a_knob_whose_ranks_share_each_row():
+    """context_parallel=2 on 4 ranks: 2 replicas, each row's tokens split over 2 ranks; the
+    gradients reduced over all 4; plain computes the replicas' rows whole, as without it."""
+    cfg = config(zero_stage=2, precision="fp32", context_parallel=2, cp_mode="ulysses", nproc=4)
+    assert recipe.recipe_of(cfg).context_parallel == 2 and recipe.recipe_of(cfg).cp_mode == "ulysses"
+    assert (recipe.replicas(cfg), recipe.data_ranks(cfg)) == (2, 4)
+    assert recipe.computed_shape(cfg)[:2] == (SIZES["batch_size"], SIZES["seq_len"] // 2)
+    fp32 = {"variant": "plain", "zero_stage": 2, "precision": "fp32"}
+    assert recipe.planned(config(**fp32, context_parallel=2, nproc=4)) == recipe.planned(config(**fp32, nproc=2))
 
 
 def test_offload_is_skipped_on_cpu_ranks_with_the_reason():

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import planner
-from labkit.blocks import compression, hf, losses, optimizers, packing, transforms
+from labkit.blocks import compression, context_parallel, hf, losses, optimizers, packing, transforms
 from labkit.blocks.layout import HOST_OPTIMIZER, SHARDED, ZERO_MODES, Layout, data_mode
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
@@ -25,8 +25,9 @@ from labkit.config import ConfigError, RunConfig, check_choice
 
 OFFLOADS = ("none", "activations", "optimizer", "both")
 # The recipe's knobs in the order compose applies them (its steps 0 to 9): the ladder's order too
-ORDER = ("packing", "precision", "finetune", "loss", "tensor_parallel", "checkpointing", "compile",
-         "zero_stage", "grad_compression", "micro_batches", "offload", "optimizer")
+ORDER = ("packing", "precision", "finetune", "loss", "tensor_parallel", "context_parallel",
+         "checkpointing", "compile", "zero_stage", "grad_compression", "micro_batches", "offload",
+         "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,8 @@ class Recipe:
     optimizer: str = "adamw"             # optimizers.OPTIMIZERS: AdamW's moments in 32, 8 or 4 bits
     packing: bool = False                # documents of varied lengths packed into the rows, masked apart
     grad_compression: str = "none"       # compression.RECIPE_FORMATS: the gradients on the wire
+    context_parallel: int = 1            # CP degree: the ranks that split each sequence's tokens
+    cp_mode: str = "ring"                # context_parallel.CP_MODES: how their attention meets
 
     def techniques(self) -> list[str]:
         """The fields that differ from the plain step, as `name=value`."""
@@ -70,7 +73,7 @@ def refusal(recipe: Recipe, device: str, world: int = 1, *, launched: bool | Non
     mode = data_mode(recipe.zero_stage, world // recipe.tensor_parallel)
     return (_optimizer_clash(recipe, mode) or _offload_clash(recipe, mode, device)
             or _device_clash(recipe, device) or _converter_clash(recipe, mode)
-            or compression.recipe_clash(recipe.grad_compression, mode))
+            or compression.recipe_clash(recipe.grad_compression, mode) or _context_clash(recipe))
 
 
 def _unknown(recipe: Recipe) -> str | None:
@@ -81,15 +84,18 @@ def _unknown(recipe: Recipe) -> str | None:
                                ("finetune", recipe.finetune, transforms.FINETUNE),
                                ("loss", recipe.loss, losses.LOSSES),
                                ("optimizer", recipe.optimizer, optimizers.OPTIMIZERS),
-                               ("grad_compression", recipe.grad_compression, compression.RECIPE_FORMATS)):
+                               ("grad_compression", recipe.grad_compression, compression.RECIPE_FORMATS),
+                               ("cp_mode", recipe.cp_mode, context_parallel.CP_MODES)):
         try:
             check_choice(name, value, valid)
         except ConfigError as e:
             return str(e)
     if recipe.checkpointing == "blocks":
         return "checkpointing=blocks needs the block list the checkpointing experiment's budget chooses"
-    if min(recipe.micro_batches, recipe.tensor_parallel, recipe.checkpoint_every, recipe.loss_chunk) < 1:
-        return "micro_batches, tensor_parallel, checkpoint_every and loss_chunk are counts: 1 or more"
+    if min(recipe.micro_batches, recipe.tensor_parallel, recipe.context_parallel,
+           recipe.checkpoint_every, recipe.loss_chunk) < 1:
+        return ("micro_batches, tensor_parallel, context_parallel, checkpoint_every and loss_chunk "
+                "are counts: 1 or more")
     if recipe.finetune != "none":
         try:
             planner.parse_lora_targets(recipe.lora_targets)
@@ -99,15 +105,16 @@ def _unknown(recipe: Recipe) -> str | None:
 
 
 def _layout(recipe: Recipe, world: int, launched: bool) -> str | None:
-    """How the ranks split into tensor-parallel groups and data-parallel replicas: the ranks
-    over `tensor_parallel` are the replicas, data parallel at `zero_stage` when there are two
-    or more."""
-    tp, stage = recipe.tensor_parallel, recipe.zero_stage
-    if (world > 1 or stage or tp > 1) and not launched:
-        return ("data and tensor parallelism run on ranks that torch.distributed started "
+    """How the ranks split into tensor-parallel groups, context-parallel groups of them and
+    data-parallel replicas: the ranks over `tensor_parallel` (dp x cp of them) reduce the
+    gradients, data parallel at `zero_stage`, when there are two or more."""
+    tp, cp, stage = recipe.tensor_parallel, recipe.context_parallel, recipe.zero_stage
+    if (world > 1 or stage or tp > 1 or cp > 1) and not launched:
+        return ("data, tensor and context parallelism run on ranks that torch.distributed started "
                 "(torchrun, or the harness's launcher); this process is not one")
-    if world % tp:
-        return f"tensor_parallel={tp} does not divide the {world} ranks"
+    if world % (tp * cp):
+        return (f"tensor_parallel={tp} x context_parallel={cp} does not divide the {world} ranks"
+                if cp > 1 else f"tensor_parallel={tp} does not divide the {world} ranks")
     replicas = world // tp
     if stage and replicas == 1:  # compose would skip it: the recipe would not run
         return (f"zero_stage={stage} shards over the data-parallel replicas; {world} rank(s) / "
@@ -175,10 +182,34 @@ def _converter_clash(recipe: Recipe, mode: str) -> str | None:
     return None
 
 
+def _context_clash(recipe: Recipe) -> str | None:
+    """What context parallelism's sequence shards cannot carry (each tried on gloo ranks)."""
+    if recipe.context_parallel == 1:
+        return None
+    if recipe.packing:  # the ring and Ulysses attend causally over whole rows: no document mask
+        return ("packing's per-document mask is not passed to the ring or Ulysses, which attend "
+                "causally over whole rows: use context_parallel=1 with packing")
+    sixteen = recipe.precision in ("bf16", "fp16", "bf16_weights")
+    if sixteen and recipe.cp_mode != "ulysses":
+        return (f"the ring's backward (labkit.blocks.ring) multiplies its fp32 softmax with "
+                f"precision={recipe.precision}'s 16-bit q, k, v outside autocast, which fails: "
+                "use cp_mode=ulysses (SDPA) or precision=fp32")
+    return None
+
+
 def _device_clash(recipe: Recipe, device: str) -> str | None:
     if recipe.precision == "tf32" and not device.startswith("cuda"):
         return "TF32 is a mode of NVIDIA tensor cores; this device is a CPU"
     return None
+
+
+def cp_shape_refusal(cfg: RunConfig, recipe: Recipe) -> str | None:
+    """Why the run's sequence or heads do not split over the recipe's context-parallel ranks
+    (one line), or None (`context_parallel.shape_refusal`)."""
+    if recipe.context_parallel == 1:
+        return None
+    return context_parallel.shape_refusal(cfg.model, cfg.seq_len, recipe.cp_mode,
+                                          recipe.context_parallel, recipe.tensor_parallel)
 
 
 def micro_batch_size(batch_size: int, micro_batches: int) -> int:
@@ -194,7 +225,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     `cfg.batch_size` sequences per rank and optimizer step (`recipe.micro_batches` of them at a
     time). Raises ConfigError (one line) for a recipe that cannot run."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    why = refusal(recipe, cfg.device, world)
+    why = refusal(recipe, cfg.device, world) or cp_shape_refusal(cfg, recipe)
     if why:
         raise ConfigError(why)
     micro = micro_batch_size(cfg.batch_size, recipe.micro_batches)
@@ -234,6 +265,12 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     #    checkpoint or compile wrapper would hide.
     if layout.tp_enabled:
         transforms.apply_tensor_parallel(trainer, layout.tp_mesh)
+    #    context parallel next, on the heads TP left this rank (its plan's projections run
+    #    unchanged inside the sharded attention): each row's tokens cut into shards, laid out as
+    #    rows that step 6's wrapper over dp x cp hands out, one shard a rank.
+    if layout.cp_enabled:
+        context_parallel.apply_context_parallel(trainer, recipe.cp_mode, layout.cp_mesh,
+                                                replicas=layout.dp)
     # 4. checkpointing wraps whole (possibly sharded) blocks, before compile, so the compiled
     #    block is the one that recomputes.
     transforms.apply_checkpointing(trainer, recipe.checkpointing, every=recipe.checkpoint_every)
@@ -242,9 +279,10 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     if recipe.compile:
         transforms.apply_compile(trainer)
     # 6. data parallelism wraps (or shards) the finished model and keeps this rank's slice; a
-    #    model built on the meta device gets its weights now, each rank its shards.
+    #    model built on the meta device gets its weights now, each rank its shards. Over the
+    #    dp x cp ranks (torchtitan's dp_cp): each holds a different share of the batch's tokens.
     if layout.dp_enabled:
-        transforms.apply_data_parallel(trainer, layout.data_parallel, layout.dp_mesh,
+        transforms.apply_data_parallel(trainer, layout.data_parallel, layout.dp_cp_mesh,
                                        offload=layout.host_optimizer and layout.fsdp_enabled,
                                        mp_policy=mp_policy,
                                        bucket_cap_mb=compression.bucket_cap_mb(recipe.grad_compression,
@@ -320,7 +358,8 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     stage = recipe.zero_stage if layout.dp_enabled else 0
     # the planner's precisions are the recipe's (bf16 on FSDP2's sharded stages is its policy)
     micro = micro_batch_size(cfg.batch_size, recipe.micro_batches)
-    return dict(batch_size=micro, seq_len=cfg.seq_len, precision=recipe.precision,
+    # context parallel: each rank computes seq_len / cp tokens of every row
+    return dict(batch_size=micro, seq_len=cfg.seq_len // layout.cp, precision=recipe.precision,
                 optimizer=recipe.optimizer, zero_stage=stage, gpus=layout.world, tp=layout.tp,
                 checkpointing=mode, checkpointed_layers=layers,
                 accumulation_steps=recipe.micro_batches, device=cfg.device, fsdp2=True,
@@ -344,10 +383,29 @@ def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.Me
     if kwargs is None:
         raise ConfigError(why)
     if recipe.finetune == "none":
-        return planner.training_memory(cfg.model, **kwargs)
-    return planner.finetune_memory(
-        cfg.model, method=recipe.finetune, lora_rank=recipe.lora_rank,
-        lora_targets=recipe.lora_targets, batch_size=kwargs["batch_size"], seq_len=cfg.seq_len,
-        checkpointing=kwargs["checkpointing"], device=cfg.device, zero_stage=kwargs["zero_stage"],
-        gpus=kwargs["gpus"], optimizer=recipe.optimizer, packed=recipe.packing,
-        loss_chunk=kwargs["loss_chunk"])
+        plan = planner.training_memory(cfg.model, **kwargs)
+    else:
+        plan = planner.finetune_memory(
+            cfg.model, method=recipe.finetune, lora_rank=recipe.lora_rank,
+            lora_targets=recipe.lora_targets, batch_size=kwargs["batch_size"], seq_len=kwargs["seq_len"],
+            checkpointing=kwargs["checkpointing"], device=cfg.device, zero_stage=kwargs["zero_stage"],
+            gpus=kwargs["gpus"], optimizer=recipe.optimizer, packed=recipe.packing,
+            loss_chunk=kwargs["loss_chunk"])
+    return _context_note(plan, cfg, recipe, kwargs["batch_size"])
+
+
+def _context_note(plan: planner.MemoryPlan, cfg: RunConfig, recipe: Recipe,
+                  micro: int) -> planner.MemoryPlan:
+    """Under context parallelism the plan is the plain step of each rank's seq_len / cp tokens;
+    its activation formula says so, and names what that case leaves out."""
+    cp = recipe.context_parallel
+    if cp == 1:
+        return plan
+    block = context_parallel.output_copy_bytes(cfg.model, micro, cfg.seq_len, cp,
+                                               tp=recipe.tensor_parallel, layers=1)
+    note = (f"context_parallel={cp}: the plain step of this rank's {cfg.seq_len // cp} tokens a row; "
+            "not counted: each block that keeps its activations keeps its attention output twice "
+            f"(the ring's or Ulysses' layout and wo's input), {block:,} B a block in fp32 "
+            "(context_parallel.output_copy_bytes)")
+    activation = "; ".join(filter(None, (plan.formulas.get("activation"), note)))
+    return dataclasses.replace(plan, formulas={**plan.formulas, "activation": activation})

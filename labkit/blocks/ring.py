@@ -93,8 +93,11 @@ def _hop(tensors, ring: Ring, tag: int):
     if n == 1:
         return [], list(tensors)
     bufs = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, (r + 1) % n, ring.group, tag) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, b, (r - 1) % n, ring.group, tag) for b in bufs]
+    # P2POp's peer is a global rank: a ring over a subgroup (a recipe's cp dimension) maps it
+    to, frm = ((r + 1) % n, (r - 1) % n) if ring.group is None else \
+        (dist.get_global_rank(ring.group, (r + 1) % n), dist.get_global_rank(ring.group, (r - 1) % n))
+    ops = [dist.P2POp(dist.isend, t, to, ring.group, tag) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, frm, ring.group, tag) for b in bufs]
     return dist.batch_isend_irecv(ops), bufs
 
 

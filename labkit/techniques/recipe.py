@@ -34,6 +34,7 @@ from labkit.blocks import compression, hf, lora, optimizers, packing
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
+from labkit.blocks.context_parallel import CP_MODES
 from labkit.blocks.layout import Layout
 from labkit.blocks.losses import LOSSES
 from labkit.blocks.recipe import Recipe, compose
@@ -95,6 +96,11 @@ class Config(DistConfig):
     grad_compression: str = knob("none", choices=compression.RECIPE_FORMATS,
                                  help="the gradients on the wire: bf16, fp16, int8 or powersgd DDP "
                                       "hooks; under FSDP2 bf16 alone, its reduce dtype")
+    context_parallel: int = knob(1, min=1, help="context-parallel degree: the ranks that split each "
+                                 "sequence's tokens, their attention over the group (cp_mode)")
+    cp_mode: str = knob("ring", choices=CP_MODES,
+                        help="context_parallel > 1: ring (contiguous blocks), ring_zigzag (pieces r "
+                             "and 2n-1-r, balanced) or ulysses (all-to-all to head shards)")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
@@ -102,8 +108,14 @@ class Config(DistConfig):
 
 
 def replicas(cfg: Config) -> int:
-    """The data-parallel replicas: the ranks over the tensor-parallel degree."""
-    return max(1, (cfg.nproc or world_size()) // cfg.tensor_parallel)
+    """The data-parallel replicas (each computes its rows of the global batch): the ranks over
+    the tensor- and context-parallel degrees."""
+    return max(1, (cfg.nproc or world_size()) // (cfg.tensor_parallel * cfg.context_parallel))
+
+
+def data_ranks(cfg: Config) -> int:
+    """The ranks the data-parallel wrapper reduces the gradients over: replicas x context_parallel."""
+    return replicas(cfg) * cfg.context_parallel
 
 
 def recipe_of(cfg: Config) -> Recipe:
@@ -136,7 +148,7 @@ def validate(cfg: Config) -> None:
                           "injects both)")
     if cfg.tensor_parallel > 1:
         check_tp_shape(cfg, cfg.tensor_parallel)
-    why = refused(cfg)
+    why = refused(cfg) or recipes.cp_shape_refusal(cfg, recipe_of(cfg))
     if why:
         raise ConfigError(why)
 
@@ -211,8 +223,9 @@ def composed_step(cfg: Config) -> Trainer:
 
 
 def global_loss(loss: float, trainer: Trainer) -> float:
-    """The global batch's mean loss: the mean of the ranks' (equal slices; the ranks of a
-    tensor-parallel group share theirs), or this one."""
+    """The global batch's mean loss: the mean of the ranks' (equal shares of its tokens: rows,
+    or with context parallelism each row's shards; the ranks of a tensor-parallel group share
+    theirs), or this one."""
     if trainer.cfg.variant == REFERENCE or world_size() == 1:
         return loss
     t = torch.tensor([loss], dtype=torch.float64)
@@ -339,11 +352,12 @@ def computed_shape(cfg: Config) -> tuple[int, int, float]:
     """(rows, tokens per row, document tokens) this rank computes per step: plain the global
     batch (with packing: one padded row per document), composed its slice (with packing: its
     rows of documents, the document tokens its share of all of them)."""
-    dp = (cfg.nproc or 2) // cfg.tensor_parallel
+    dp = (cfg.nproc or 2) // (cfg.tensor_parallel * cfg.context_parallel)
     plain = cfg.variant == REFERENCE
     rows = cfg.batch_size * (dp if plain else 1)
-    if not cfg.packing:
-        return rows, cfg.seq_len, rows * cfg.seq_len
+    if not cfg.packing:  # context parallel: each rank holds seq_len / cp tokens of every row
+        seq_len = cfg.seq_len // (1 if plain else cfg.context_parallel)
+        return rows, seq_len, rows * seq_len
     documents = recipes.packed_documents(cfg, dp)
     tokens = sum(len(d) for d in documents)
     return ((len(documents), max(len(d) for d in documents), tokens) if plain
@@ -357,13 +371,16 @@ def step_flops(cfg: Config) -> int:
     m = cfg.model
     plain = cfg.variant == REFERENCE
     batch, seq_len, _ = computed_shape(cfg)
-    flops = planner.train_step_flops(m, batch=batch, seq_len=seq_len, attention=cfg.attention)
+    # context parallel: 1/cp of the whole rows' FLOPs, attention's pairs included (on average)
+    cp = 1 if plain else cfg.context_parallel
+    flops = planner.train_step_flops(m, batch=batch, seq_len=seq_len * cp, attention=cfg.attention) // cp
     if not plain:  # a tensor-parallel rank computes its share of the heads, MLP and vocabulary
         flops //= cfg.tensor_parallel
     if plain or cfg.checkpointing in ("none", "selective"):
         return flops
     k = len(checkpointed_blocks(m.num_layers, cfg.checkpointing, every=cfg.checkpoint_every))
-    block = planner.forward_flops(m, batch=batch, new=seq_len, keys=seq_len, logits=0) // m.num_layers
+    block = planner.forward_flops(m, batch=batch, new=seq_len * cp, keys=seq_len * cp,
+                                  logits=0) // (m.num_layers * cp)
     return flops + k * (block - 2 * batch * seq_len * m.ffn_size * m.hidden_size) // cfg.tensor_parallel
 
 
@@ -383,7 +400,7 @@ def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int | None:
     buckets beside it (as large), made when it wraps; under FSDP2 (ZeRO-2/3) on the meta device:
     the shards, and the largest parameter drawn whole beside its shard's copy. None for weights
     loaded from a folder under FSDP2 (built whole, then sharded: not predicted)."""
-    whole, dp = 4 * planner.num_params(cfg.model), replicas(cfg)
+    whole, dp = 4 * planner.num_params(cfg.model), data_ranks(cfg)
     if cfg.variant == REFERENCE or dp == 1:
         return whole
     if cfg.zero_stage <= 1:
@@ -397,10 +414,10 @@ def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int | None:
 def expected(cfg: Config) -> dict[str, float]:
     plan, out = planned(cfg), {"loss_delta": 0.0}
     if cfg.tensor_parallel == 1:  # (tensor parallelism all-gathers its logits too: not predicted)
-        stage = cfg.zero_stage if cfg.variant != REFERENCE and replicas(cfg) > 1 else 0
+        stage = cfg.zero_stage if cfg.variant != REFERENCE and data_ranks(cfg) > 1 else 0
         # bf16 gathers in bf16 where FSDP2's mixed-precision policy applies, as bf16_weights does
         recipe = recipe_of(cfg)
-        policy = recipes.mixed_precision_policy(recipe, Layout.of(recipe, replicas(cfg), cfg.device))
+        policy = recipes.mixed_precision_policy(recipe, Layout.of(recipe, data_ranks(cfg), cfg.device))
         bf16 = cfg.precision == "bf16_weights" or policy is not None
         out["all_gather_bytes"] = planner.fsdp2_all_gather_bytes(
             gathered_params(cfg), zero_stage=stage, micro_batches=cfg.micro_batches,
@@ -444,6 +461,11 @@ def notes(cfg: Config) -> dict[str, str]:
                                "output): FSDP2's parameters, in bf16 under its mixed-precision "
                                "policy (precision=bf16 with zero_stage 2 or 3), else in their "
                                "own dtype (fp32 under autocast, which casts after the gather)."}
+    if cfg.context_parallel > 1 and cfg.variant != REFERENCE:
+        out["activation_bytes"] += (f" Context parallel: seq_len / {cfg.context_parallel} tokens of "
+                                    "each row; predicted as the plain step of those, which keeps each "
+                                    "block's attention output once where the ring or Ulysses keeps "
+                                    "it twice (context_parallel.output_copy_bytes, not added).")
     if cfg.variant == REFERENCE:
         out["tokens_per_s"] = "every rank computes the whole global batch (as one process would)."
     if cfg.packing:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from labkit import planner
+from labkit.blocks import ring as rings
+from labkit.blocks.layout import Layout
+from labkit.blocks.recipe import Recipe
 from labkit.config import MODELS
 from labkit.planner.pipeline import handoffs_per_micro_batch
 from labkit.study.claims.base import Claim
@@ -139,4 +142,8 @@ CLAIMS = [
           lambda: f"holds p = {held('zero_bubble', 4, 8, 0)} on every rank"),
     Claim('zb-06', '4 whole stages',
           lambda: f"{held('zbv', 4, 8, 0) // 2} whole stages"),
+    Claim('rcp-01', 'over dp_cp = 4 ranks',
+          lambda: f"over dp_cp = {Layout.of(Recipe(tensor_parallel=2, context_parallel=2, zero_stage=2), 8).dp_cp} ranks"),
+    Claim('rcp-02', 'positions 2, 3, 4, 5',
+          lambda: "positions " + ", ".join(str(int(p)) for p in rings.positions(rings.pieces(8, 2, 1, "zigzag")))),
 ]
