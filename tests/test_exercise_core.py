@@ -112,10 +112,10 @@ def test_every_text_has_the_sections_its_format_requires_and_no_other():
     """The loader refuses unknown or repeated sections; here each file has exactly its kind's."""
     for key, ex in EXERCISES.items():
         want = {"title", "scenario", "question", "hint", "why", *(["mistake_why"] if ex.mistake else []),
-                *(f"{text.FEEDBACK}{c}" for c in ex.choices)}
+                *(f"{text.FEEDBACK}{c}" for c in ex.choices), *(["cpu"] if ex.cpu else [])}
         assert set(text.sections(key)) == want, key
     for key, lab in LABS.items():
-        named = set(text.sections(key)) - {"title", "symptoms", "hint", "why"}
+        named = set(text.sections(key)) - {"title", "symptoms", "hint", "why", "cpu"}
         assert {n[len(text.FEEDBACK):] for n in named} <= set(DIAGNOSES), key
         assert f"{text.FEEDBACK}{lab.diagnosis}" in named, key
         assert all(n.startswith(text.FEEDBACK) for n in named), key
@@ -133,7 +133,7 @@ def test_every_placeholder_of_an_exercise_is_filled_by_labkit(key):
         values = {**ex.evidence(AnyRows(), setup), "answer": "A", "prediction": "P"}
     assert not set(ex.words) & set(values), key
     why = ex.why.format(**values)
-    said = [ex.title, ex.scenario, ex.question, ex.hint, why, *ex.feedback.values()]
+    said = [ex.title, ex.scenario, ex.question, ex.hint, why, *ex.feedback.values(), *filter(None, [ex.cpu])]
     said += [ex.mistake_why] if ex.mistake else []
     assert all(s and "{" not in s and "}" not in s for s in said), key
     used = set().union(*(placeholders(t) for t in text.sections(key).values()))
@@ -142,7 +142,7 @@ def test_every_placeholder_of_an_exercise_is_filled_by_labkit(key):
 
 def test_every_placeholder_of_a_lab_is_filled_by_labkit():
     for key, lab in LABS.items():
-        said = [lab.title, lab.symptoms, lab.hint, lab.why, *lab.feedback.values()]
+        said = [lab.title, lab.symptoms, lab.hint, lab.why, *lab.feedback.values(), *filter(None, [lab.cpu])]
         assert all(s and "{" not in s and "}" not in s for s in said), key
         used = set().union(*(placeholders(t) for t in text.sections(key).values()))
         assert set(lab.words) <= used, key

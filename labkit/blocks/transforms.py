@@ -37,6 +37,7 @@ from labkit.blocks import losses, optimizers
 from labkit.blocks.layout import SHARDED, Layout
 from labkit.blocks.model import Decoder
 from labkit.blocks.training import CopyAdamW, Trainer
+from labkit.measure.modes import unmetered
 
 aten = torch.ops.aten
 
@@ -361,22 +362,33 @@ def apply_accumulation(trainer: Trainer, sizes: list[int]) -> Trainer:
 
 class save_activations_on_host(torch.autograd.graph.saved_tensors_hooks):
     """`save_on_cpu(pin_memory=True)` for every saved tensor except the parameters (and views of
-    them, such as a weight's transpose), which stay put; counts the bytes sent to the host."""
+    them, such as a weight's transpose), which stay put; counts the bytes sent to the host.
+    On a CPU `device` (where a virtual memory budget stands for a GPU's memory) the host copy is
+    made `unmetered`: outside the budget's live-tensor tracker, as host memory is outside a GPU's."""
 
-    def __init__(self, params):
-        inner = torch.autograd.graph.save_on_cpu(pin_memory=True, device_type="cuda")
+    def __init__(self, params, device: str = "cuda"):
+        cuda = device.startswith("cuda")
+        inner = torch.autograd.graph.save_on_cpu(pin_memory=True, device_type="cuda") if cuda else None
         resident = {p.untyped_storage().data_ptr() for p in params}
         self.bytes_to_host = 0
+
+        def to_host(t: torch.Tensor):
+            if inner is not None:
+                return inner.pack_hook(t)  # (device, pinned host copy); copied asynchronously
+            with unmetered():
+                return t.detach().clone()
 
         def pack(t: torch.Tensor):
             if t.untyped_storage().data_ptr() in resident:
                 return t, None
             self.bytes_to_host += t.numel() * t.element_size()
-            return None, inner.pack_hook(t)  # (device, pinned host copy); copied asynchronously
+            return None, to_host(t)
 
         def unpack(packed) -> torch.Tensor:
             t, host = packed
-            return t if host is None else inner.unpack_hook(host)  # back to its device
+            if host is None:
+                return t
+            return inner.unpack_hook(host) if inner is not None else host.clone()  # back to its device
 
         super().__init__(pack, unpack)
 
@@ -386,18 +398,31 @@ class save_activations_on_host(torch.autograd.graph.saved_tensors_hooks):
         return self
 
 
-def host_adamw(params, lr: float) -> CopyAdamW:
+def host_adamw(params, lr: float, device: str = "cuda") -> CopyAdamW:
     """AdamW whose state lives in host memory: the gradients copied into pinned host buffers,
-    fp32 host copies of the weights updated there, the weights copied back."""
-    return CopyAdamW(params, lr, device="cpu", pin_memory=torch.cuda.is_available())
+    fp32 host copies of the weights updated there, the weights copied back. On a CPU `device`
+    the host's copies, states and update are `unmetered` (outside a virtual budget's tracker)."""
+    if device.startswith("cuda"):
+        return CopyAdamW(params, lr, device="cpu", pin_memory=torch.cuda.is_available())
+    with unmetered():
+        return UnmeteredAdamW(params, lr, device="cpu")
+
+
+class UnmeteredAdamW(CopyAdamW):
+    """CopyAdamW whose update runs `unmetered`: the host of a CPU's virtual device."""
+
+    def step(self) -> None:
+        with unmetered():
+            super().step()
 
 
 def apply_offload(trainer: Trainer, *, activations: bool = False, optimizer: bool = False) -> Trainer:
     """Saved activations sent to host memory in the forward and back in the backward; the
     optimizer's states and update on the host."""
+    device = str(trainer.cfg.device)
     if activations:
-        trainer.host_hooks = save_activations_on_host(trainer.model.parameters())
+        trainer.host_hooks = save_activations_on_host(trainer.model.parameters(), device)
         trainer.contexts.append(trainer.host_hooks.counted)
     if optimizer:
-        trainer.optimizer_factory = host_adamw
+        trainer.optimizer_factory = functools.partial(host_adamw, device=device)
     return trainer

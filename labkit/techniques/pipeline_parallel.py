@@ -6,11 +6,13 @@
 - `zero_bubble` (`ScheduleInterleavedZeroBubble`, ZB1P): v modules per rank, each backward split
   into I (to the input, sent on at once) and W (to the weights, run later to fill the bubble).
 - `zbv` (`ScheduleZBVZeroBubble`): two modules per rank in a V (rank r holds r and 2p-1-r).
-The cut balances the measured cost of the p·v modules; the mean of the m losses and every
-gradient must equal the reference's. Measured per rank: the bubble (1 - busy / wall from compute
-timestamps), predicted by replaying the live schedule's own action list on each module's timed
-F, B (or I and W) and one handoff; the saved-for-backward peak against the planner's bytes per
-micro-batch on the same actions. `corrupt` injects a wrong handoff or a dropped W.
+The cut balances the measured cost of the p·v modules, or follows `stage_layers` (blocks per
+module; `block_cost_ms` gives every block an injected per-layer cost, so that the split sets each
+stage's work); the mean of the m losses and every gradient must equal the reference's. Measured
+per rank: the bubble (1 - busy / wall from compute timestamps), predicted by replaying the live
+schedule's own action list on each module's timed F, B (or I and W) and one handoff; the
+saved-for-backward peak against the planner's bytes per micro-batch on the same actions.
+`corrupt` injects a wrong handoff or a dropped W.
 """
 from __future__ import annotations
 
@@ -71,6 +73,12 @@ class Config(DistConfig):
                                            "per micro-batch forward, shared among them")
     stage_delay_ms: float = knob(0.0, min=0.0, help="injected sleep in every micro-batch forward "
                                                     "of delay_stage (0: none)")
+    stage_layers: str = knob("", help="blocks each stage module holds, comma-separated, in order "
+                                      "(e.g. 2,0: both on module 0, the last module the head "
+                                      "alone); empty: the split that balances the measured cost")
+    block_cost_ms: float = knob(0.0, min=0.0, help="injected sleep per block in every micro-batch "
+                                                   "forward: a per-layer cost, so a stage's work "
+                                                   "follows the blocks it holds (0: none)")
     corrupt: str = knob("none", choices=CORRUPTIONS,
                         help="inject a bug to watch the check catch it: every activation a stage "
                              "sends shifted, or every gradient scaled, by 0.1%; or (split "
@@ -98,6 +106,7 @@ def validate(cfg: Config) -> None:
     if cfg.delay_stage >= p:
         raise ConfigError(f"delay_stage={cfg.delay_stage} but there are {p} stages; "
                           f"valid: 0..{p - 1}")
+    given_layers(cfg)  # a ConfigError for a malformed stage_layers
     if cfg.dtype != "float32":
         raise ConfigError(f"pipeline_parallel trains in float32 (got {cfg.dtype}); precision is "
                           "the mixed_precision experiment's knob")
@@ -106,10 +115,30 @@ def validate(cfg: Config) -> None:
                           "(its gradients would need summing); valid: tie_embeddings=False")
 
 
+def given_layers(cfg: Config) -> list[int] | None:
+    """stage_layers as blocks per stage module (None: balance the measured cost); a ConfigError
+    unless they are whole numbers that add up to num_layers."""
+    if not cfg.stage_layers:
+        return None
+    try:
+        counts = [int(part) for part in cfg.stage_layers.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0 or sum(counts) != cfg.model.num_layers:
+        raise ConfigError(f"stage_layers={cfg.stage_layers!r} must be blocks per stage module, "
+                          f"comma-separated, adding up to num_layers={cfg.model.num_layers}; "
+                          "valid: e.g. " + ",".join(["1"] * cfg.model.num_layers) + ", or empty")
+    return counts
+
+
 def skip_reason(cfg: Config) -> str | None:
     p, m, v = num_stages(cfg), cfg.micro_batches, cfg.variant
     if v == REFERENCE:
         return None
+    counts = given_layers(cfg)
+    if counts is not None and (len(counts) != num_modules(cfg) or 0 in counts[1:-1]):
+        return (f"stage_layers={cfg.stage_layers!r} must give each of the {num_modules(cfg)} stage "
+                "modules of this schedule its blocks, at least one for every middle module")
     if p < 2:
         return "a pipeline needs at least 2 stages (nproc >= 2)"
     if cfg.model.num_layers < min_layers(num_modules(cfg)):
@@ -141,7 +170,9 @@ class Pipeline:
         if key not in _COSTS:  # the same key on every rank: all measure, or none
             _COSTS[key] = agreed_costs(model, self.inputs[:mb], self.targets[:mb], cfg.device)
         self.costs = _COSTS[key]
-        self.bounds = balance(self.costs, cfg.model.num_layers, self.n)
+        counts = given_layers(cfg)
+        self.bounds = (balance(self.costs, cfg.model.num_layers, self.n) if counts is None
+                       else [sum(counts[:i]) for i in range(self.n + 1)])
         self.ids = local_stages(cfg.variant, r, p, cfg.virtual_stages)  # this rank's modules
         self.modules = nn.ModuleList(
             StageModule(model, self.bounds[s], self.bounds[s + 1], first=s == 0, last=s == self.n - 1)
@@ -151,7 +182,8 @@ class Pipeline:
         self.spans, self.held = Spans(cfg.device), [0, 0]
         delay = cfg.stage_delay_ms / 1e3 / len(self.ids) if r == cfg.delay_stage else 0.0
         self.stages = [TimedStage(mod, s, self.n, torch.device(cfg.device), spans=self.spans,
-                                  held=self.held, delay_s=delay, corrupt=cfg.corrupt)
+                                  held=self.held, corrupt=cfg.corrupt,
+                                  delay_s=delay + cfg.block_cost_ms / 1e3 * self.blocks(s))
                        for mod, s in zip(self.modules, self.ids)]
         looped = cfg.variant in LOOPED
         self.schedule = SCHEDULES[cfg.variant](self.stages if looped else self.stages[0], m,
@@ -408,6 +440,8 @@ def notes(cfg: Config, pipe: Pipeline) -> dict[str, str]:
     measured = ", ".join(f"{k} {v:.2f} ms" for k, v in pipe.costs.items())
     sleep = (f" Rank {cfg.delay_stage} sleeps {cfg.stage_delay_ms:g} ms a micro-batch."
              if cfg.stage_delay_ms else "")
+    sleep += (f" Every block sleeps {cfg.block_cost_ms:g} ms a micro-batch forward (stage_layers "
+              f"{cfg.stage_layers or 'balanced'})." if cfg.block_cost_ms else "")
     return {"stage_cost_ms": f"{'; '.join(modules)}. Forward + backward per micro-batch on rank 0: "
                              f"{measured}.",
             "bubble_fraction": "1 - busy / wall in the fastest timed step. predicted: the live "

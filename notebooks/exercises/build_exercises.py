@@ -50,7 +50,8 @@ def exercise_notebook(ex: exercises.Exercise | labs.Lab) -> nbformat.NotebookNod
     if isinstance(ex, labs.Lab):
         return lab_notebook(ex)
     level = f"level {ex.level} of 3: {exercises.LEVELS[ex.level]}"
-    intro = (f"# {ex.title}\n\n*Topic: {ex.topic}; {level}.*\n\n{ex.scenario}\n\n"
+    cpu = f"**What a CPU cannot show.** {ex.cpu}\n\n" if ex.cpu else ""
+    intro = (f"# {ex.title}\n\n*Topic: {ex.topic}; {level}.*\n\n{cpu}{ex.scenario}\n\n"
              f"**Question:** {ex.question}\n\n**Answer:** {ex.tolerance_words()}.\n\n{HOW[ex.graded_against]}")
     parameters = new_code_cell(PARAMETERS.replace("{KIND}", kind(ex)), metadata={"tags": ["parameters"]})
     return new_notebook(metadata=KERNEL, cells=[
@@ -70,11 +71,11 @@ def exercise_notebook(ex: exercises.Exercise | labs.Lab) -> nbformat.NotebookNod
 
 
 LAB_PARAMETERS = '''diagnosis = None  # your diagnosis: one of labs.DIAGNOSES (or a list: attempts in order)
-fix = None  # your fix: a dict of knobs, e.g. {EXAMPLE}
+fix = None  # your fix, after the diagnosis: a dict of one knob and its value (the knobs come then)
 solution = False  # True: the reference diagnosis and fix, graded (an answer key)
 device = "auto"  # auto, cpu, cuda or cuda:N: where the setup runs
 runs_dir = None  # where runs and attempts are stored and reused (None: $LABKIT_RUNS_DIR or ./runs)
-interactive = True  # show the diagnosis dropdown, the knob controls and the Apply button'''
+interactive = True  # show the diagnosis dropdown, then the knob controls and the Apply button'''
 
 LAB_DIAGNOSE = '''if solution:
     print(labs.diagnose({KEY!r}, solution=True).report())
@@ -87,30 +88,33 @@ else:
 
 LAB_FIX = '''if solution or fix is not None:
     print(labs.apply_fix({KEY!r}, fix, solution=solution, device=device, runs_dir=runs_dir).report())
+elif diagnosis is not None:
+    print(labs.knobs({KEY!r}))
+    print("Set `fix` above (one knob and its value) and run again, or use the controls below.")
 else:
-    print("Set `fix` above (a dict of knobs), or use the controls below. Knobs:",
-          labs.knob_words(labs.get_lab({KEY!r})))'''
+    print("Diagnose first (above): the fix knobs are shown after a diagnosis.")'''
 
 
 def lab_notebook(lab: labs.Lab) -> nbformat.NotebookNode:
     """Symptoms, the measured evidence, the graded diagnosis, the fix measured again and graded."""
     intro = (f"# Troubleshooting lab: {lab.title}\n\n*Level {lab.level} of 3: "
-             f"{exercises.LEVELS[lab.level]}.*\n\nA colleague reports a symptom. Read the measured "
-             "evidence, name the cause, then fix the setup with labkit's knobs: labkit measures it "
-             "again and grades the fix by the figure of the mechanism, with a stated margin.")
-    example = "{" + ", ".join(f"{k!r}: {v!r}" for k, v in lab.broken.items()) + "}"
+             f"{exercises.LEVELS[lab.level]}.*\n\n" + (f"**What a CPU cannot show.** {lab.cpu}\n\n"
+                                                         if lab.cpu else "")
+             + "A colleague reports a symptom. Read the measured evidence and name the cause; then "
+             "labkit shows its fix knobs (the same for every lab): change one, labkit measures the "
+             "setup again and grades the fix by the figure of the mechanism, with a stated margin.")
     code = {name: text.replace("{KEY!r}", repr(lab.key)) for name, text in
             (("diagnose", LAB_DIAGNOSE), ("fix", LAB_FIX))}
     return new_notebook(metadata=KERNEL, cells=[
         new_markdown_cell(intro),
-        new_code_cell(LAB_PARAMETERS.replace("{EXAMPLE}", example), metadata={"tags": ["parameters"]}),
+        new_code_cell(LAB_PARAMETERS, metadata={"tags": ["parameters"]}),
         new_markdown_cell("## What is reported"),
-        new_code_cell(f"from labkit.study.exercises import labs\n\nprint(labs.symptoms({lab.key!r}))"),
+        new_code_cell(f"from labkit.study.exercises import labs\n\nprint(labs.symptoms({lab.key!r}, device))"),
         new_markdown_cell("## The evidence, measured on your device"),
         new_code_cell(f"evidence = labs.investigate({lab.key!r}, device, runs_dir)\nprint(evidence.report())"),
         new_markdown_cell("## Your diagnosis"),
         new_code_cell(code["diagnose"]),
-        new_markdown_cell("## Your fix: measured again and graded"),
+        new_markdown_cell("## The fix knobs, then your fix: measured again and graded"),
         new_code_cell(code["fix"]),
         new_markdown_cell("## Try it"),
         new_code_cell(f"if interactive:\n    display(labs.widget({lab.key!r}, device=device, runs_dir=runs_dir))"),

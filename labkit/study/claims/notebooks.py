@@ -97,8 +97,6 @@ CLAIMS = [
           lambda: f"x 128 x 2 bytes = {planner.kv_bytes_per_token(LLAMA3, 'bfloat16'):,} bytes"),
     Claim(EX + 'gqa_kv_saving.md', 'from 4 GiB to 1 GiB',
           lambda: f"from {gqa_gib(LLAMA3.num_heads):.0f} GiB to {gqa_gib(LLAMA3.num_kv_heads):.0f} GiB"),
-    Claim(EX + 'lab_pipeline.md', '(p-1)/(m+p-1) = 20%',
-          lambda: f"(p-1)/(m+p-1) = {planner.gpipe_bubble_fraction(2, 4):.0%}"),
     Claim(EX + 'adamw8bit_step_peak.md', '53 bytes per element of the tensor it updates when its moments are quantized (24 when they are fp32)',
           lambda: (f"{EAGER_QUANTIZED_BYTES} bytes per element of the tensor it updates when its moments are quantized "
                    f"({EAGER_FP32_BYTES} when they are fp32)")),

@@ -41,6 +41,7 @@ from labkit.study.exercises.core import (LEVELS, SOURCES, TOPICS, Exercise, Outc
                                    measure, measure_setup, parse_prediction, show)
 from labkit.study.exercises.formulas import (faster, fp16_demo, fp16_round, ring_allreduce_bytes,
                                        tensor_core_friendly)
+from labkit.study.exercises import labs
 from labkit.study.exercises.labs import (DIAGNOSES, LAB_RUNS, LABS, Lab, apply_fix, diagnose, investigate,
                                    reference_fix, symptoms)
 from labkit.study.exercises.runs import RUNS
@@ -68,10 +69,13 @@ def get(key: str) -> Exercise:
 
 
 def describe(key: str, device: str = "auto") -> str:
-    """The scenario, the question and how it is graded (no measurement: safe to show first)."""
+    """The scenario, the question and how it is graded (no measurement: safe to show first); on
+    a machine without a GPU, first what it cannot show of this exercise, if anything."""
     ex = get(key)
     text = (f"Level {ex.level} ({LEVELS[ex.level]}).\n\n{ex.scenario}\n\nQuestion: {ex.question}\n"
             f"Answer: {ex.tolerance_words()}.")
+    if ex.cpu and not labs.on_gpu(device):
+        text = f"On this machine, which has no GPU: {ex.cpu}\n\n{text}"
     if ex.details:
         setup = Setup(RUNS[ex.run], device)
         with setup.formulas():

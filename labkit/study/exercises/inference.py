@@ -11,6 +11,7 @@ import math
 
 from labkit import hardware, planner
 from labkit.config import DTYPE_BYTES, MODELS
+from labkit.study.exercises import h200
 from labkit.study.exercises.core import KiB, TOPICS, Exercise, Rows, Setup, close, show
 from labkit.study.exercises.formulas import faster
 
@@ -300,7 +301,8 @@ def sizing_exercises(topic: str) -> list[Exercise]:
                                    "measured": show(r.get("dynamic", "flops"), "FLOP"),
                                    "intensity": show(tiny_intensity(r, s))},
             level=2, mistake=compute_bound,
-            supports=intensity_supports, unit="tokens/s", rel_tol=0.05),
+            supports=intensity_supports, unit="tokens/s", rel_tol=0.05,
+            words={"h200_copy": h200.copy_words()}),
     ]
 
 

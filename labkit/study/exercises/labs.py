@@ -1,35 +1,43 @@
 """The troubleshooting lab: a colleague reports a symptom, the learner reads the measured evidence,
-names the cause (one of DIAGNOSES, shared by every lab, "nothing is wrong" among them), then applies
-a fix with labkit's own knobs; labkit measures the fixed setup again and grades the fix by the
-figure of the mechanism (data_wait_pct, peak bytes against the budget, inf/nan losses, zero
-gradients, a stage's busy time, padding, FLOPs), with a stated margin, never by a raw timing.
+names the cause (one of DIAGNOSES, shared by every lab, "nothing is wrong" among them), and only
+then sees the fix knobs: one table, the same for every lab (`KNOBS`), so that the fix is a choice.
+A fix changes one knob; labkit maps it onto this lab's setup where the setup has it (a knob it
+does not have leaves the setup as it is: measured again, graded, not fixed), measures it again
+and grades it by the figure of the mechanism (data_wait_pct, the peak against the budget, inf/nan
+losses, zero gradients, the stages' busy-time ratio, padding, FLOPs), with a stated margin, never
+by a raw timing.
 
-A lab's `symptoms` never name its cause. Decoys: a healthy setup (`lab_healthy`), and labs whose
-symptoms overlap while their causes differ (a step slower than the planner says: data loading,
-recomputation left on, or nothing at all; fp16 that stops learning: a forward overflow or
-gradients that underflow). Every measured fact the evidence rests on is measured in the broken
-run (the OOM row has status oom, the fp16 forward gives an inf/nan loss, ...); tests/test_labs.py
-asserts it. Each diagnosis and each fix is stored as an attempt (`attempts`), with the
-participant and the team.
+A lab's `symptoms` never name its cause and show no knob; its evidence is measured figures with
+their units (and the planner's beside them), never a conclusion. Decoys: a healthy setup
+(`lab_healthy`), and labs whose symptoms overlap while their causes differ (a step slower than
+the planner says: data loading, recomputation left on, or nothing at all; fp16 that stops
+learning: a forward overflow or gradients that underflow). Every measured fact the evidence rests
+on is measured in the broken run (the OOM row has status oom, the fp16 forward gives an inf/nan
+loss, ...); tests/test_labs.py asserts it. Each diagnosis and each fix is stored as an attempt
+(`attempts`), with the participant and the team. A lab whose mechanism a CPU cannot show (tensor
+cores) says so at its top there and grades the formula, citing the H200 record (`h200`).
 
-Use: `symptoms(key)`, `investigate(key)` (the evidence), `diagnose(key, diagnosis)`,
-`apply_fix(key, {knob: value})`; `reference_fix(key)` and `Lab.diagnosis` are the answer key.
+Use: `symptoms(key)`, `investigate(key)` (the evidence), `diagnose(key, diagnosis)` (its report
+lists the knobs), `knobs(key)`, `apply_fix(key, {knob: value})`; `reference_fix(key)` and
+`Lab.diagnosis` are the answer key.
 
-A lab here is its mechanism: the setup, the evidence's figures, the knobs and the grading. Its
-words (title, symptoms, hint, why, the feedback on each diagnosis) are in
-notebooks/exercises/text/KEY.md, one file per lab (`text` reads them).
+A lab here is its mechanism: the setup, the evidence's figures, the knobs it maps and the grading.
+Its words (title, symptoms, hint, why, the feedback on each diagnosis, what a CPU cannot show) are
+in notebooks/exercises/text/KEY.md, one file per lab (`text` reads them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
-from labkit import planner
+from labkit import hardware, planner
 from labkit.config import ConfigError
+from labkit.planner import pipeline as pipe_plan
+from labkit.study.exercises import h200
 from labkit.study.exercises.attempts import record_attempt
 from labkit.study.exercises.core import TOPICS, Rows, Run, Setup, measure_setup, mib, show
 from labkit.study.exercises.formulas import FP16_MAX, tensor_core_friendly
-from labkit.study.exercises.runs import FAST, RUNS, SLOW_STAGE_MS
+from labkit.study.exercises.runs import BLOCK_COST_MS, FAST, RUNS, STAGE_LAYERS
 from labkit.study.exercises.text import Text, section
 from labkit.techniques import get_experiment
 
@@ -60,9 +68,41 @@ SIGNS = dict(zip(DIAGNOSES, (
     "counted FLOPs near the no-cache sum: each token runs the whole prefix again",
     "every mechanism figure as the planner predicts",
 )))
-OOM_BUDGET_GIB = 0.08  # between the checkpointed peak (~70 MB) and the plain one (~90 MB)
+# The fix knobs: one table, the same for every lab (a lab maps the ones its setup has).
+KNOBS: dict[str, tuple] = {
+    "checkpointing": ("none", "full", "selective"),
+    "micro_batches": (1, 2, 4, 8),
+    "offload": ("none", "activations", "optimizer"),
+    "precision": ("fp32", "fp16", "bf16"),
+    "loss_scaling": (False, True),
+    "num_workers": (0, 1, 2),
+    "scheduler": ("static", "dynamic", "continuous"),
+    "stage_layers": STAGE_LAYERS,
+    "kv_cache": ("none", "dynamic"),
+    "gemm_multiple": (1, 8, 64),
+}
+KNOB_HELP = {
+    "checkpointing": "activation checkpointing of the blocks (full: each keeps its input and "
+                     "recomputes the rest in backward; selective: keeps the matmul outputs)",
+    "micro_batches": "the step's batch split into this many micro-batches, their gradients "
+                     "accumulated before one optimizer step (the same tokens per step)",
+    "offload": "what lives in host memory: the activations saved for backward, or the "
+               "optimizer's states and update",
+    "precision": "fp32, or fp16 / bf16 autocast over fp32 weights",
+    "loss_scaling": "with fp16: a GradScaler multiplies the loss before backward and divides the "
+                    "gradients before the step",
+    "num_workers": "data-loader worker processes building batches ahead (0: none)",
+    "scheduler": "how a server batches requests (static: a batch starts and ends together; "
+                 "dynamic; continuous: a finished row takes a new request at the next step)",
+    "stage_layers": "blocks each pipeline stage holds, stage 0 first (the embedding is on the "
+                    "first stage, the head on the last)",
+    "kv_cache": "decoding keeps every layer's keys and values (dynamic), or not (none)",
+    "gemm_multiple": "every GEMM dimension rounded up to a multiple of this many elements (1: as it is)",
+}
+OOM_BUDGET_GIB = 0.08  # between the fixed setups' peaks (~59-67 MiB) and the plain one (~90 MB)
 HEADROOM = 0.10  # a fix must leave this share of the budget free (the allocator varies)
 CKPT = {**FAST, "batch_size": 8, "seq_len": 64, "num_layers": 2}
+OOM = {**CKPT, "memory_budget_gib": OOM_BUDGET_GIB}
 TRAIN = {**FAST, "batch_size": 1, "seq_len": 8, "steps": 3, "num_layers": 2}
 OVERFLOW_SCALE = 3e6  # mlp_scale: the MLP's fp16 output passes 65504 at init
 UNDERFLOW_WEIGHT = 1e-7  # loss_weight: every fp16 gradient below 2^-24
@@ -70,27 +110,31 @@ ZERO_GRAD_MARGIN = 5.0  # points of zero gradient elements a fix may keep above 
 FLOP_MARGIN = 0.02  # counted FLOPs may exceed the planner's by this share
 WAIT_FACTOR = 0.5  # a loader fix at least halves data_wait_pct
 PADDING_LIMIT_PCT = 5.0
-# The slowest stage's busy time over the fastest's. Not 1: with 2 blocks, the embedding and the
-# head to place, the best split measured about 1.6 here; the injected extra work gives about 10.
-BUSY_RATIO_LIMIT = 3.0
+# The slowest stage's busy time over the fastest's. Not 1: stage 0 holds the embedding, the last
+# the head and the loss; with every block's injected cost (BLOCK_COST_MS) the balanced split
+# measured about 1.2 here, both blocks on one stage about 17.
+BUSY_RATIO_LIMIT = 2.0
 KV_MARGIN = 0.05
+SHAPE_MARGIN = 0.05  # on a GPU: the fixed shape's measured fp16 rate at least 1.05x the broken one's
 LAB_RUNS = {
-    "oom": Run("checkpointing", {**CKPT, "memory_budget_gib": OOM_BUDGET_GIB}, ("none", "full")),
+    "oom": Run("checkpointing", OOM, ("none", "full")),
     "ckpt": Run("checkpointing", CKPT, ("none", "full")),
     "overflow": Run("mixed_precision", {**TRAIN, "loss_scaling": False, "mlp_scale": OVERFLOW_SCALE},
-                    ("fp16",)),
+                    ("fp16", "bf16")),
     "underflow": Run("mixed_precision", {**TRAIN, "loss_scaling": False,
                                          "loss_weight": UNDERFLOW_WEIGHT}, ("fp16",)),
     "loader": Run("dataloading", {**FAST, "batch_size": 1, "seq_len": 8, "steps": 4, "num_layers": 2,
                                   # storage latency (a sleep): workers overlap it even on a
                                   # busy machine, so the fix's figure does not hang on free cores
-                                  "sample_cost_us": 0.0, "io_latency_us": 30000.0}, ("baseline",)),
+                                  "sample_cost_us": 0.0, "io_latency_us": 30000.0,
+                                  "num_workers": 2}, ("baseline", "workers")),
     "serve": Run("batching", {"num_layers": 1, "num_requests": 8, "max_output_len": 8,
                               "arrival": "closed"}, ("static", "continuous")),
     "decode": Run("kv_cache", {**FAST, "prompt_len": 16, "new_tokens": 16, "num_layers": 1},
                   ("none", "dynamic")),
-    "shape": Run("matmul", {**FAST, "size": 256}, ("fp16",),
-                 {"alignment": ["aligned", "mult8", "off_by_one"]}),
+    # no size: the matmul's own default, 512 on a CPU and 8192 on a GPU, where the tensor cores'
+    # difference shows (at a few hundred a launch's fixed cost hides it)
+    "shape": Run("matmul", {**FAST}, ("fp16",), {"alignment": ["aligned", "off_by_one"]}),
 }
 
 
@@ -111,6 +155,15 @@ class Reading:
 
     def get(self, metric: str, *, rank: int = 0, variant: str | None = None) -> Any:
         return self.rows.get(variant or self.trial.variant, metric, rank=rank, **self.trial.point)
+
+    def predicted(self, metric: str, *, rank: int = 0) -> Any:
+        """The planner's (or the experiment's napkin math's) figure beside the measured one."""
+        for r in self.rows.rows:
+            if (r["variant"] == self.trial.variant and r["metric"] == metric
+                    and (r.get("rank") or 0) == rank
+                    and all(r["params"]["sweep"].get(k) == v for k, v in self.trial.point.items())):
+                return r.get("predicted")
+        return None
 
     def reference(self, metric: str) -> Any:
         """The same metric for the Run's reference variant (measured in the same run)."""
@@ -135,7 +188,7 @@ class FixGrade(NamedTuple):
 
 @dataclass(frozen=True)
 class Lab(Text):
-    """A lab's mechanism; its words (title, symptoms, hint, why, feedback) are in
+    """A lab's mechanism; its words (title, symptoms, hint, why, feedback, cpu) are in
     notebooks/exercises/text/KEY.md (`labkit.study.exercises.text`)."""
 
     key: str
@@ -143,14 +196,13 @@ class Lab(Text):
     trial: Trial  # the broken setup
     diagnosis: str  # one of DIAGNOSES
     evidence: Callable[[Reading, Setup], dict[str, str]]  # label -> measured figure, before answering
-    knobs: dict[str, tuple]  # the fix knobs and their valid values
-    broken: dict[str, Any]  # the knobs' settings in the broken setup
-    solution: dict[str, Any]  # the reference fix (knobs left out keep the broken setting)
-    make_trial: Callable[[dict[str, Any]], Trial]  # full knob settings -> what to measure
+    broken: dict[str, Any]  # the knobs this setup has (of KNOBS), at their broken settings
+    solution: dict[str, Any]  # the reference fix: one knob changed (the healthy lab's: none)
+    fixes: dict[str, Callable[[Any], Trial]]  # knob -> its value -> what to measure (the knobs of `broken`)
     grade_fix: Callable[[Reading, Reading, Setup], FixGrade]  # (before, after, setup of after)
     words: dict[str, Any] = field(default_factory=dict)  # the text's {placeholders}: labkit's numbers
 
-    symptoms = section("symptoms", "What a colleague reports: no cause named.")
+    symptoms = section("symptoms", "What a colleague reports: no cause named, no knob.")
     why = section("why", "The explanation after the right diagnosis.")
 
     def feedback_for(self, diagnosis: str) -> str:
@@ -159,11 +211,30 @@ class Lab(Text):
         return (f"If it were that, the evidence would show {SIGNS[diagnosis]}; it does not. "
                 f"Read the figures again: {self.hint}")
 
+    def changed(self, settings: dict[str, Any]) -> list[str]:
+        """The knobs `settings` set away from the broken setup (any setting of a knob the setup
+        does not have counts: the learner chose it)."""
+        return [k for k, v in settings.items() if k not in self.broken or self.broken[k] != v]
+
+    def trial_for(self, settings: dict[str, Any]) -> Trial:
+        """What to measure for `settings` (at most one knob changed): the knob mapped onto this
+        setup, or the broken setup itself when it has no such knob (or nothing changed)."""
+        changed = self.changed(settings)
+        if not changed or changed[0] not in self.fixes:
+            return self.trial
+        return self.fixes[changed[0]](settings[changed[0]])
+
 
 # --- helpers the labs share ----------------------------------------------------------------------
 
 def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}%"
+
+
+def on_gpu(device: str) -> bool:
+    """Whether `device` ("auto" included) is a GPU that is here."""
+    resolved = hardware.default_device() if device == "auto" else device
+    return resolved.startswith("cuda") and resolved in hardware.available_devices()
 
 
 def _variant_trial(run: Run, variant: str, changes: dict[str, Any] | None = None,
@@ -204,28 +275,37 @@ def _ckpt_evidence(r: Reading, s: Setup) -> dict[str, str]:
             "peak memory measured": mib(r.get("peak_mem_bytes")),
             "the planner's peak without recomputation": mib(plan.total_bytes),
             "saved activations measured": mib(r.get("activation_bytes")),
-            "data wait": "none: the batch is already on the device (no loader in this loop)"}
+            "time waiting for the batch per step": "0 ms (the batch is made once, before the steps)"}
 
 
-CKPT_KNOBS = {"checkpointing": ("none", "full", "selective")}
+def _ckpt_fixes(run: Run) -> dict[str, Callable[[Any], Trial]]:
+    return {"checkpointing": lambda v: _variant_trial(run, v)}
+
+
+def _train_words(overrides: dict[str, Any]) -> dict[str, Any]:
+    return {k: overrides[k] for k in ("num_layers", "batch_size", "seq_len")}
 
 
 # --- the labs ------------------------------------------------------------------------------------
 
 def _oom_evidence(r: Reading, s: Setup) -> dict[str, str]:
     c = s.cfg("none")
+    plan = planner.training_memory(c.model, batch_size=c.batch_size, seq_len=c.seq_len,
+                                   precision="fp32", device=c.device)
     return {"status of the step": f"{r.status}: {r.message}",
             "memory budget": mib(c.memory_budget_gib * 2**30),
             "the planner's peak for this step": mib(s.expected("none")["peak_mem_bytes"]),
-            "of which saved activations (planner)": mib(s.expected("none")["activation_bytes"]),
-            "parameters + AdamW state (planner)": mib(3 * planner.param_bytes(c.model, "float32"))}
+            "of which saved activations (planner)": mib(plan.activation_bytes),
+            "parameters / gradients / AdamW's two moments (planner)":
+                f"{mib(plan.param_bytes)} / {mib(plan.grad_bytes)} / {mib(plan.optimizer_bytes)}"}
 
 
 def _oom_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
-    budget = s.cfg().memory_budget_gib * 2**30
-    peak = after.get("peak_mem_bytes")
+    budget = OOM_BUDGET_GIB * 2**30
+    peak, plan = after.get("peak_mem_bytes"), after.predicted("peak_mem_bytes")
     ok = after.status == "ok" and peak is not None and peak <= (1 - HEADROOM) * budget
-    got = f"{mib(peak)} = {100 * peak / budget:.0f}% of the budget" if peak else after.status
+    got = (f"{mib(peak)} = {100 * peak / budget:.0f}% of the budget (planner: {mib(plan)})" if peak
+           else f"{after.message or 'no peak measured'}")
     return FixGrade(ok, f"before: {before.status}; after: {after.status}, peak {got}",
                     f"the step runs (status ok) with its measured peak at most "
                     f"{1 - HEADROOM:.0%} of the {mib(budget)} budget")
@@ -233,11 +313,19 @@ def _oom_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 
 def _lab_oom() -> Lab:
     run = LAB_RUNS["oom"]
+
+    def micro_batches(k: int) -> Trial:  # the same 8 sequences a step, k micro-batches of 8 / k
+        return Trial(Run("grad_accumulation", {**OOM, "batch_size": OOM["batch_size"] // k,
+                                               "micro_batches": k}, ("accumulate",)), "accumulate")
+
+    def offload(where: str) -> Trial:
+        return Trial(Run("offload", {**OOM, "steps": 2}, (where,)), where)
     return Lab(
-        "lab_oom", 2,
-        Trial(run, "none"), DIAGNOSES[0], _oom_evidence, CKPT_KNOBS, {"checkpointing": "none"},
-        {"checkpointing": "full"}, lambda f: _variant_trial(run, f["checkpointing"]), _oom_grade,
-        words={"budget_gib": OOM_BUDGET_GIB})
+        "lab_oom", 2, Trial(run, "none"), DIAGNOSES[0], _oom_evidence,
+        {"checkpointing": "none", "micro_batches": 1, "offload": "none"}, {"checkpointing": "full"},
+        {"checkpointing": lambda v: _variant_trial(run, v), "micro_batches": micro_batches,
+         "offload": offload},
+        _oom_grade, words={"budget_gib": OOM_BUDGET_GIB, **_train_words(OOM)})
 
 
 def _loader_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
@@ -247,50 +335,52 @@ def _loader_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
                     f"data_wait_pct at most {WAIT_FACTOR:.0%} of the broken setup's, both measured here")
 
 
+def _data_evidence(r: Reading, s: Setup) -> dict[str, str]:
+    return {"step time": show(r.get("step_ms"), "ms"),
+            "time blocked waiting for the next batch (data_ms)": show(r.get("data_ms"), "ms"),
+            "compute per step (compute_ms)":
+                f"{show(r.get('compute_ms'), 'ms')} (the planner's FLOPs at this device's peak: "
+                f"{show(r.predicted('compute_ms'), 'ms')})",
+            "data_wait_pct": pct(r.get("data_wait_pct")),
+            "FLOPs counted in one step": f"{show(r.get('flops') / 1e6, 'MFLOP')} (the planner's: "
+                                         f"{show(s.expected('baseline')['flops'] / 1e6, 'MFLOP')})"}
+
+
 def _lab_data() -> Lab:
     run = LAB_RUNS["loader"]
 
-    def trial(f: dict[str, Any]) -> Trial:
-        n = f["num_workers"]
+    def workers(n: int) -> Trial:
         return Trial(run, "baseline") if n == 0 else _variant_trial(run, "workers", {"num_workers": n})
     return Lab(
-        "lab_data_loading", 2,
-        Trial(run, "baseline"), DIAGNOSES[1],
-        lambda r, s: {"step time": show(r.get("step_ms"), "ms"),
-                      "time blocked waiting for the batch (data_ms)": show(r.get("data_ms"), "ms"),
-                      "compute per step (compute_ms)": show(r.get("compute_ms"), "ms"),
-                      "data_wait_pct": pct(r.get("data_wait_pct")),
-                      "FLOPs counted / planner's": f"{r.get('flops') / s.expected('baseline')['flops']:.3f}",
-                      "loader processes (num_workers)": "0: the batch is built in the training process"},
-        {"num_workers": (0, 1, 2)}, {"num_workers": 0}, {"num_workers": 2}, trial,
-        _loader_grade)
+        "lab_data_loading", 2, Trial(run, "baseline"), DIAGNOSES[1], _data_evidence,
+        {"num_workers": 0}, {"num_workers": 2}, {"num_workers": workers}, _loader_grade)
 
 
 def _mp_evidence(r: Reading, s: Setup) -> dict[str, str]:
     steps = s.cfg().steps
 
-    def loss(metric: str, variant: str | None = None) -> str:
+    def value(metric: str, at: str, variant: str | None = None) -> str:
         v = r.get(metric, variant=variant)
-        return f"{v:.4f}" if v is not None else "inf/nan (not a number)"
-    return {"recipe": "fp16 autocast, no GradScaler; fp32 measured alongside as the reference",
-            "fp16 loss at step 1 (before any update)": loss("loss_first"),
-            f"fp16 loss after {steps} steps": loss("loss"),
-            f"fp32 loss at step 1 / after {steps} steps": f"{loss('loss_first', 'fp32')} / {loss('loss', 'fp32')}",
+        return f"{v:.4f}" if v is not None else f"inf/nan (not finite) {at}"
+    first, last = "at step 1", f"at step {steps}"
+    return {"fp16 loss at step 1 (before any update)": value("loss_first", first),
+            f"fp16 loss after {steps} steps": value("loss", last),
+            f"fp32 loss at step 1 / after {steps} steps":
+                f"{value('loss_first', first, 'fp32')} / {value('loss', last, 'fp32')}",
             f"fp16 steps with an inf/nan loss (of {steps})": show(r.get("nonfinite_losses")),
-            "fp16 gradient norm, last step": loss("grad_norm"),
+            "fp16 gradient norm, last step": value("grad_norm", last),
             "fp16 gradient elements exactly 0, last step": pct(r.get("zero_grad_pct")),
-            "fp32 gradient elements exactly 0 (embedding rows of unseen tokens)": pct(r.reference("zero_grad_pct")),
-            "check against fp32": r.status + (f": {r.message}" if r.message else "")}
+            "fp32 gradient elements exactly 0 (embedding rows of unseen tokens)":
+                pct(r.reference("zero_grad_pct")),
+            f"fp16 loss less fp32's after {steps} steps": value("loss_delta", last)}
 
 
-MP_KNOBS = {"precision": ("fp16", "bf16", "fp32"), "loss_scaling": (False, True)}
+MP_BROKEN = {"precision": "fp16", "loss_scaling": False}
 
 
-def _mp_trial(run: Run) -> Callable[[dict[str, Any]], Trial]:
-    def trial(f: dict[str, Any]) -> Trial:
-        scaled = f["loss_scaling"] and f["precision"] == "fp16"  # a GradScaler only serves fp16
-        return _variant_trial(run, f["precision"], {"loss_scaling": scaled})
-    return trial
+def _mp_fixes(run: Run) -> dict[str, Callable[[Any], Trial]]:
+    return {"precision": lambda p: _variant_trial(run, p),
+            "loss_scaling": lambda on: _variant_trial(run, "fp16", {"loss_scaling": on})}
 
 
 def _overflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
@@ -304,10 +394,8 @@ def _overflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 def _lab_fp16_overflow() -> Lab:
     run = LAB_RUNS["overflow"]
     return Lab(
-        "lab_fp16_overflow", 3,
-        Trial(run, "fp16"), DIAGNOSES[2], _mp_evidence, MP_KNOBS,
-        {"precision": "fp16", "loss_scaling": False}, {"precision": "bf16", "loss_scaling": False},
-        _mp_trial(run), _overflow_grade, words={"fp16_max": FP16_MAX})
+        "lab_fp16_overflow", 3, Trial(run, "fp16"), DIAGNOSES[2], _mp_evidence, MP_BROKEN,
+        {"precision": "bf16"}, _mp_fixes(run), _overflow_grade, words={"fp16_max": FP16_MAX})
 
 
 def _underflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
@@ -321,10 +409,22 @@ def _underflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 def _lab_fp16_underflow() -> Lab:
     run = LAB_RUNS["underflow"]
     return Lab(
-        "lab_fp16_underflow", 3,
-        Trial(run, "fp16"), DIAGNOSES[3], _mp_evidence, MP_KNOBS,
-        {"precision": "fp16", "loss_scaling": False}, {"precision": "fp16", "loss_scaling": True},
-        _mp_trial(run), _underflow_grade)
+        "lab_fp16_underflow", 3, Trial(run, "fp16"), DIAGNOSES[3], _mp_evidence, MP_BROKEN,
+        {"loss_scaling": True}, _mp_fixes(run), _underflow_grade)
+
+
+def _padding_evidence(r: Reading, s: Setup) -> dict[str, str]:
+    c = s.cfg("static")
+
+    def beside(metric: str, say: Callable[[Any], str] = show) -> str:
+        return f"{say(r.get(metric))} (planner: {say(r.predicted(metric))})"
+    return {"requests": f"{c.num_requests}, up to {c.max_output_len} output tokens each, "
+                        f"{show(r.get('max_concurrent'))} at most in flight",
+            "positions computed for no request (padding_waste_pct)": beside("padding_waste_pct", pct),
+            "positions prefilled": beside("prefill_tokens"),
+            "decode steps": beside("decode_steps"),
+            "useful tokens/s": show(r.get("useful_tokens_per_s")),
+            "useful tokens/s one request at a time": show(r.get("useful_tokens_per_s", variant="sequential"))}
 
 
 def _lab_padding() -> Lab:
@@ -336,24 +436,35 @@ def _lab_padding() -> Lab:
                         f"padding_waste_pct {pct(b)} before, {pct(a)} after",
                         f"at most {PADDING_LIMIT_PCT:g}% of the computed token positions are padding")
     return Lab(
-        "lab_padding", 2,
-        Trial(run, "static"), DIAGNOSES[4],
-        lambda r, s: {"scheduler": "static: a batch starts together and ends with its longest request",
-                      "positions computed for no request (padding_waste_pct)": pct(r.get("padding_waste_pct")),
-                      "decode steps": show(r.get("decode_steps")),
-                      "useful tokens/s": show(r.get("useful_tokens_per_s")),
-                      "useful tokens/s one request at a time": show(r.get("useful_tokens_per_s", variant="sequential"))},
-        {"scheduler": ("static", "dynamic", "continuous")}, {"scheduler": "static"},
-        {"scheduler": "continuous"}, lambda f: _variant_trial(run, f["scheduler"]), grade)
+        "lab_padding", 2, Trial(run, "static"), DIAGNOSES[4], _padding_evidence,
+        {"scheduler": "static"}, {"scheduler": "continuous"},
+        {"scheduler": lambda v: _variant_trial(run, v)}, grade,
+        words={"num_requests": run.overrides["num_requests"]})
+
+
+def _split_trial(layers: str) -> Trial:
+    """GPipe with `layers` blocks per stage, every block at its injected cost: a point of the
+    exercises' pipeline run when it measured that split, else a run of it alone."""
+    pipe, point = RUNS["pipe"], {"stage_layers": layers, "block_cost_ms": BLOCK_COST_MS}
+    run = pipe if point in pipe.sweep else Run(pipe.experiment, pipe.overrides, ("gpipe",), [point])
+    return Trial(run, "gpipe", {"stage_layers": layers})
 
 
 def _pipe_evidence(r: Reading, s: Setup) -> dict[str, str]:
-    c = s.cfg("gpipe", stage_delay_ms=SLOW_STAGE_MS)
-    return {"schedule": f"GPipe, {c.nproc} stages (CPU ranks, gloo), {c.micro_batches} micro-batches",
-            "stage 0 busy per step": show(r.get("stage_busy_ms", rank=0), "ms"),
-            "stage 1 busy per step": show(r.get("stage_busy_ms", rank=1), "ms"),
-            "stage 1 idle share (bubble)": pct(100 * r.get("bubble_fraction", rank=1)),
-            "ideal bubble (p-1)/(m+p-1)": pct(100 * r.get("ideal_bubble_fraction")),
+    c = s.cfg("gpipe", **r.trial.point)
+    blocks = c.stage_layers.split(",")
+    alone = [r.get("stage_fwd_ms", rank=i) + r.get("stage_bwd_ms", rank=i) for i in (0, 1)]
+
+    def both(values: list) -> str:
+        return " / ".join(show(v, "ms") for v in values)
+    return {"schedule": f"GPipe over {c.nproc} stages (CPU ranks, gloo), {c.micro_batches} micro-batches",
+            "blocks on stage 0 / stage 1": f"{blocks[0]} (+ the embedding) / {blocks[1]} (+ the head "
+                                           "and the loss)",
+            "busy per step, stage 0 / stage 1": both([r.get("stage_busy_ms", rank=i) for i in (0, 1)]),
+            "one micro-batch's forward + backward, timed alone, stage 0 / stage 1": both(alone),
+            "idle share of the step, stage 0 / stage 1":
+                " / ".join(pct(100 * r.get("bubble_fraction", rank=i)) for i in (0, 1)),
+            "the schedule's ideal bubble (p-1)/(m+p-1)": pct(100 * r.get("ideal_bubble_fraction")),
             "step time": show(r.get("step_ms"), "ms")}
 
 
@@ -362,20 +473,22 @@ def _busy_ratio(r: Reading) -> float:
     return max(busy) / min(busy)
 
 
-def _lab_pipeline() -> Lab:
-    run = RUNS["pipe"]
+def _pipe_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
+    b, a = _busy_ratio(before), _busy_ratio(after)
+    return FixGrade(a <= BUSY_RATIO_LIMIT, f"slowest stage's busy time / fastest's: {b:.2f} before, "
+                    f"{a:.2f} after", f"at most {BUSY_RATIO_LIMIT:g} (the embedding and the head "
+                    "stay on their stages: 1 is out of reach)")
 
-    def grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
-        b, a = _busy_ratio(before), _busy_ratio(after)
-        return FixGrade(a <= BUSY_RATIO_LIMIT, f"slowest stage's busy time / fastest's: {b:.2f} "
-                        f"before, {a:.2f} after", f"at most {BUSY_RATIO_LIMIT:g} (whole blocks and "
-                        "the head cannot be split evenly over 2 stages: 1 is out of reach)")
+
+def _lab_pipeline() -> Lab:
+    pipe = RUNS["pipe"].overrides
+    p, m = pipe["nproc"], pipe["micro_batches"]
     return Lab(
-        "lab_pipeline", 3,
-        Trial(run, "gpipe", {"stage_delay_ms": SLOW_STAGE_MS}), DIAGNOSES[5], _pipe_evidence,
-        {"rebalance": (False, True)}, {"rebalance": False}, {"rebalance": True},
-        lambda f: Trial(run, "gpipe", {"stage_delay_ms": 0.0 if f["rebalance"] else SLOW_STAGE_MS}),
-        grade, words={"slow_stage_ms": SLOW_STAGE_MS})
+        "lab_pipeline", 3, _split_trial(STAGE_LAYERS[0]), DIAGNOSES[5], _pipe_evidence,
+        {"stage_layers": STAGE_LAYERS[0]}, {"stage_layers": STAGE_LAYERS[1]},
+        {"stage_layers": _split_trial}, _pipe_grade,
+        words={"block_cost_ms": BLOCK_COST_MS, "stages": p, "micro_batches": m,
+               "ideal_bubble": pct(100 * pipe_plan.ideal_bubble_fraction("gpipe", p, m, 1))})
 
 
 def _shape_dims(s: Setup, alignment: str) -> tuple[int, int, int]:
@@ -384,31 +497,49 @@ def _shape_dims(s: Setup, alignment: str) -> tuple[int, int, int]:
     return matmul.dims(s.cfg("fp16", alignment=alignment))
 
 
+def _shape_trial(multiple: int) -> Trial:
+    """The broken dimensions (each one short of a multiple of 128) rounded up to `multiple`."""
+    from labkit.techniques import matmul
+
+    offset = matmul.OFFSET["off_by_one"] // multiple * multiple
+    alignment = next(a for a, o in matmul.OFFSET.items() if o == offset)
+    return Trial(LAB_RUNS["shape"], "fp16", {"alignment": alignment})
+
+
+def _shape_evidence(r: Reading, s: Setup) -> dict[str, str]:
+    m, n, k = _shape_dims(s, "off_by_one")
+    return {"GEMM m, n, k": f"{m}, {n}, {k} (fp16 inputs, 2 bytes an element)",
+            "fp16 rate measured": f"{show(r.get('tflops'), 'TFLOP/s')}, {pct(r.get('peak_flops_pct'))} "
+                                  f"of this device's fp16 peak ({show(r.predicted('tflops'), 'TFLOP/s')})",
+            "fp32 rate measured at the same shape": show(r.reference("tflops"), "TFLOP/s")}
+
+
+def _shape_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
+    """On a GPU the measured fp16 rate too; on a CPU, which has no tensor cores, the formula."""
+    b, a = (_shape_dims(s, x.trial.point["alignment"]) for x in (before, after))
+    figure = (f"m, n, k {b} before, {a} after; in fp16 bytes {2 * b[0]} = 16 x {2 * b[0] / 16:g} "
+              f"before, {2 * a[0]} = 16 x {2 * a[0] / 16:g} after")
+    rule = ("every dimension a multiple of 16 bytes (8 fp16 elements); on A100 and newer 128 bytes "
+            "(64) is better still (NVIDIA's matmul performance guide)")
+    friendly = tensor_core_friendly(*a)
+    if on_gpu(s.device):
+        rb, ra = before.get("tflops"), after.get("tflops")
+        ratio = ra / rb if ra and rb else float("nan")
+        return FixGrade(friendly and ratio >= 1 + SHAPE_MARGIN,
+                        f"{figure}; fp16 measured {show(rb, 'TFLOP/s')} before, {show(ra, 'TFLOP/s')} "
+                        f"after ({ratio:.2f}x)",
+                        f"{rule}, and the measured fp16 rate at least {1 + SHAPE_MARGIN:.2f}x the "
+                        "broken shape's")
+    return FixGrade(friendly, f"{figure}; a CPU has no tensor cores, so the formula is graded (the "
+                              f"H200 record: {h200.matmul_words()})",
+                    f"{rule}: the formula (tensor_core_friendly), since a CPU cannot show it")
+
+
 def _lab_shape() -> Lab:
-    run = LAB_RUNS["shape"]
-
-    def evidence(r: Reading, s: Setup) -> dict[str, str]:
-        m, n, k = _shape_dims(s, "off_by_one")
-        out = {"GEMM": f"m = n = k = {m}, fp16 inputs",
-               f"{m} in bytes (fp16)": f"{2 * m} = 16 x {2 * m / 16:g}",
-               "fp16 TFLOP/s measured at this shape": show(r.get("tflops"))}
-        if not s.device.startswith("cuda"):
-            out["what this device cannot show"] = ("a CPU has no tensor cores: its fp16 rate says "
-                                                   "nothing about them; the rule below is NVIDIA's")
-        return out
-
-    def grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
-        b, a = _shape_dims(s, "off_by_one"), _shape_dims(s, after.trial.point["alignment"])
-        ratio = (after.get("tflops") or 0) / (before.get("tflops") or 1)
-        return FixGrade(tensor_core_friendly(*a), f"dims {b} before, {a} after; measured fp16 "
-                        f"TFLOP/s ratio {ratio:.2f} (evidence only: not graded)",
-                        "every dimension a multiple of 16 bytes (8 fp16 elements); on A100 and newer "
-                        "128 bytes (64) is better still (NVIDIA's matmul performance guide)")
     return Lab(
-        "lab_shape", 2,
-        Trial(run, "fp16", {"alignment": "off_by_one"}), DIAGNOSES[6], evidence,
-        {"alignment": ("off_by_one", "mult8", "aligned")}, {"alignment": "off_by_one"},
-        {"alignment": "aligned"}, lambda f: Trial(run, "fp16", {"alignment": f["alignment"]}), grade)
+        "lab_shape", 2, _shape_trial(1), DIAGNOSES[6], _shape_evidence,
+        {"gemm_multiple": 1}, {"gemm_multiple": 64}, {"gemm_multiple": _shape_trial}, _shape_grade,
+        words={"h200_matmul": h200.matmul_words()})
 
 
 def _lab_healthy() -> Lab:
@@ -418,17 +549,16 @@ def _lab_healthy() -> Lab:
         g = _flops_grade(before, after, s)
         return g._replace(margin=g.margin + "; the healthy setup already meets it: leave it as it is")
     return Lab(
-        "lab_healthy", 2,
-        Trial(run, "none"), HEALTHY, _ckpt_evidence, CKPT_KNOBS, {"checkpointing": "none"},
-        {"checkpointing": "none"}, lambda f: _variant_trial(run, f["checkpointing"]), grade)
+        "lab_healthy", 2, Trial(run, "none"), HEALTHY, _ckpt_evidence, {"checkpointing": "none"},
+        {"checkpointing": "none"}, _ckpt_fixes(run), grade, words=_train_words(CKPT))
 
 
 def _lab_recompute() -> Lab:
     run = LAB_RUNS["ckpt"]
     return Lab(
-        "lab_recompute", 3,
-        Trial(run, "full"), DIAGNOSES[7], _ckpt_evidence, CKPT_KNOBS, {"checkpointing": "full"},
-        {"checkpointing": "none"}, lambda f: _variant_trial(run, f["checkpointing"]), _flops_grade)
+        "lab_recompute", 3, Trial(run, "full"), DIAGNOSES[7], _ckpt_evidence,
+        {"checkpointing": "full"}, {"checkpointing": "none"}, _ckpt_fixes(run), _flops_grade,
+        words=_train_words(CKPT))
 
 
 def _lab_kv_cache() -> Lab:
@@ -446,9 +576,10 @@ def _lab_kv_cache() -> Lab:
                                      keys=c.prompt_len + c.new_tokens - 1, logits=1)
         return {"generation": f"{c.new_tokens} new tokens after a {c.prompt_len}-token prompt",
                 "FLOPs counted (FlopCounterMode)": show(r.get("flops") / 1e6, "MFLOP"),
-                "planner: each token runs the whole prefix": show(flops(s, False) / 1e6, "MFLOP"),
-                "planner: prefill once, then one position a token": show(flops(s, True) / 1e6, "MFLOP"),
-                "planner: the first token's forward / the last's": f"{one / 1e6:.1f} / {last / 1e6:.1f} MFLOP"}
+                "the planner's FLOPs without a KV cache": show(flops(s, False) / 1e6, "MFLOP"),
+                "the planner's FLOPs with a KV cache": show(flops(s, True) / 1e6, "MFLOP"),
+                "the planner's forward of the first token / of the last, without a cache":
+                    f"{one / 1e6:.1f} / {last / 1e6:.1f} MFLOP"}
 
     def grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
         n = s.cfg().new_tokens
@@ -457,10 +588,8 @@ def _lab_kv_cache() -> Lab:
                         f"before, {a / 1e6:.2f} M after (planner with a cache: {want / 1e6:.2f} M)",
                         f"at most {1 + KV_MARGIN:.2f}x the planner's FLOPs per token with a cache")
     return Lab(
-        "lab_kv_cache", 2,
-        Trial(run, "none"), DIAGNOSES[8], evidence, {"kv_cache": ("none", "dynamic")},
-        {"kv_cache": "none"}, {"kv_cache": "dynamic"}, lambda f: _variant_trial(run, f["kv_cache"]),
-        grade)
+        "lab_kv_cache", 2, Trial(run, "none"), DIAGNOSES[8], evidence, {"kv_cache": "none"},
+        {"kv_cache": "dynamic"}, {"kv_cache": lambda v: _variant_trial(run, v)}, grade)
 
 
 def build_labs() -> list[Lab]:
@@ -471,7 +600,7 @@ def build_labs() -> list[Lab]:
 LABS: dict[str, Lab] = {lab.key: lab for lab in sorted(build_labs(), key=lambda lab: lab.level)}
 
 
-# --- playing a lab: symptoms, evidence, diagnosis, fix -------------------------------------------
+# --- playing a lab: symptoms, evidence, diagnosis, knobs, fix ------------------------------------
 
 @dataclass
 class Evidence:
@@ -482,8 +611,20 @@ class Evidence:
     device: str  # where it was measured
 
     def report(self) -> str:
-        lines = [f"Evidence ({self.source}):"] + [f"- {k}: {v}" for k, v in self.figures.items()]
+        """The figures, under where they were measured (not the run's id: it names the experiment,
+        a cause's name; it is in the attempt record)."""
+        where = ("a stored run of the same settings on this machine, reused" if "reused" in self.source
+                 else "measured now")
+        lines = [f"Evidence ({where}, on {self.device}):"] + [f"- {k}: {v}" for k, v in self.figures.items()]
         return "\n".join(lines)
+
+
+def knob_table() -> str:
+    """The fix knobs, the same for every lab, with their values and what each does."""
+    lines = ["Fix knobs (the same for every lab): change one, e.g. apply_fix(key, {knob: value});",
+             "labkit measures the setup again with it and grades the figure of the mechanism."]
+    lines += [f"- {k}: {', '.join(repr(v) for v in vals)}: {KNOB_HELP[k]}" for k, vals in KNOBS.items()]
+    return "\n".join(lines)
 
 
 @dataclass
@@ -498,16 +639,17 @@ class DiagnosisOutcome:
         head = "Solution mode: the reference diagnosis. " if self.solution else ""
         verdict = "correct" if self.correct else "wrong"
         text = f"{head}Diagnosis {self.diagnosis!r}: {verdict}.\n{self.feedback}"
-        return text + (f"\nWhy: {self.lab.why}" if self.correct else "")
+        return text + (f"\nWhy: {self.lab.why}" if self.correct else "") + "\n\n" + knob_table()
 
 
 @dataclass
 class FixOutcome:
     lab: Lab
-    fix: dict[str, Any]
+    fix: dict[str, Any]  # the knobs set, as given
     grade: FixGrade
     source: str  # the re-measurement
     solution: bool = False
+    unmapped: str = ""  # the knob set, when this setup has nothing it sets
 
     @property
     def passed(self) -> bool:
@@ -516,8 +658,10 @@ class FixOutcome:
     def report(self) -> str:
         head = "Solution mode: the reference fix. " if self.solution else ""
         verdict = "fixed" if self.passed else "not fixed"
-        knobs = ", ".join(f"{k}={v!r}" for k, v in self.fix.items())
-        return (f"{head}Fix {knobs}: graded {verdict}.\nMeasured again: {self.source}.\n"
+        knobs = ", ".join(f"{k}={v!r}" for k, v in self.fix.items()) or "none (the setup as it is)"
+        same = (f" (nothing in this setup is set by {self.unmapped}: it is measured as it was)"
+                if self.unmapped else "")
+        return (f"{head}Fix {knobs}: graded {verdict}.\nMeasured again: {self.source}{same}.\n"
                 f"Figure: {self.grade.figure}.\nRule: {self.grade.margin}.")
 
 
@@ -527,15 +671,29 @@ def get_lab(key: str) -> Lab:
     return LABS[key]
 
 
-def knob_words(lab: Lab) -> str:
-    return "; ".join(f"{k}: {', '.join(repr(v) for v in vals)}" for k, vals in lab.knobs.items())
+def knob_words() -> str:
+    """Every knob and its valid values, on one line (for errors)."""
+    return "; ".join(f"{k}: {', '.join(repr(v) for v in vals)}" for k, vals in KNOBS.items())
 
 
-def symptoms(key: str) -> str:
-    """What is reported, the choices and the knobs (nothing measured: safe to show first)."""
+def knobs(key: str) -> str:
+    """The fix knobs (the same for every lab): for after the diagnosis."""
+    get_lab(key)
+    return knob_table()
+
+
+def cpu_note(lab: Lab, device: str = "auto") -> str:
+    """What this machine cannot show of the lab's mechanism ("" on a GPU, or when a CPU shows it)."""
+    return f"On this machine, which has no GPU: {lab.cpu}" if lab.cpu and not on_gpu(device) else ""
+
+
+def symptoms(key: str, device: str = "auto") -> str:
+    """What is reported and the diagnoses to choose from (nothing measured, no knob: safe to show
+    first); on a CPU, first what it cannot show of this lab."""
     lab = get_lab(key)
-    return (f"{lab.title} (level {lab.level}).\n\nReported: {lab.symptoms}\n\nDiagnoses: "
-            + "; ".join(DIAGNOSES) + f".\nFix knobs: {knob_words(lab)}.")
+    note = cpu_note(lab, device)
+    return ((note + "\n\n" if note else "") + f"{lab.title} (level {lab.level}).\n\n"
+            f"Reported: {lab.symptoms}\n\nDiagnoses: " + "; ".join(DIAGNOSES) + ".")
 
 
 def _read(trial: Trial, device: str, runs_dir: str | None, reuse: bool = True) -> tuple[Reading, Setup]:
@@ -564,9 +722,9 @@ def parse_diagnosis(key: str, diagnosis: Any) -> str:
 def diagnose(key: str, diagnosis: Any = None, *, solution: bool = False, device: str = "auto",
              runs_dir: str | None = None, participant: str | None = None,
              team: str | None = None, evidence: Evidence | None = None) -> DiagnosisOutcome:
-    """Grade a diagnosis against the lab's cause, with the feedback for that choice; a learner's
-    attempt (not solution mode) is stored with the evidence it was made on (`evidence`, when the
-    caller has it already from `investigate`)."""
+    """Grade a diagnosis against the lab's cause, with the feedback for that choice (its report
+    then lists the fix knobs); a learner's attempt (not solution mode) is stored with the
+    evidence it was made on (`evidence`, when the caller has it already from `investigate`)."""
     lab = get_lab(key)
     chosen = lab.diagnosis if solution else parse_diagnosis(key, diagnosis)
     outcome = DiagnosisOutcome(lab, chosen, chosen == lab.diagnosis, lab.feedback_for(chosen), solution)
@@ -580,22 +738,36 @@ def diagnose(key: str, diagnosis: Any = None, *, solution: bool = False, device:
     return outcome
 
 
-def parse_fix(key: str, fix: dict[str, Any] | None) -> dict[str, Any]:
-    """Every knob's setting: the broken one unless `fix` sets it; a ConfigError (one line, the
-    valid knobs and values) for an unknown knob or value."""
+def _knob_value(key: str, name: str, value: Any) -> Any:
+    """`value` as the knob's own (a widget's or papermill's text included), or a one-line
+    ConfigError naming the valid knobs or values."""
+    if name not in KNOBS:
+        raise ConfigError(f"{key}: unknown knob {name!r}; valid knobs: {knob_words()}")
+    match = [v for v in KNOBS[name] if v == value or str(v).lower() == str(value).strip().lower()]
+    if not match:
+        raise ConfigError(f"{key}: {name}={value!r} is not valid; valid: "
+                          + ", ".join(repr(v) for v in KNOBS[name]))
+    return match[0]
+
+
+def given_fix(key: str, fix: dict[str, Any] | None) -> dict[str, Any]:
+    """The knobs `fix` sets, each as the knob's own value; a ConfigError (one line, the valid
+    knobs and values) for an unknown knob or value, or for more than one knob changed."""
     lab = get_lab(key)
     if not isinstance(fix, dict):
-        raise ConfigError(f"{key}: a fix is a dict of knobs; valid knobs: {knob_words(lab)}")
-    settings = dict(lab.broken)
-    for name, value in fix.items():
-        if name not in lab.knobs:
-            raise ConfigError(f"{key}: unknown knob {name!r}; valid knobs: {knob_words(lab)}")
-        match = [v for v in lab.knobs[name] if v == value or str(v).lower() == str(value).strip().lower()]
-        if not match:
-            valid = ", ".join(repr(v) for v in lab.knobs[name])
-            raise ConfigError(f"{key}: {name}={value!r} is not valid; valid: {valid}")
-        settings[name] = match[0]
-    return settings
+        raise ConfigError(f"{key}: a fix is a dict of one knob and its value; valid knobs: {knob_words()}")
+    given = {name: _knob_value(key, name, value) for name, value in fix.items()}
+    changed = lab.changed(given)
+    if len(changed) > 1:
+        raise ConfigError(f"{key}: change one knob at a time (got {', '.join(changed)}), so that "
+                          f"the re-measurement shows what it does; valid knobs: {', '.join(KNOBS)}")
+    return given
+
+
+def parse_fix(key: str, fix: dict[str, Any] | None) -> dict[str, Any]:
+    """The settings of the knobs this setup has (the broken ones unless `fix` sets them), with the
+    knob `fix` sets; a ConfigError as `given_fix` says."""
+    return {**get_lab(key).broken, **given_fix(key, fix)}
 
 
 def reference_fix(key: str) -> dict[str, Any]:
@@ -606,17 +778,21 @@ def reference_fix(key: str) -> dict[str, Any]:
 def apply_fix(key: str, fix: dict[str, Any] | None = None, *, solution: bool = False,
               device: str = "auto", runs_dir: str | None = None, participant: str | None = None,
               team: str | None = None) -> FixOutcome:
-    """Measure the setup with `fix` applied (a stored complete run of the same settings is reused)
-    and grade it by the mechanism figure against the broken setup's, with the lab's margin."""
+    """Measure the setup with `fix` (one knob) applied, mapped onto this lab's setup (a stored
+    complete run of the same settings is reused; a knob the setup does not have leaves it as it
+    was) and grade it by the mechanism figure against the broken setup's, with the lab's margin."""
     lab = get_lab(key)
-    settings = parse_fix(key, reference_fix(key) if solution else fix)
+    given = given_fix(key, reference_fix(key) if solution else fix)
+    settings = {**lab.broken, **given}
+    changed = lab.changed(settings)
     before, _ = _read(lab.trial, device, runs_dir)
-    after, setup = _read(lab.make_trial(settings), device, runs_dir)
+    after, setup = _read(lab.trial_for(settings), device, runs_dir)
     with setup.formulas():
         grade = lab.grade_fix(before, after, setup)
-    outcome = FixOutcome(lab, settings, grade, after.rows.source, solution)
+    unmapped = changed[0] if changed and changed[0] not in lab.fixes else ""
+    outcome = FixOutcome(lab, given, grade, after.rows.source, solution, unmapped)
     if not solution:
-        record_attempt(kind="fix", exercise=key, topic=TOPIC, level=lab.level, prediction=settings,
+        record_attempt(kind="fix", exercise=key, topic=TOPIC, level=lab.level, prediction=given,
                        reference=lab.solution, correct=grade.passed,
                        measured={"figure": grade.figure, "rule": grade.margin}, device=setup.device,
                        run_id=after.rows.run_id, folder=runs_dir, participant=participant, team=team)
@@ -624,16 +800,19 @@ def apply_fix(key: str, fix: dict[str, Any] | None = None, *, solution: bool = F
 
 
 def widget(key: str, *, device: str = "auto", runs_dir: str | None = None):
-    """A dropdown of diagnoses with a Diagnose button, a control per fix knob with an Apply
-    button, and the graded reports below them."""
+    """A dropdown of diagnoses with a Diagnose button; after a diagnosis, a knob and its value
+    with an Apply button (hidden before: the knobs come after the diagnosis); the graded reports
+    below them."""
     import ipywidgets as w
 
-    lab = get_lab(key)
+    get_lab(key)
     choice = w.Dropdown(options=DIAGNOSES, description="Diagnosis", layout=w.Layout(width="60%"))
-    knobs = {k: w.Dropdown(options=[(repr(v), v) for v in vals], value=lab.broken[k], description=k)
-             for k, vals in lab.knobs.items()}
+    knob = w.Dropdown(options=list(KNOBS), description="Knob")
+    value = w.Dropdown(options=[(repr(v), v) for v in KNOBS[knob.value]], description="Value")
+    knob.observe(lambda _: setattr(value, "options", [(repr(v), v) for v in KNOBS[knob.value]]), "value")
     ask, apply_, out = w.Button(description="Diagnose", button_style="primary"), w.Button(
         description="Apply fix", button_style="warning"), w.Output()
+    fix_row = w.HBox([knob, value, apply_], layout=w.Layout(display="none"))
 
     def run(fn):
         out.clear_output()
@@ -643,7 +822,11 @@ def widget(key: str, *, device: str = "auto", runs_dir: str | None = None):
             except ConfigError as e:
                 print(e)
 
-    ask.on_click(lambda _: run(lambda: diagnose(key, choice.value, device=device, runs_dir=runs_dir)))
-    apply_.on_click(lambda _: run(lambda: apply_fix(key, {k: b.value for k, b in knobs.items()},
+    def on_ask(_):
+        run(lambda: diagnose(key, choice.value, device=device, runs_dir=runs_dir))
+        fix_row.layout.display = "flex"
+
+    ask.on_click(on_ask)
+    apply_.on_click(lambda _: run(lambda: apply_fix(key, {knob.value: value.value},
                                                     device=device, runs_dir=runs_dir)))
-    return w.VBox([w.HBox([choice, ask]), w.HBox([*knobs.values(), apply_]), out])
+    return w.VBox([w.HBox([choice, ask]), fix_row, out])

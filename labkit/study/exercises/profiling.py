@@ -4,6 +4,7 @@ strided traffic.
 Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text` reads them)."""
 from __future__ import annotations
 
+from labkit.study.exercises import h200
 from labkit.study.exercises.core import TOPICS, Exercise, Rows, Setup, show
 from labkit.study.exercises.formulas import tensor_core_friendly
 from labkit.measure.profiler import SMALL_US
@@ -165,7 +166,7 @@ def _loading_and_shapes() -> list[Exercise]:
             answer=lambda s: NOTHING if tensor_core_friendly(*(SCENARIO_SHAPE,) * 3) else PAD,
             evidence=_shape_evidence,
             level=2,
-            supports=_shape_supports, words={"shape": SCENARIO_SHAPE}),
+            supports=_shape_supports, words={"shape": SCENARIO_SHAPE, "h200_matmul": h200.matmul_words()}),
     ]
 
 

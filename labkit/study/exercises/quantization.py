@@ -5,6 +5,7 @@ Their words are in notebooks/exercises/text/KEY.md, one file per exercise (`text
 from __future__ import annotations
 
 from labkit.blocks import quant
+from labkit.study.exercises import h200
 from labkit.study.exercises.core import TOPICS, Exercise, Rows, Setup, close, show
 
 GROUP = 64  # the run's default int4 group size
@@ -117,5 +118,6 @@ def build_exercises() -> list[Exercise]:
                                    "int4_tps": show(r.get("int4", "tokens_per_s"), "tokens/s"),
                                    "paths": r.get("int4", "packed_layers")},
             level=2, mistake=lambda s: 8.0,
-            supports=measured_bytes_ratio, unit="x", rel_tol=0.03),
+            supports=measured_bytes_ratio, unit="x", rel_tol=0.03,
+            words={"h200_int4": h200.int4_words()}),
     ]

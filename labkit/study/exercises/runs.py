@@ -5,7 +5,12 @@ from __future__ import annotations
 from labkit.study.exercises.core import Run
 
 FAST = {"min_run_time_s": 0.0, "warmup": 0}
-SLOW_STAGE_MS = 40.0  # the troubleshooting lab's injected delay in pipeline stage 0
+# The pipeline lab's per-layer cost: an injected sleep per block in every micro-batch forward, far
+# above a tiny block's compute on a busy CPU, so that a stage's work follows the blocks it holds.
+# The lab's splits of the 2 blocks over the 2 stages (blocks on stage 0, on stage 1), the broken
+# one first; the two the lab reads are measured with the exercises' pipeline run.
+BLOCK_COST_MS = 25.0
+STAGE_LAYERS = ("2,0", "1,1", "0,2")
 # Two CPU ranks (gloo) on any machine: the scenarios' per-rank bytes and bubble are the same on
 # every device, and one GPU cannot hold two NCCL ranks. A run's own "device" wins over check()'s.
 DIST = {**FAST, "timed_steps": 2, "seq_len": 16, "num_layers": 2, "timeout_s": 60, "device": "cpu",
@@ -50,8 +55,11 @@ RUNS = {
                               "num_layers": 1, "timed_steps": 2}, ("composed",),
                    [{"loss": "plain"}, {"loss": "chunked", "loss_chunk": 16}, {"optimizer": "adamw8bit"},
                     {"packing": True}]),
+    # the GPipe drill's point (the split balanced by measured cost), then the pipeline lab's splits
     "pipe": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "delay_stage": 0},
-                ("single", "gpipe"), {"stage_delay_ms": [0.0, SLOW_STAGE_MS]}),
+                ("single", "gpipe"),
+                [{"stage_delay_ms": 0.0},
+                 *({"stage_layers": v, "block_cost_ms": BLOCK_COST_MS} for v in STAGE_LAYERS[:2])]),
     # the pipeline schedules the drills read, on the two gloo ranks: m = 4, v = 2 modules per rank
     "zb": Run("pipeline_parallel", {**DIST, "batch_size": 4, "micro_batches": 4, "virtual_stages": 2},
               ("single", "1f1b", "interleaved_1f1b", "zero_bubble")),

@@ -9,7 +9,10 @@ the first. The names:
 - every exercise: `title`, `scenario`, `question`, `hint`, `why`; `mistake_why` when it has a
   common mistake; `feedback: CHOICE` for each of its choices, when it has choices;
 - every lab: `title`, `symptoms`, `hint`, `why`, and `feedback: DIAGNOSIS` for the diagnoses it
-  answers in its own words (the others get the generic sentence, `labs.SIGNS`).
+  answers in its own words (the others get the generic sentence, `labs.SIGNS`);
+- either, when a CPU cannot demonstrate its mechanism (tensor cores, a GPU's bandwidth): `cpu`,
+  what a CPU cannot show and that the formula is graded there, with the GPU reference figure
+  from the H200 record (`labkit.study.exercises.h200`); shown at the top.
 
 A text may hold `{name}` placeholders (str.format, a format spec allowed: `{context:,}`): the
 numbers labkit computes are filled in from the exercise's or lab's `words`, never written into
@@ -27,7 +30,7 @@ from labkit import hardware
 
 TEXT_DIR = hardware.REPO_DIR / "notebooks" / "exercises" / "text"
 SECTION = re.compile(r"^## (.+)$", re.MULTILINE)
-NAMES = frozenset({"title", "scenario", "symptoms", "question", "hint", "why", "mistake_why"})
+NAMES = frozenset({"title", "scenario", "symptoms", "question", "hint", "why", "mistake_why", "cpu"})
 FEEDBACK = "feedback: "
 
 
@@ -66,6 +69,8 @@ class Text:
     words: dict[str, Any]
     title = section("title", "The title: a notebook's heading.")
     hint = section("hint", "A nudge towards the method, shown on request before the answer.")
+    cpu = section("cpu", "What a CPU cannot show, and that it grades the formula there (\"\" when "
+                         "a CPU shows it all).", optional=True)
 
     def say(self, name: str, **values: Any) -> str:
         """Section `name` with its placeholders filled from `words` and `values`."""
