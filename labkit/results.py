@@ -239,11 +239,15 @@ def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {**first, "status": status, "rows": [r for p in parts for r in p["rows"]]}
 
 
-def load_runs(directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+def load_runs(directory: str | os.PathLike | None = None, *,
+              experiment: str | None = None) -> list[dict[str, Any]]:
     """Every stored run record, oldest first (temporary files are skipped; the part files of a
-    multi-process run that was never merged are read as one run)."""
+    multi-process run that was never merged are read as one run). `experiment`: only the files
+    whose name (the run id, `new_run_id`) carries that experiment are read, not every record."""
     records, parts = {}, {}
-    for record in _read_records(runs_dir(directory), "*.json"):
+    for record in _read_records(runs_dir(directory), f"*-{experiment}-*.json" if experiment else "*.json"):
+        if experiment and record["experiment"] != experiment:
+            continue
         record.pop("path")
         if "part" in record:
             parts.setdefault(record["run_id"], []).append(record)

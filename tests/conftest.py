@@ -85,7 +85,7 @@ TINY_TRAIN = {**FAST, "batch_size": 1, "seq_len": 8, "steps": 1, "num_layers": 2
 TINY_DECODE = {**FAST, "prompt_len": 4, "new_tokens": 6, "num_layers": 2}
 # Multi-process runs: every launch costs 6-12 s here (each rank imports torch), so a test module
 # launches each experiment once (a module-scoped fixture) and asserts on those rows.
-TINY_DIST = {**FAST, "timed_steps": 2, "batch_size": 2, "seq_len": 16, "num_layers": 2,
+TINY_DIST = {**FAST, "timed_steps": 1, "batch_size": 2, "seq_len": 16, "num_layers": 2,
              "timeout_s": 60}
 
 

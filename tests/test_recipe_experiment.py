@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a laun
 
 RANKS = (0, 1)
 RECIPE = {"precision": "bf16", "checkpointing": "full", "micro_batches": 2, "zero_stage": 2}
-SIZES = {**FAST, "device": "cpu", "nproc": 2, "timed_steps": 2, "batch_size": 4, "seq_len": 32,
+SIZES = {**FAST, "device": "cpu", "nproc": 2, "timed_steps": 1, "batch_size": 4, "seq_len": 32,
          "num_layers": 2, "timeout_s": 60}
 
 

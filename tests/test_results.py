@@ -332,3 +332,16 @@ def test_format_rows_prints_each_value_once_with_its_unit():
     text = results.format_rows(rows)
     assert "60.03 tokens/s" in text and "58,752 tokens/s" in text and "170 MiB" in text
     assert "e+0" not in text and "tokens/s tokens/s" not in text and " bytes" not in text
+
+
+def test_load_runs_of_one_experiment_reads_its_files_alone(tmp_path, monkeypatch):
+    for experiment in ("zero", "zero_bubble", "recipe"):
+        run_id = results.new_run_id(experiment)
+        write_json_atomic(tmp_path / f"{run_id}.json", {"run_id": run_id, "timestamp": "t",
+                                                        "experiment": experiment, "rows": []})
+    read = []
+    original = json.load
+    monkeypatch.setattr(json, "load", lambda f: read.append(Path(f.name).name) or original(f))
+    assert [r["experiment"] for r in load_runs(tmp_path, experiment="zero")] == ["zero"]
+    assert len(read) == 1 and "-zero-" in read[0]
+    assert sorted(r["experiment"] for r in load_runs(tmp_path)) == ["recipe", "zero", "zero_bubble"]

@@ -259,8 +259,8 @@ def find_stored(run: Run, setup: Setup, runs_dir: str | None) -> dict[str, Any] 
     config, here = setup.points[0][1].params(), machine(hardware.fingerprint())
     points = [p for p, _ in setup.points]
     wanted = {setup.exp.REFERENCE, *run.variants}
-    for record in reversed(load_runs(runs_dir)):
-        if (record["experiment"] == run.experiment and record.get("status") == "complete"
+    for record in reversed(load_runs(runs_dir, experiment=run.experiment)):
+        if (record.get("status") == "complete"
                 and record["config"] == config and machine(record.get("env", {})) == here
                 and {r["variant"] for r in record["rows"]} == wanted
                 and all(any(r["params"]["sweep"] == p for r in record["rows"]) for p in points)):
