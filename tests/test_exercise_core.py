@@ -79,6 +79,25 @@ def test_a_bad_name_is_refused_in_one_line_and_an_empty_store_is_an_empty_table(
     assert list(attempts.load_attempts(tmp_path).columns) == list(attempts.COLUMNS)
 
 
+def test_attempts_stored_under_a_labs_old_key_count_under_its_new_one(tmp_path):
+    """Every old lab key (they named the cause) maps to a lab there is now, none of them still a
+    key or a text file; an attempt stored under an old key and one under the new key are one
+    exercise's two attempts in the table and on the leaderboard."""
+    from labkit.study import leaderboard
+
+    assert set(attempts.RENAMED.values()) == set(LABS) and not set(attempts.RENAMED) & set(LABS)
+    assert not any((text.TEXT_DIR / f"{old}.md").exists() for old in attempts.RENAMED)
+    new = attempts.RENAMED["lab_healthy"]
+    for i, key in enumerate(("lab_healthy", new)):
+        attempts.record_attempt(kind="diagnosis", exercise=key, topic="lab", level=LABS[new].level,
+                                prediction=DIAGNOSES[0], reference=LABS[new].diagnosis, correct=bool(i),
+                                measured={}, device="cpu", run_id=None, folder=tmp_path, participant="ana")
+    table = attempts.load_attempts(tmp_path)
+    assert list(table.exercise) == [new, new]
+    hardest = leaderboard.hardest_exercises(table)
+    assert list(hardest.exercise) == [new] and list(hardest.attempts) == [2]
+
+
 def test_exercise_numbers_use_the_one_number_formatter():
     from labkit.study.exercises.core import show
     from labkit.results import format_number

@@ -1,10 +1,11 @@
-"""The troubleshooting labs: symptoms that never name the cause and show no knob, evidence that
-really shows the fault (measured in the broken run) in figures, one knob table for every lab shown
-after the diagnosis, a reference fix graded fixed and the broken settings graded not fixed (lab_oom's
-three fixes on the re-measured peak, lab_pipeline's layer split on the stages' busy times), feedback
-for every diagnosis, one-line errors, decoys, stored attempts, what a CPU cannot show said at the top
-(lab_shape and the GPU drills, with the H200 record's figure), and the labs played through in
-notebooks executed by papermill.
+"""The troubleshooting labs: keys, notebooks, titles and symptoms that never name the cause and
+show no knob (labs whose symptoms overlap told apart by a letter only), evidence that really shows
+the fault (measured in the broken run) in figures, one knob table for every lab shown after the
+diagnosis, a reference fix graded fixed and the broken settings graded not fixed (the
+out-of-memory lab's three fixes on the re-measured peak, the pipeline lab's layer split on the
+stages' busy times), feedback for every diagnosis, one-line errors, decoys, stored attempts, what
+a CPU cannot show said at the top (the GEMM lab and the GPU drills, with the H200 record's
+figure), and the labs played through in notebooks executed by papermill.
 
 Each Run behind the labs is measured once per session (`lab_runs`, into the exercises' shared
 folder, so the pipeline Run is the exercises' one), and each reference fix is measured once."""
@@ -17,8 +18,9 @@ from conftest import execute_notebooks
 from labkit import planner
 from labkit.study import exercises
 from labkit.config import ConfigError
-from labkit.study.exercises import h200, labs
+from labkit.study.exercises import attempts, h200, labs
 from labkit.study.exercises.core import Setup
+from labkit.study.exercises.text import sections
 
 pytestmark = pytest.mark.slow  # this module's fixtures measure for seconds
 
@@ -27,16 +29,20 @@ DEVICE = "cpu"
 # Words that would give each cause away in a symptom.
 GIVEAWAYS = {
     labs.DIAGNOSES[0]: ("out of memory", "oom", "activation", "checkpoint"),
-    labs.DIAGNOSES[1]: ("loader", "loading", "worker", "data"),
+    labs.DIAGNOSES[1]: ("loader", "loading", "worker", "data", "starv"),
     labs.DIAGNOSES[2]: ("overflow", "inf", "nan", "65504", "range"),
     labs.DIAGNOSES[3]: ("underflow", "scal", "zero", "gradient"),
-    labs.DIAGNOSES[4]: ("padding", "pad", "static", "continuous"),
+    labs.DIAGNOSES[4]: ("padding", "pad", "static", "continuous", "waste"),
     labs.DIAGNOSES[5]: ("unbalanced", "balance", "slow stage", "delay", "stage 0"),
     labs.DIAGNOSES[6]: ("align", "255", "4095", "multiple", "tensor core", "shape"),
     labs.DIAGNOSES[7]: ("checkpoint", "recomput"),
     labs.DIAGNOSES[8]: ("cache", "kv", "prefix"),
-    labs.HEALTHY: ("nothing is wrong", "healthy", "as planned"),
+    labs.HEALTHY: ("nothing", "healthy", "as planned"),
 }
+# The labs by cause (the tests' names for them: their keys name only what is reported).
+CAUSE = {lab.diagnosis: key for key, lab in labs.LABS.items()}
+(OOM_LAB, LOADER_LAB, OVERFLOW_LAB, UNDERFLOW_LAB, PADDING_LAB, PIPELINE_LAB, SHAPE_LAB, RECOMPUTE_LAB,
+ KV_LAB, HEALTHY_LAB) = (CAUSE[d] for d in labs.DIAGNOSES)
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +94,24 @@ def test_symptoms_never_name_the_cause(key):
     assert lab.symptoms in labs.symptoms(key, DEVICE)
 
 
+def named_causes(name, diagnosis):
+    """The words of GIVEAWAYS[diagnosis] in a key, a file name or a title."""
+    said = name.lower().replace("_", " ")
+    return [w for w in GIVEAWAYS[diagnosis] if w in said]
+
+
+def test_no_key_notebook_or_title_names_the_cause():
+    """A lab's key, notebook file and title say what is reported, never a word of its cause; the
+    same check finds the cause in the old keys (all but lab_pipeline, which named the setup only,
+    as the new key does: the diagnoses' words are the fault's, not the setup's)."""
+    for key, lab in labs.LABS.items():
+        for name in (key, lab_path(key).name, lab.title):
+            assert not named_causes(name, lab.diagnosis), (key, name)
+    caught = {old for old, new in attempts.RENAMED.items() if named_causes(old, labs.LABS[new].diagnosis)}
+    assert caught == set(attempts.RENAMED) - {"lab_pipeline"}, caught
+    assert not [p.name for p in ROOT.glob("[0-9][0-9]_lab_*.ipynb") if p.stem[3:] not in labs.LABS]
+
+
 def fix_words(lab):
     """What would give a fix away: every knob's name, and the reference fix as a report says it."""
     return [*labs.KNOBS, *(f"{k}={v!r}" for k, v in lab.solution.items())]
@@ -112,8 +136,7 @@ def test_nothing_before_the_diagnosis_shows_a_knob_or_a_fix(key, evidence):
     diagnosis report (right or wrong) lists every knob, and knobs() is that table."""
     lab = labs.LABS[key]
     for text in (labs.symptoms(key, DEVICE), first_cells(key), evidence[key].report()):
-        # the choices name causes on purpose; the lab's key is its notebook's name
-        text = text.replace("; ".join(labs.DIAGNOSES), "").replace(repr(key), "")
+        text = text.replace("; ".join(labs.DIAGNOSES), "")  # the choices name causes on purpose
         assert not [w for w in fix_words(lab) if w in text], (key, text)
     wrong = next(d for d in labs.DIAGNOSES if d != lab.diagnosis)
     for outcome in (labs.diagnose(key, solution=True), labs.DiagnosisOutcome(lab, wrong, False, "")):
@@ -140,14 +163,24 @@ def test_every_lab_accepts_the_same_knobs_and_maps_its_own():
 
 
 def test_decoys_a_healthy_lab_and_overlapping_symptoms():
+    """Labs whose symptoms overlap differ by a letter only before the evidence: one key and title
+    but the letter, one symptoms text (the setup's numbers filled in), one level; their letters'
+    order is not DIAGNOSES' order."""
     healthy = [lab for lab in labs.LABS.values() if lab.diagnosis == labs.HEALTHY]
-    assert healthy and healthy[0].key == "lab_healthy"
-    overlaps = {"does not learn": ("lab_fp16_overflow", "lab_fp16_underflow"),
-                "longer than the planner": ("lab_data_loading", "lab_healthy", "lab_recompute")}
+    assert len(healthy) == 1 and healthy[0].key == HEALTHY_LAB
+    overlaps = {"does not learn": (OVERFLOW_LAB, UNDERFLOW_LAB),
+                "longer than the planner": (LOADER_LAB, HEALTHY_LAB, RECOMPUTE_LAB)}
     for phrase, keys in overlaps.items():
         found = [k for k, lab in labs.LABS.items() if phrase in lab.symptoms]
         assert set(keys) <= set(found), (phrase, found)
         assert len({labs.LABS[k].diagnosis for k in keys}) == len(keys)
+        group = [labs.LABS[k] for k in sorted(keys)]
+        assert len({lab.key[:-1] for lab in group}) == 1 and len({lab.level for lab in group}) == 1
+        stem = group[0].title[:-len(" (A)")]
+        assert [lab.title for lab in group] == [f"{stem} ({k[-1].upper()})" for k in sorted(keys)]
+        assert len({sections(lab.key)["symptoms"] for lab in group}) == 1
+        order = [labs.DIAGNOSES.index(lab.diagnosis) for lab in group]
+        assert order != sorted(order), keys
 
 
 def _evidence_oom(r, s):
@@ -215,11 +248,11 @@ def _evidence_recompute(r, s):
     assert r.get("activation_bytes") < 0.5 * r.get("activation_bytes", variant="none")
 
 
-MECHANISM = {"lab_oom": _evidence_oom, "lab_data_loading": _evidence_data,
-             "lab_fp16_overflow": _evidence_overflow, "lab_fp16_underflow": _evidence_underflow,
-             "lab_padding": _evidence_padding, "lab_pipeline": _evidence_pipeline,
-             "lab_shape": _evidence_shape, "lab_kv_cache": _evidence_kv,
-             "lab_healthy": _evidence_healthy, "lab_recompute": _evidence_recompute}
+MECHANISM = {OOM_LAB: _evidence_oom, LOADER_LAB: _evidence_data,
+             OVERFLOW_LAB: _evidence_overflow, UNDERFLOW_LAB: _evidence_underflow,
+             PADDING_LAB: _evidence_padding, PIPELINE_LAB: _evidence_pipeline,
+             SHAPE_LAB: _evidence_shape, KV_LAB: _evidence_kv,
+             HEALTHY_LAB: _evidence_healthy, RECOMPUTE_LAB: _evidence_recompute}
 
 
 @pytest.mark.parametrize("key", list(labs.LABS))
@@ -262,13 +295,13 @@ def test_lab_oom_three_fixes_each_pass_on_the_remeasured_peak(fix, experiment, l
     """Checkpointing, 4 micro-batches of 2 accumulating, and activations offloaded (on the CPU kept
     outside the virtual budget's tracker): each measured under the same budget, each peak within
     it by the margin, the same 8 x 64 tokens a step; the broken setting's run is an oom."""
-    lab = labs.LABS["lab_oom"]
-    trial = lab.trial_for(labs.parse_fix("lab_oom", fix))
+    lab = labs.LABS[OOM_LAB]
+    trial = lab.trial_for(labs.parse_fix(OOM_LAB, fix))
     setup = Setup(trial.run, DEVICE)
     c = setup.cfg(trial.variant)
     assert trial.run.experiment == experiment and c.memory_budget_gib == labs.OOM_BUDGET_GIB
     assert c.batch_size * getattr(c, "micro_batches", 1) * c.seq_len == 8 * 64
-    out = labs.apply_fix("lab_oom", fix, device=DEVICE, runs_dir=lab_runs)
+    out = labs.apply_fix(OOM_LAB, fix, device=DEVICE, runs_dir=lab_runs)
     after = labs.Reading(exercises.measure(trial.run, DEVICE, lab_runs), trial)
     budget = labs.OOM_BUDGET_GIB * 2**30
     assert after.status == "ok" and after.get("peak_mem_bytes") <= (1 - labs.HEADROOM) * budget
@@ -279,7 +312,7 @@ def test_lab_pipeline_moves_layers_between_stages(evidence, fixed):
     """The broken split puts both blocks on stage 0, the fix one on each: the same model, loss and
     gradients as one process (the run's check), each block at the same injected cost; the fix's
     busy-time ratio is within the limit and the broken one's far above it."""
-    lab = labs.LABS["lab_pipeline"]
+    lab = labs.LABS[PIPELINE_LAB]
     broken, fix = (lab.trial_for(labs.parse_fix(lab.key, f)) for f in (lab.broken, lab.solution))
     assert labs.parse_fix(lab.key, lab.solution) == {"stage_layers": "1,1"}
     for trial, layers in ((broken, "2,0"), (fix, "1,1")):
@@ -309,9 +342,9 @@ def wait(pct):
 
 # Labs whose figure is derived from wall-clock time (a stage's busy time, the share of the step
 # spent waiting for data): their rule is held on given figures too, either side of the margin.
-GIVEN = [("lab_pipeline", busy(420.0, 42.0), [(busy(30.0, 20.0), True), (busy(40.0, 20.0), True),
+GIVEN = [(PIPELINE_LAB, busy(420.0, 42.0), [(busy(30.0, 20.0), True), (busy(40.0, 20.0), True),
                                               (busy(20.0, 41.0), False), (busy(420.0, 42.0), False)]),
-         ("lab_data_loading", wait(80.0), [(wait(2.0), True), (wait(40.0), True), (wait(41.0), False),
+         (LOADER_LAB, wait(80.0), [(wait(2.0), True), (wait(40.0), True), (wait(41.0), False),
                                            (wait(80.0), False)])]
 
 
@@ -324,14 +357,14 @@ def test_timed_labs_grade_the_figures_they_are_given(key, broken, cases):
     for figures, passed in cases:
         grade = lab.grade_fix(before, given(fix, figures), setup)
         assert grade.passed == passed, (figures, grade)
-    if key == "lab_data_loading":  # a fix whose run failed is not fixed, whatever it measured
+    if key == LOADER_LAB:  # a fix whose run failed is not fixed, whatever it measured
         assert not lab.grade_fix(before, given(fix, wait(2.0), status="error"), setup).passed
 
 
 def test_the_loader_fix_runs_the_loader_in_workers():
     from labkit.techniques import dataloading
 
-    lab = labs.LABS["lab_data_loading"]
+    lab = labs.LABS[LOADER_LAB]
     assert lab.trial_for(labs.parse_fix(lab.key, lab.broken)).variant == "baseline"  # in-process
     trial = lab.trial_for(labs.parse_fix(lab.key, lab.solution))
     assert trial.variant in dataloading.WORKERS
@@ -339,19 +372,19 @@ def test_the_loader_fix_runs_the_loader_in_workers():
 
 
 def test_the_healthy_lab_made_worse_is_graded_not_fixed(lab_runs):
-    worse = labs.apply_fix("lab_healthy", {"checkpointing": "full"}, device=DEVICE, runs_dir=lab_runs)
+    worse = labs.apply_fix(HEALTHY_LAB, {"checkpointing": "full"}, device=DEVICE, runs_dir=lab_runs)
     assert not worse.passed and "reused" in worse.source
 
 
 def test_a_knob_the_setup_lacks_is_measured_again_and_graded_not_fixed(lab_runs):
-    out = labs.apply_fix("lab_kv_cache", {"scheduler": "continuous"}, device=DEVICE, runs_dir=lab_runs)
+    out = labs.apply_fix(KV_LAB, {"scheduler": "continuous"}, device=DEVICE, runs_dir=lab_runs)
     assert not out.passed and "reused" in out.source, out.report()
     assert "nothing in this setup is set by scheduler" in out.report() and "Figure: FLOPs" in out.report()
 
 
 def test_loss_scaling_does_not_fix_a_forward_overflow(lab_runs):
     """GradScaler multiplies the loss after the forward: every step is skipped, the loss stays nan."""
-    out = labs.apply_fix("lab_fp16_overflow", {"loss_scaling": True}, device=DEVICE, runs_dir=lab_runs)
+    out = labs.apply_fix(OVERFLOW_LAB, {"loss_scaling": True}, device=DEVICE, runs_dir=lab_runs)
     assert not out.passed and "GradScaler skipped 3" in out.grade.figure, out.report()
 
 
@@ -373,30 +406,30 @@ def test_every_diagnosis_has_feedback_and_only_the_cause_is_right(key, lab_runs)
 
 
 def test_bad_input_is_one_line_naming_the_valid():
-    cases = [(lambda: labs.apply_fix("lab_data_loading", {"workers": 2}),
+    cases = [(lambda: labs.apply_fix(LOADER_LAB, {"workers": 2}),
               "valid knobs: checkpointing: 'none', 'full', 'selective'; micro_batches"),
-             (lambda: labs.apply_fix("lab_data_loading", {"num_workers": 8}), "valid: 0, 1, 2"),
-             (lambda: labs.apply_fix("lab_oom", None), "valid knobs: checkpointing"),
-             (lambda: labs.apply_fix("lab_oom", {"checkpointing": "full", "micro_batches": 4}),
+             (lambda: labs.apply_fix(LOADER_LAB, {"num_workers": 8}), "valid: 0, 1, 2"),
+             (lambda: labs.apply_fix(OOM_LAB, None), "valid knobs: checkpointing"),
+             (lambda: labs.apply_fix(OOM_LAB, {"checkpointing": "full", "micro_batches": 4}),
               "change one knob at a time .* valid knobs: checkpointing, micro_batches"),
-             (lambda: labs.diagnose("lab_oom", "gremlins"), "valid: out of memory"),
-             (lambda: labs.symptoms("lab_nope"), "valid: lab_oom")]
+             (lambda: labs.diagnose(OOM_LAB, "gremlins"), "valid: out of memory"),
+             (lambda: labs.symptoms("lab_nope"), "valid: " + ", ".join(labs.LABS))]
     for call, words in cases:
         with pytest.raises(ConfigError, match=words) as e:
             call()
         assert "\n" not in str(e.value)
-    assert labs.parse_fix("lab_fp16_underflow", {"loss_scaling": "true"})["loss_scaling"] is True
+    assert labs.parse_fix(UNDERFLOW_LAB, {"loss_scaling": "true"})["loss_scaling"] is True
     # a knob set at the broken setting is no change: one change beside it is still one
-    assert labs.given_fix("lab_oom", {"checkpointing": "none", "micro_batches": 4}) == {
+    assert labs.given_fix(OOM_LAB, {"checkpointing": "none", "micro_batches": 4}) == {
         "checkpointing": "none", "micro_batches": 4}
 
 
 def test_attempts_are_stored_with_participant_and_team(lab_runs):
-    labs.diagnose("lab_padding", labs.HEALTHY, device=DEVICE, runs_dir=lab_runs, participant="ada", team="red")
-    labs.apply_fix("lab_padding", {"scheduler": "continuous"}, device=DEVICE, runs_dir=lab_runs,
+    labs.diagnose(PADDING_LAB, labs.HEALTHY, device=DEVICE, runs_dir=lab_runs, participant="ada", team="red")
+    labs.apply_fix(PADDING_LAB, {"scheduler": "continuous"}, device=DEVICE, runs_dir=lab_runs,
                    participant="ada", team="red")
     table = exercises.load_attempts(lab_runs)
-    mine = table[(table.participant == "ada") & (table.exercise == "lab_padding")]
+    mine = table[(table.participant == "ada") & (table.exercise == PADDING_LAB)]
     assert list(mine.kind) == ["diagnosis", "fix"] and list(mine.correct) == [False, True]
     assert set(mine.team) == {"red"} and all(mine.run_id) and mine.iloc[1].measured["figure"]
     assert mine.iloc[1].prediction == {"scheduler": "continuous"}
@@ -404,7 +437,7 @@ def test_attempts_are_stored_with_participant_and_team(lab_runs):
 
 def test_widget_shows_the_knobs_after_the_diagnosis_and_grades_the_fix(lab_runs, capsys):
     pytest.importorskip("ipywidgets")
-    panel = labs.widget("lab_kv_cache", device=DEVICE, runs_dir=lab_runs)
+    panel = labs.widget(KV_LAB, device=DEVICE, runs_dir=lab_runs)
     (choice, ask), fix_row = panel.children[0].children, panel.children[1]
     knob, value, apply_ = fix_row.children
     assert fix_row.layout.display == "none" and list(knob.options) == list(labs.KNOBS)
@@ -425,29 +458,29 @@ GPU_DRILLS = {"tensor_core_shape": h200.matmul_words, "decode_bandwidth_bound": 
 
 
 def test_what_a_cpu_cannot_show_is_said_at_the_top_with_the_h200_figure():
-    """Exactly the GPU drills and lab_shape have a `cpu` text; on a CPU describe() / symptoms()
+    """Exactly the GPU drills and the GEMM lab have a `cpu` text; on a CPU describe() / symptoms()
     start with it, graded on the formula, citing the H200 record's figure (where it has one)."""
     import nbformat
 
     assert {k for k, ex in exercises.EXERCISES.items() if ex.cpu} == set(GPU_DRILLS)
-    assert {k for k, lab in labs.LABS.items() if lab.cpu} == {"lab_shape"}
+    assert {k for k, lab in labs.LABS.items() if lab.cpu} == {SHAPE_LAB}
     assert all(exercises.get(k).graded_against == "formula" for k in GPU_DRILLS)
     tops = {k: exercises.describe(k, DEVICE) for k in GPU_DRILLS}
-    tops["lab_shape"] = labs.symptoms("lab_shape", DEVICE)
-    figures = {**{k: f() for k, f in GPU_DRILLS.items()}, "lab_shape": h200.matmul_words()}
+    tops[SHAPE_LAB] = labs.symptoms(SHAPE_LAB, DEVICE)
+    figures = {**{k: f() for k, f in GPU_DRILLS.items()}, SHAPE_LAB: h200.matmul_words()}
     for key, top in tops.items():
         assert top.startswith("On this machine, which has no GPU: ") and figures[key] in top, key
         assert "formula" in top.split("\n\n")[0], key
     measured = h200.check("matmul", "bf16 matmul TFLOP/s")["measured"]
-    assert exercises.show(measured, "TFLOP/s") in figures["lab_shape"]
-    for key in (*GPU_DRILLS, "lab_shape"):
+    assert exercises.show(measured, "TFLOP/s") in figures[SHAPE_LAB]
+    for key in (*GPU_DRILLS, SHAPE_LAB):
         intro = nbformat.read(lab_path(key) if key in labs.LABS else
                               next(ROOT.glob(f"[0-9][0-9]_{key}.ipynb")), as_version=4).cells[0].source
         assert "**What a CPU cannot show.**" in intro, key
 
 
 def test_lab_shape_grades_the_formula_on_a_cpu_and_the_rate_on_a_gpu(monkeypatch):
-    lab = labs.LABS["lab_shape"]
+    lab = labs.LABS[SHAPE_LAB]
     fix, setup = lab.trial_for(labs.parse_fix(lab.key, lab.solution)), Setup(lab.trial.run, DEVICE)
     rate = lambda tflops: {("tflops", 0): tflops}  # noqa: E731
     before = given(lab.trial, rate(100.0))
@@ -465,7 +498,7 @@ def test_a_lab_played_through_in_a_notebook(lab_runs, tmp_path):
     """Symptoms, evidence, a wrong diagnosis and its feedback, the right one, the knobs after it,
     the reference fix applied and the re-measurement that grades it."""
     pytest.importorskip("papermill")
-    key, lab = "lab_fp16_overflow", labs.LABS["lab_fp16_overflow"]
+    key, lab = OVERFLOW_LAB, labs.LABS[OVERFLOW_LAB]
     wrong = labs.DIAGNOSES[3]
     (text,) = execute_notebooks([(lab_path(key), tmp_path / "played.ipynb", {
         "diagnosis": [wrong, lab.diagnosis], "fix": labs.reference_fix(key), "interactive": False,

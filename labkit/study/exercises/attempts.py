@@ -12,6 +12,13 @@ from labkit.config import check_name
 from labkit.results import new_run_id, now, runs_dir, write_json_atomic
 
 FOLDER = "attempts"
+# Lab keys renamed since attempts were stored under them (issue 30: the old keys named the cause):
+# an attempt stored under an old key counts under the new one, as results.RENAMED does for variants.
+RENAMED = {"lab_oom": "lab_stops_at_first_step", "lab_data_loading": "lab_slow_step_c",
+           "lab_recompute": "lab_slow_step_a", "lab_healthy": "lab_slow_step_b",
+           "lab_fp16_overflow": "lab_fp16_stalls_b", "lab_fp16_underflow": "lab_fp16_stalls_a",
+           "lab_padding": "lab_low_throughput", "lab_shape": "lab_slow_matmul",
+           "lab_kv_cache": "lab_slow_generation", "lab_pipeline": "lab_slow_pipeline"}
 COLUMNS = ("attempt_id", "timestamp", "kind", "exercise", "topic", "level", "correct", "prediction",
            "reference", "measured", "participant", "team", "machine", "device", "run_id")
 
@@ -44,8 +51,9 @@ def record_attempt(*, kind: str, exercise: str, topic: str, level: int, predicti
 
 
 def load_attempts(directory: str | os.PathLike | None = None):
-    """Every stored attempt, oldest first, as a pandas DataFrame with COLUMNS (empty when none);
-    a file that is not an attempt is skipped with a warning."""
+    """Every stored attempt, oldest first, as a pandas DataFrame with COLUMNS (empty when none),
+    its exercise under its key now (RENAMED); a file that is not an attempt is skipped with a
+    warning."""
     import json
     import warnings
 
@@ -59,6 +67,7 @@ def load_attempts(directory: str | os.PathLike | None = None):
             warnings.warn(f"skipping {path}: not an attempt ({e})", stacklevel=2)
             continue
         if isinstance(record, dict) and {"attempt_id", "exercise", "correct"} <= set(record):
-            records.append({k: record.get(k) for k in COLUMNS})
+            row = {k: record.get(k) for k in COLUMNS}
+            records.append({**row, "exercise": RENAMED.get(row["exercise"], row["exercise"])})
     frame = pd.DataFrame(records, columns=list(COLUMNS))
     return frame.sort_values(["timestamp", "attempt_id"], kind="stable").reset_index(drop=True)

@@ -7,15 +7,18 @@ and grades it by the figure of the mechanism (data_wait_pct, the peak against th
 losses, zero gradients, the stages' busy-time ratio, padding, FLOPs), with a stated margin, never
 by a raw timing.
 
-A lab's `symptoms` never name its cause and show no knob; its evidence is measured figures with
-their units (and the planner's beside them), never a conclusion. Decoys: a healthy setup
-(`lab_healthy`), and labs whose symptoms overlap while their causes differ (a step slower than
-the planner says: data loading, recomputation left on, or nothing at all; fp16 that stops
-learning: a forward overflow or gradients that underflow). Every measured fact the evidence rests
-on is measured in the broken run (the OOM row has status oom, the fp16 forward gives an inf/nan
-loss, ...); tests/test_labs.py asserts it. Each diagnosis and each fix is stored as an attempt
-(`attempts`), with the participant and the team. A lab whose mechanism a CPU cannot show (tensor
-cores) says so at its top there and grades the formula, citing the H200 record (`h200`).
+A lab's key, notebook, title and `symptoms` say what the colleague reports, never its cause, and
+show no knob; its evidence is measured figures with their units (and the planner's beside them),
+never a conclusion. Decoys: a healthy setup, and labs whose symptoms overlap while their causes
+differ, which share a title, a symptoms text and a level and are told apart by a letter only
+(`lab_slow_step_*`, a step slower than the planner says: data loading, recomputation left on, or
+nothing at all; `lab_fp16_stalls_*`, fp16 that stops learning: a forward overflow or gradients
+that underflow). The old keys, which named the causes, are mapped to these where attempts are
+read (`attempts.RENAMED`). Every measured fact the evidence rests on is measured in the broken
+run (the OOM row has status oom, the fp16 forward gives an inf/nan loss, ...); tests/test_labs.py
+asserts it. Each diagnosis and each fix is stored as an attempt (`attempts`), with the
+participant and the team. A lab whose mechanism a CPU cannot show (tensor cores) says so at its
+top there and grades the formula, citing the H200 record (`h200`).
 
 Use: `symptoms(key)`, `investigate(key)` (the evidence), `diagnose(key, diagnosis)` (its report
 lists the knobs), `knobs(key)`, `apply_fix(key, {knob: value})`; `reference_fix(key)` and
@@ -321,7 +324,7 @@ def _lab_oom() -> Lab:
     def offload(where: str) -> Trial:
         return Trial(Run("offload", {**OOM, "steps": 2}, (where,)), where)
     return Lab(
-        "lab_oom", 2, Trial(run, "none"), DIAGNOSES[0], _oom_evidence,
+        "lab_stops_at_first_step", 2, Trial(run, "none"), DIAGNOSES[0], _oom_evidence,
         {"checkpointing": "none", "micro_batches": 1, "offload": "none"}, {"checkpointing": "full"},
         {"checkpointing": lambda v: _variant_trial(run, v), "micro_batches": micro_batches,
          "offload": offload},
@@ -352,8 +355,9 @@ def _lab_data() -> Lab:
     def workers(n: int) -> Trial:
         return Trial(run, "baseline") if n == 0 else _variant_trial(run, "workers", {"num_workers": n})
     return Lab(
-        "lab_data_loading", 2, Trial(run, "baseline"), DIAGNOSES[1], _data_evidence,
-        {"num_workers": 0}, {"num_workers": 2}, {"num_workers": workers}, _loader_grade)
+        "lab_slow_step_c", 3, Trial(run, "baseline"), DIAGNOSES[1], _data_evidence,
+        {"num_workers": 0}, {"num_workers": 2}, {"num_workers": workers}, _loader_grade,
+        words=_train_words(run.overrides))
 
 
 def _mp_evidence(r: Reading, s: Setup) -> dict[str, str]:
@@ -394,7 +398,7 @@ def _overflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 def _lab_fp16_overflow() -> Lab:
     run = LAB_RUNS["overflow"]
     return Lab(
-        "lab_fp16_overflow", 3, Trial(run, "fp16"), DIAGNOSES[2], _mp_evidence, MP_BROKEN,
+        "lab_fp16_stalls_b", 3, Trial(run, "fp16"), DIAGNOSES[2], _mp_evidence, MP_BROKEN,
         {"precision": "bf16"}, _mp_fixes(run), _overflow_grade, words={"fp16_max": FP16_MAX})
 
 
@@ -409,7 +413,7 @@ def _underflow_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 def _lab_fp16_underflow() -> Lab:
     run = LAB_RUNS["underflow"]
     return Lab(
-        "lab_fp16_underflow", 3, Trial(run, "fp16"), DIAGNOSES[3], _mp_evidence, MP_BROKEN,
+        "lab_fp16_stalls_a", 3, Trial(run, "fp16"), DIAGNOSES[3], _mp_evidence, MP_BROKEN,
         {"loss_scaling": True}, _mp_fixes(run), _underflow_grade)
 
 
@@ -436,7 +440,7 @@ def _lab_padding() -> Lab:
                         f"padding_waste_pct {pct(b)} before, {pct(a)} after",
                         f"at most {PADDING_LIMIT_PCT:g}% of the computed token positions are padding")
     return Lab(
-        "lab_padding", 2, Trial(run, "static"), DIAGNOSES[4], _padding_evidence,
+        "lab_low_throughput", 2, Trial(run, "static"), DIAGNOSES[4], _padding_evidence,
         {"scheduler": "static"}, {"scheduler": "continuous"},
         {"scheduler": lambda v: _variant_trial(run, v)}, grade,
         words={"num_requests": run.overrides["num_requests"]})
@@ -484,7 +488,7 @@ def _lab_pipeline() -> Lab:
     pipe = RUNS["pipe"].overrides
     p, m = pipe["nproc"], pipe["micro_batches"]
     return Lab(
-        "lab_pipeline", 3, _split_trial(STAGE_LAYERS[0]), DIAGNOSES[5], _pipe_evidence,
+        "lab_slow_pipeline", 3, _split_trial(STAGE_LAYERS[0]), DIAGNOSES[5], _pipe_evidence,
         {"stage_layers": STAGE_LAYERS[0]}, {"stage_layers": STAGE_LAYERS[1]},
         {"stage_layers": _split_trial}, _pipe_grade,
         words={"block_cost_ms": BLOCK_COST_MS, "stages": p, "micro_batches": m,
@@ -537,7 +541,7 @@ def _shape_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
 
 def _lab_shape() -> Lab:
     return Lab(
-        "lab_shape", 2, _shape_trial(1), DIAGNOSES[6], _shape_evidence,
+        "lab_slow_matmul", 2, _shape_trial(1), DIAGNOSES[6], _shape_evidence,
         {"gemm_multiple": 1}, {"gemm_multiple": 64}, {"gemm_multiple": _shape_trial}, _shape_grade,
         words={"h200_matmul": h200.matmul_words()})
 
@@ -549,14 +553,14 @@ def _lab_healthy() -> Lab:
         g = _flops_grade(before, after, s)
         return g._replace(margin=g.margin + "; the healthy setup already meets it: leave it as it is")
     return Lab(
-        "lab_healthy", 2, Trial(run, "none"), HEALTHY, _ckpt_evidence, {"checkpointing": "none"},
+        "lab_slow_step_b", 3, Trial(run, "none"), HEALTHY, _ckpt_evidence, {"checkpointing": "none"},
         {"checkpointing": "none"}, _ckpt_fixes(run), grade, words=_train_words(CKPT))
 
 
 def _lab_recompute() -> Lab:
     run = LAB_RUNS["ckpt"]
     return Lab(
-        "lab_recompute", 3, Trial(run, "full"), DIAGNOSES[7], _ckpt_evidence,
+        "lab_slow_step_a", 3, Trial(run, "full"), DIAGNOSES[7], _ckpt_evidence,
         {"checkpointing": "full"}, {"checkpointing": "none"}, _ckpt_fixes(run), _flops_grade,
         words=_train_words(CKPT))
 
@@ -588,7 +592,7 @@ def _lab_kv_cache() -> Lab:
                         f"before, {a / 1e6:.2f} M after (planner with a cache: {want / 1e6:.2f} M)",
                         f"at most {1 + KV_MARGIN:.2f}x the planner's FLOPs per token with a cache")
     return Lab(
-        "lab_kv_cache", 2, Trial(run, "none"), DIAGNOSES[8], evidence, {"kv_cache": "none"},
+        "lab_slow_generation", 2, Trial(run, "none"), DIAGNOSES[8], evidence, {"kv_cache": "none"},
         {"kv_cache": "dynamic"}, {"kv_cache": lambda v: _variant_trial(run, v)}, grade)
 
 
@@ -597,7 +601,9 @@ def build_labs() -> list[Lab]:
             _lab_fp16_overflow(), _lab_fp16_underflow(), _lab_pipeline(), _lab_recompute()]
 
 
-LABS: dict[str, Lab] = {lab.key: lab for lab in sorted(build_labs(), key=lambda lab: lab.level)}
+# By level, then key: the notebooks' numbers follow the keys, so labs whose symptoms overlap are
+# numbered in their letters' order, which does not follow DIAGNOSES'.
+LABS: dict[str, Lab] = {lab.key: lab for lab in sorted(build_labs(), key=lambda lab: (lab.level, lab.key))}
 
 
 # --- playing a lab: symptoms, evidence, diagnosis, knobs, fix ------------------------------------
