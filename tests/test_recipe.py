@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from conftest import TINY_TRAIN
-from labkit.blocks import context_parallel, ring
+from labkit.blocks import context_parallel, expert_parallel, moe, ring
 from labkit.blocks import recipe as recipe_module
 from labkit.blocks.layout import Layout
 from labkit.blocks.recipe import Recipe, compose, refusal
@@ -46,9 +46,10 @@ def config(**overrides) -> RunConfig:
 
 
 def whole_grads(trainer: Trainer) -> dict:
-    """fp32 host copies of the whole gradients now in `.grad` (DTensors gathered: a collective)."""
-    return {n: full_tensor(p.grad, "cpu").float().numpy().copy()
-            for n, p in trainer.model.named_parameters()}
+    """fp32 host copies of the whole gradients now in `.grad` (DTensors gathered, and an expert-
+    parallel rank's experts from its group: collectives)."""
+    grads = {n: full_tensor(p.grad, "cpu").float() for n, p in trainer.model.named_parameters()}
+    return {n: g.numpy().copy() for n, g in expert_parallel.gather_experts(trainer, grads).items()}
 
 
 def one_step(trainer: Trainer) -> dict:
@@ -197,7 +198,18 @@ REFUSED_IN_DIST = [(Recipe(tensor_parallel=2), 4, "DDP cannot wrap"),
                    (Recipe(context_parallel=2, packing=True), 2, "per-document mask"),
                    (Recipe(context_parallel=2, precision="bf16"), 2, "use cp_mode=ulysses"),
                    (Recipe(context_parallel=2, cp_mode="ring_zigzag", precision="bf16_weights"), 2,
-                    "use cp_mode=ulysses")]
+                    "use cp_mode=ulysses"),
+                   # expert parallel (labkit.blocks.expert_parallel); each seen on 2 gloo ranks
+                   # without its refusal: ZeRO-1 overwrote rank 1's experts with rank 0's in the
+                   # first update; FSDP2 gathered the ranks' different experts as one tensor
+                   # (gradients 2.4 relative off); with cp=2 on 4 ranks (dropless, no aux loss)
+                   # the cp pair holding the same experts went unsummed (0.82 relative off)
+                   (Recipe(expert_parallel=4), 2, "use a divisor of it"),
+                   (Recipe(expert_parallel=2, zero_stage=1), 2, "ZeroRedundancyOptimizer broadcasts"),
+                   (Recipe(expert_parallel=2, zero_stage=3), 2, "average different experts"),
+                   (Recipe(expert_parallel=2, context_parallel=2), 4, "context_parallel=1 with it"),
+                   (Recipe(expert_parallel=2, tensor_parallel=2, zero_stage=2), 4,
+                    "tensor_parallel=1 and context_parallel=1")]
 
 
 def one_line(why):
@@ -231,7 +243,8 @@ def test_a_parallel_layout_that_cannot_run_is_refused_in_one_line(recipe, world,
     assert one_line(why) and reason in why, why
 
 
-@pytest.mark.parametrize("recipe", [Recipe(zero_stage=1), Recipe(tensor_parallel=2)])
+@pytest.mark.parametrize("recipe", [Recipe(zero_stage=1), Recipe(tensor_parallel=2),
+                                    Recipe(expert_parallel=2)])
 def test_a_parallel_recipe_outside_torch_distributed_is_refused(recipe):
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="torch.distributed started"):
@@ -245,6 +258,59 @@ def test_a_sequence_or_heads_that_do_not_split_over_the_cp_ranks_are_refused(seq
     assert refusal(recipe, "cpu", 4, launched=True) is None  # the layout is fine; the shape is not
     why = recipe_module.cp_shape_refusal(config(seq_len=seq_len), recipe)
     assert one_line(why) and reason in why, why
+
+
+# A mixture of experts in the recipe's launch: 4 experts, top-2, capacity 1.25 (the seeded model
+# drops 1 and 7 of its 16 assignments per rank in its two layers), load-balancing loss 0.01
+MOE = {"num_experts": 4, "experts_per_token": 2, "moe_ffn_size": 64, "capacity_factor": 1.25,
+       "router_aux_loss_coef": 0.01}
+
+
+@pytest.mark.parametrize("overrides, recipe, reason", [
+    ({}, Recipe(expert_parallel=2), "this model is dense"),
+    (MOE, Recipe(expert_parallel=3), "use a divisor of 4"),
+    # each seen on 2 gloo ranks without its refusal: TP's plan left the experts plain tensors
+    # beside DTensors (aten.mm refused the mix); CP's shards routed per shard (0.44 relative off)
+    (MOE, Recipe(tensor_parallel=2, zero_stage=2), "stacked weights"),
+    (MOE, Recipe(context_parallel=2), "count per shard")])
+def test_what_a_mixture_of_experts_cannot_take_is_refused_in_one_line(overrides, recipe, reason):
+    why = recipe_module.moe_refusal(config(**overrides), recipe)
+    assert one_line(why) and reason in why, why
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_an_moe_under_autocast_combines_its_16_bit_expert_outputs_into_the_fp32_stream(precision):
+    """The experts' outputs are 16-bit under autocast, the residual stream fp32: combined in the
+    stream's dtype (moe.combine; index_add refused the mix before), within the precision's
+    tolerance of the fp32 step (bf16 3.6e-4, fp16 9.2e-6 measured)."""
+    ref = one_step(Trainer(config(**MOE)))
+    got = one_step(compose(config(**MOE), Recipe(precision=precision)))
+    assert abs(got["loss"] - ref["loss"]) / ref["loss"] <= TOLERANCE[precision]
+
+
+def test_context_parallel_of_an_moe_whose_groups_do_not_matter_is_allowed():
+    dropless = config(**{**MOE, "capacity_factor": 0.0, "router_aux_loss_coef": 0.0})  # 8.2e-7 off, seen
+    assert recipe_module.moe_refusal(dropless, Recipe(context_parallel=2)) is None
+
+
+def test_expert_parallel_plans_each_ranks_experts_over_ep_and_the_rest_whole():
+    from labkit import planner
+
+    cfg = config(**MOE)
+    plan, whole = (recipe_module.planned_memory(cfg, Recipe(expert_parallel=ep), 2) for ep in (2, 1))
+    mine = planner.ep_rank_params(cfg.model, 2)
+    assert mine == planner.num_params(cfg.model) - planner.expert_params(cfg.model) // 2
+    assert (plan.num_params, plan.param_bytes, plan.optimizer_bytes) == (mine, 4 * mine, 8 * mine)
+    assert plan.activation_bytes == whole.activation_bytes and plan.total_bytes < whole.total_bytes
+    assert "ep_memory" in plan.formulas["param"]
+
+
+def test_the_layout_splits_dp_into_ep_groups_of_neighbouring_replicas():
+    layout = Layout.of(Recipe(expert_parallel=2), 8)
+    assert (layout.dp, layout.ep, layout.ep_enabled) == (8, 2, True)
+    assert layout.dims == {"dp_mod_ep": 4, "ep": 2} and layout.data_parallel == "ddp"
+    with pytest.raises(ConfigError, match="does not divide the 3 data-parallel replicas"):
+        Layout.of(Recipe(expert_parallel=2), 3)
 
 
 def test_the_layout_is_dp_cp_tp_and_reduces_the_gradients_over_dp_x_cp():
@@ -323,6 +389,14 @@ CONTEXT = {"cp2_ring": Recipe(context_parallel=2),
            "cp2_ring_zigzag": Recipe(context_parallel=2, cp_mode="ring_zigzag"),
            "cp2_ulysses": Recipe(context_parallel=2, cp_mode="ulysses")}
 CONTEXT_BUG = "cp2_ring_positions_from_0"
+# A mixture of experts (MOE) on the 2 ranks: DDP, and expert parallelism (each rank 2 of the 4
+# experts) alone and with checkpointing and 2 micro-batches, against the plain step of the global
+# batch routed per rank's micro-batch (`expert_parallel.capacity_groups`); and a bug put in on
+# purpose, which the check must catch: the experts' gradients averaged over the ep group as if
+# they were replicated (what DDP would do to them).
+EXPERTS = {"moe_ddp": Recipe(), "moe_ep2": Recipe(expert_parallel=2),
+           "moe_ep2_full_accumulation2": Recipe(expert_parallel=2, checkpointing="full", micro_batches=2)}
+EXPERTS_BUG = "moe_ep2_averaged_as_if_replicated"
 REFUSED_ON_RANKS = {"tp2_zero2_no_replicas": Recipe(tensor_parallel=2, zero_stage=2),
                     "zero3_activation_offload": Recipe(zero_stage=3, offload="activations")}
 
@@ -382,6 +456,63 @@ def check_cp_on_rank(recipe: Recipe, reference: dict, *, positions_from_0: bool 
             "activation_bytes": kept, "peak_bytes": peak}
 
 
+def moe_plain(micro_batches: int) -> dict:
+    """The plain step of the MoE's global batch (2 replicas x micro_batches rows), routed in the
+    groups the recipe's ranks route: one per rank's micro-batch."""
+    trainer = Trainer(config(**MOE, batch_size=2 * micro_batches))
+    moe.set_groups(trainer.model, expert_parallel.capacity_groups(2, micro_batches))
+    return one_step(trainer)
+
+
+def check_moe_on_rank(recipe: Recipe, reference: dict, *, as_if_replicated: bool = False) -> dict:
+    """One MoE step against the plain one: the gradients (experts gathered from the ep group),
+    the all-to-all and all-reduce bytes CommCounter saw and the formula's from every rank's split
+    sizes, and the live tensors' peak over a second step, the build included."""
+    from labkit import planner
+    from labkit.measure.comm import CommCounter
+    from labkit.measure.memory import MemoryMeter
+
+    cfg = config(**MOE, batch_size=recipe.micro_batches)
+    with MemoryMeter("cpu") as meter:
+        trainer = compose(cfg, recipe)
+        if as_if_replicated:  # the bug: summed over the ep group (different experts) and / ep
+            trainer.expert_reduction.group = trainer.expert_group
+            trainer.expert_reduction.divisor = recipe.expert_parallel
+        with CommCounter() as comm:
+            loss = trainer.accumulate()
+        sent = expert_parallel.traffic(trainer.model)  # rows to each rank, per layer (last forward)
+        got = {"loss": loss, "grads": whole_grads(trainer)}
+        trainer.update()
+        meter.reset_peak()
+        trainer.step()
+        peak = meter.peak_bytes
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sent)
+    sends = [[rank_sends[layer] for rank_sends in everyone] for layer in range(len(sent))]
+    return {"max_rel": gradient_difference(reference, got["grads"])[1], "loss": loss,
+            "all_to_all_bytes": comm.bytes["all_to_all"], "all_to_all_count": comm.counts["all_to_all"],
+            "all_reduce_bytes": comm.bytes["all_reduce"], "peak_bytes": peak,
+            "all_to_all_predicted": planner.all_to_all_bytes(
+                sends, dist.get_rank(), hidden=cfg.model.hidden_size, num_experts=cfg.model.num_experts)
+            if sent else 0}
+
+
+def fp16_overflow_on_rank() -> int:
+    """fp16 with expert parallelism, an inf planted in rank 1's expert gradient: the steps its
+    GradScaler skipped (each rank's experts are its own: DDP's sum does not spread their inf)."""
+    trainer = compose(config(**MOE), Recipe(expert_parallel=2, precision="fp16"))
+    reduce = trainer.reduce_grads
+
+    def planted(t):
+        if dist.get_rank() == 1:
+            trainer.model.layers[0].mlp.experts.w1.grad.view(-1)[0] = math.inf
+        reduce(t)
+
+    trainer.reduce_grads = planted
+    trainer.step()
+    return trainer.skipped_steps
+
+
 def refused_on_rank(recipe: Recipe) -> str:
     try:
         compose(config(), recipe)
@@ -408,6 +539,12 @@ def run_recipes(rank: int, folder: str) -> None:
         for name, recipe in CONTEXT.items():
             results[name] = check_cp_on_rank(recipe, row)
         results[CONTEXT_BUG] = check_cp_on_rank(CONTEXT["cp2_ring"], row, positions_from_0=True)
+        for name, recipe in EXPERTS.items():
+            with np.load(f"{folder}/moe{recipe.micro_batches}.npz") as ref:
+                results[name] = check_moe_on_rank(recipe, dict(ref))
+        with np.load(f"{folder}/moe1.npz") as ref:
+            results[EXPERTS_BUG] = check_moe_on_rank(EXPERTS["moe_ep2"], dict(ref), as_if_replicated=True)
+        results["moe_ep2_fp16_overflow_skipped"] = fp16_overflow_on_rank()
         results["refused"] = {name: refused_on_rank(r) for name, r in REFUSED_ON_RANKS.items()}
     finally:
         dist.destroy_process_group()
@@ -434,6 +571,8 @@ def ranks(tmp_path_factory, context_row):
     for name, (_, reference) in PARALLEL.items():
         np.savez(folder / f"{name}.npz", **reference_grads(reference))
     np.savez(folder / "context.npz", **context_row["grads"])
+    for micro in (1, 2):
+        np.savez(folder / f"moe{micro}.npz", **moe_plain(micro)["grads"])
     torch.set_num_threads(threads)
     exits = spawn(run_recipes, (str(folder),), 2)
     assert all(e.ok for e in exits), exits
@@ -514,6 +653,50 @@ def test_a_context_parallel_rank_keeps_half_the_rows_activations_and_peaks_as_pl
 def test_positions_not_offset_per_shard_fail_the_check(ranks):
     for rank in ranks:  # the second shard's RoPE angles wrong: far past fp32's reordering
         assert rank[CONTEXT_BUG]["max_rel"] > 100 * SPLIT_ROUNDING, rank[CONTEXT_BUG]["max_rel"]
+
+
+@pytest.mark.parametrize("name", EXPERTS)
+@pytest.mark.multiprocess  # the module's one launch of 2 gloo ranks (`ranks`)
+def test_an_moe_recipe_is_the_plain_step_of_the_global_batch_routed_per_micro_batch(ranks, name):
+    """With and without expert parallelism, capacity drops included: each rank's gradients (its
+    experts' gathered) are the plain step's within fp32's reordering; each rank's loss is its own
+    tokens' (cross-entropy and its groups' load-balancing loss), their mean the global one."""
+    for rank in ranks:
+        assert rank[name]["max_rel"] <= SPLIT_ROUNDING, (name, rank[name]["max_rel"])
+    assert ranks[0][name]["loss"] != ranks[1][name]["loss"]
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_sends_the_formulas_all_to_all_bytes_and_keeps_experts_out_of_ddp(ranks):
+    """Per layer the counts' exchange and four row exchanges (dispatch and combine, forward and
+    backward): CommCounter's bytes are planner.all_to_all_bytes of every rank's split sizes, to
+    the byte; DDP all-reduces the replicated weights alone (4 bytes each; each rank's experts are
+    its group's only holder here, so nothing else); the peak within 1% of the plan's."""
+    from labkit import planner
+
+    m = config(**MOE).model
+    replicated = planner.num_params(m) - planner.expert_params(m)
+    plan = recipe_module.planned_memory(config(**MOE), EXPERTS["moe_ep2"], 2)
+    for rank in ranks:
+        got = rank["moe_ep2"]
+        assert got["all_to_all_bytes"] == got["all_to_all_predicted"] > 0
+        assert got["all_to_all_count"] == 5 * m.num_layers
+        assert got["all_reduce_bytes"] == 4 * replicated
+        assert rank["moe_ddp"]["all_reduce_bytes"] == 4 * planner.num_params(m)  # DDP: every weight
+        assert got["peak_bytes"] == pytest.approx(plan.total_bytes, rel=0.01)
+
+
+@pytest.mark.multiprocess
+def test_expert_gradients_averaged_as_if_replicated_fail_the_check(ranks):
+    for rank in ranks:  # another expert's gradient mixed into each: far past fp32's reordering
+        assert rank[EXPERTS_BUG]["max_rel"] > 100 * SPLIT_ROUNDING, rank[EXPERTS_BUG]["max_rel"]
+
+
+@pytest.mark.multiprocess
+def test_an_overflow_in_one_ranks_experts_skips_the_step_on_every_rank(ranks):
+    """Without `expert_parallel.share_overflow` rank 0 stepped while rank 1 skipped (seen): the
+    replicated weights parted."""
+    assert [rank["moe_ep2_fp16_overflow_skipped"] for rank in ranks] == [1, 1]
 
 
 @pytest.mark.parametrize("ddp, accumulated", [("ddp", "ddp_accumulation2"),

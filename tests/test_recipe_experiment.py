@@ -183,7 +183,11 @@ REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
            ({"finetune": "lora", "lora_targets": "q,x"}, "unknown LoRA target 'x'"),
            ({"context_parallel": 2, "zero_stage": 0}, "use cp_mode=ulysses"),  # RECIPE's bf16
            ({"context_parallel": 2, "cp_mode": "ring_zigzag", "precision": "fp32", "seq_len": 30},
-            "use a multiple of 4")]
+            "use a multiple of 4"),
+           ({"expert_parallel": 2, "zero_stage": 0}, "this model is dense"),
+           ({"expert_parallel": 2, "num_experts": 4}, "average different experts"),  # RECIPE's ZeRO-2
+           ({"packing": True, "zero_stage": 0, "num_experts": 4, "capacity_factor": 1.25},
+            "packing's plain reference pads")]
 
 
 @pytest.mark.parametrize("overrides, reason", REFUSED)
@@ -216,6 +220,24 @@ def test_context_parallel_is_a_knob_whose_ranks_share_each_row():
     assert recipe.computed_shape(cfg)[:2] == (SIZES["batch_size"], SIZES["seq_len"] // 2)
     fp32 = {"variant": "plain", "zero_stage": 2, "precision": "fp32"}
     assert recipe.planned(config(**fp32, context_parallel=2, nproc=4)) == recipe.planned(config(**fp32, nproc=2))
+
+
+def test_expert_parallel_is_a_knob_of_a_model_given_experts_by_name():
+    """`--set expert_parallel=2 --set num_experts=4`: the model's experts, the recipe's degree;
+    plain routes its global batch per rank's micro-batch (2 replicas x 2: 4 groups); each rank
+    plans half the experts and the rest whole, and builds them before DDP's buckets for the rest."""
+    from labkit.blocks import moe
+
+    moe_sizes = {"zero_stage": 0, "precision": "fp32", "num_experts": 4, "moe_ffn_size": 64}
+    cfg = config(**moe_sizes, expert_parallel=2)
+    assert cfg.model.num_experts == 4 and recipe.recipe_of(cfg).expert_parallel == 2
+    recipe.validate(cfg)
+    trainer = recipe.plain_step(config(variant="plain", **moe_sizes), recipe.Observed())
+    assert [layer.groups for layer in moe.moe_layers(trainer.model)] == [4, 4]
+    mine = planner.ep_rank_params(cfg.model, 2)
+    replicated = planner.num_params(cfg.model) - planner.expert_params(cfg.model)
+    assert recipe.planned(cfg).param_bytes == 4 * mine
+    assert recipe.expected(cfg)["build_peak_bytes"] == 4 * (mine + replicated)
 
 
 def test_offload_is_skipped_on_cpu_ranks_with_the_reason():

@@ -11,6 +11,11 @@ on first use, by the one `init_device_mesh` call in labkit. Tensor parallelism i
 dimension, so a TP group is neighbouring ranks (one node's fast links, on GPUs). The dp x cp
 ranks each compute a different share of the global batch's tokens: the data-parallel wrappers
 reduce the gradients over all of them (`dp_cp_mesh`, as torchtitan's FSDP shards over dp_cp).
+
+Expert parallelism borrows the data-parallel ranks (torchtitan borrows dp_shard x cp; labkit dp
+alone): the dp dimension is built as (dp_mod_ep, ep), ep the inner one, and flattened back to dp.
+An `ep_mesh` group (neighbouring replicas) splits each MoE layer's experts; the `dp_mod_ep`
+ranks, one in each ep group, hold the same experts and alone reduce their gradients.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ class Layout:
     """`dp` replicas of `cp` context-parallel ranks of `tp`-rank tensor-parallel groups on
     `device`; the gradients reduced over the dp x cp ranks by `data_parallel` (ddp, zero1, zero2,
     zero3, or none); the optimizer's states offloaded as `offload` says; `always`: mesh
-    dimensions built even when they are 1."""
+    dimensions built even when they are 1; `ep`: the replicas in each expert-parallel group."""
 
     dp: int = 1
     tp: int = 1
@@ -47,18 +52,22 @@ class Layout:
     offload: str = "none"
     always: tuple[str, ...] = ()
     cp: int = 1
+    ep: int = 1
 
     @classmethod
     def of(cls, recipe, world: int, device: str = "cpu") -> "Layout":
         """A recipe's layout on `world` ranks: TP groups of `recipe.tensor_parallel`, CP groups
-        of `recipe.context_parallel` of them, the rest data-parallel replicas; the gradients
-        reduced over dp x cp at `recipe.zero_stage`."""
+        of `recipe.context_parallel` of them, the rest data-parallel replicas (in expert-parallel
+        groups of `recipe.expert_parallel`); the gradients reduced over dp x cp at
+        `recipe.zero_stage`."""
         tp, cp = recipe.tensor_parallel, recipe.context_parallel
         if world % (tp * cp):
             degrees = f"tensor_parallel={tp}" + (f" x context_parallel={cp}" if cp > 1 else "")
             raise ConfigError(f"{degrees} does not divide the {world} ranks")
-        dp = world // (tp * cp)
-        return cls(dp, tp, data_mode(recipe.zero_stage, dp * cp), device, recipe.offload, cp=cp)
+        dp, ep = world // (tp * cp), recipe.expert_parallel
+        if dp % ep:
+            raise ConfigError(f"expert_parallel={ep} does not divide the {dp} data-parallel replicas")
+        return cls(dp, tp, data_mode(recipe.zero_stage, dp * cp), device, recipe.offload, cp=cp, ep=ep)
 
     @property
     def world(self) -> int:
@@ -83,6 +92,10 @@ class Layout:
         return self.tp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
         return self.dp_enabled and self.data_parallel in SHARDED
 
@@ -94,32 +107,60 @@ class Layout:
     def dims(self) -> dict[str, int]:
         """The mesh's named dimensions: each that splits the ranks, and each in `always` (a
         sharded path checked on one rank still shards over a mesh of one)."""
+        if self.ep > 1:  # dp built as (dp_mod_ep, ep), flattened back to dp by `mesh`
+            data = (("dp_mod_ep", self.dp // self.ep), ("ep", self.ep))
+            return {name: size for name, size in (*data, ("cp", self.cp), ("tp", self.tp))
+                    if name in ("dp_mod_ep", "ep") or size > 1 or name in self.always}
         return {name: size for name, size in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp))
                 if size > 1 or name in self.always}
 
     @functools.cached_property
-    def mesh(self) -> DeviceMesh | None:
-        """The mesh of `dims`, built once (None: no dimension); with both dp and cp, their
-        flattened `dp_cp` dimension too (DeviceMesh._flatten, as torchtitan builds it)."""
+    def meshes(self) -> dict[str, DeviceMesh]:
+        """The mesh of `dims` ("root"), built once (empty: no dimension), and each of its named
+        dimensions; with ep, dp flattened from (dp_mod_ep, ep); with dp and cp, their flattened
+        `dp_cp` too (DeviceMesh._flatten, as torchtitan builds them; kept here, as torch asks,
+        rather than sliced from the root again)."""
         if not self.dims:
-            return None
+            return {}
         mesh = init_device_mesh(torch.device(self.device).type, tuple(self.dims.values()),
                                 mesh_dim_names=tuple(self.dims))
-        if "dp" in self.dims and "cp" in self.dims:
-            mesh["dp", "cp"]._flatten("dp_cp")
-        return mesh
+        out = {"root": mesh, **{name: mesh[name] for name in self.dims}}
+        data = ("dp_mod_ep", "ep") if self.ep > 1 else ("dp",)
+        if self.ep > 1:
+            out["dp"] = mesh[data]._flatten("dp")
+        if self.has("dp") and "cp" in self.dims:
+            out["dp_cp"] = mesh[(*data, "cp")]._flatten("dp_cp")
+        return out
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return self.meshes.get("root")
+
+    def has(self, name: str) -> bool:
+        """Whether the mesh has dimension `name` (dp also where ep splits it)."""
+        return name in self.dims or (name == "dp" and self.ep > 1)
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
-        return self.mesh["dp"] if "dp" in self.dims else None
+        return self.meshes.get("dp")
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The expert-parallel group: ep neighbouring replicas, each holding 1/ep of the experts."""
+        return self.meshes.get("ep") if self.ep > 1 else None
+
+    @property
+    def ep_replicas_mesh(self) -> DeviceMesh | None:
+        """The dp / ep ranks that hold the same experts (one in each ep group)."""
+        return self.meshes.get("dp_mod_ep") if self.ep > 1 else None
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
-        return self.mesh["tp"] if "tp" in self.dims else None
+        return self.meshes.get("tp")
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:
-        return self.mesh["cp"] if "cp" in self.dims else None
+        return self.meshes.get("cp")
 
     @property
     def dp_cp_mesh(self) -> DeviceMesh | None:
@@ -127,4 +168,4 @@ class Layout:
         of it is replica d's c-th sequence shard), or whichever of the two there is."""
         if "cp" not in self.dims:
             return self.dp_mesh
-        return self.mesh["dp_cp"] if "dp" in self.dims else self.cp_mesh
+        return self.meshes["dp_cp"] if self.has("dp") else self.cp_mesh

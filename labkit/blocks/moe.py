@@ -130,8 +130,9 @@ def assignments(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sum over a token's kept assignments of weight x expert output: (T, d), zero where none."""
-    return torch.zeros_like(x).index_add(0, token, y * weight[:, None].to(y.dtype))
+    """sum over a token's kept assignments of weight x expert output: (T, d), zero where none,
+    in x's dtype (under autocast the experts' outputs are 16-bit, the residual stream fp32)."""
+    return torch.zeros_like(x).index_add(0, token, y.to(x.dtype) * weight[:, None].to(x.dtype))
 
 
 def local_dispatch(moe: MoE, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from labkit import planner
-from labkit.blocks import compression, context_parallel, hf, losses, optimizers, packing, transforms
+from labkit.blocks import (compression, context_parallel, expert_parallel, hf, losses, optimizers,
+                           packing, transforms)
 from labkit.blocks.layout import HOST_OPTIMIZER, SHARDED, ZERO_MODES, Layout, data_mode
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
@@ -26,8 +27,8 @@ from labkit.config import ConfigError, RunConfig, check_choice
 OFFLOADS = ("none", "activations", "optimizer", "both")
 # The recipe's knobs in the order compose applies them (its steps 0 to 9): the ladder's order too
 ORDER = ("packing", "precision", "finetune", "loss", "tensor_parallel", "context_parallel",
-         "checkpointing", "compile", "zero_stage", "grad_compression", "micro_batches", "offload",
-         "optimizer")
+         "expert_parallel", "checkpointing", "compile", "zero_stage", "grad_compression",
+         "micro_batches", "offload", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,8 @@ class Recipe:
     grad_compression: str = "none"       # compression.RECIPE_FORMATS: the gradients on the wire
     context_parallel: int = 1            # CP degree: the ranks that split each sequence's tokens
     cp_mode: str = "ring"                # context_parallel.CP_MODES: how their attention meets
+    expert_parallel: int = 1             # EP degree: the data-parallel replicas that split each MoE
+                                         # layer's experts (labkit.blocks.expert_parallel)
 
     def techniques(self) -> list[str]:
         """The fields that differ from the plain step, as `name=value`."""
@@ -73,7 +76,8 @@ def refusal(recipe: Recipe, device: str, world: int = 1, *, launched: bool | Non
     mode = data_mode(recipe.zero_stage, world // recipe.tensor_parallel)
     return (_optimizer_clash(recipe, mode) or _offload_clash(recipe, mode, device)
             or _device_clash(recipe, device) or _converter_clash(recipe, mode)
-            or compression.recipe_clash(recipe.grad_compression, mode) or _context_clash(recipe))
+            or compression.recipe_clash(recipe.grad_compression, mode) or _context_clash(recipe)
+            or _expert_clash(recipe, mode))
 
 
 def _unknown(recipe: Recipe) -> str | None:
@@ -93,9 +97,9 @@ def _unknown(recipe: Recipe) -> str | None:
     if recipe.checkpointing == "blocks":
         return "checkpointing=blocks needs the block list the checkpointing experiment's budget chooses"
     if min(recipe.micro_batches, recipe.tensor_parallel, recipe.context_parallel,
-           recipe.checkpoint_every, recipe.loss_chunk) < 1:
-        return ("micro_batches, tensor_parallel, context_parallel, checkpoint_every and loss_chunk "
-                "are counts: 1 or more")
+           recipe.expert_parallel, recipe.checkpoint_every, recipe.loss_chunk) < 1:
+        return ("micro_batches, tensor_parallel, context_parallel, expert_parallel, checkpoint_every "
+                "and loss_chunk are counts: 1 or more")
     if recipe.finetune != "none":
         try:
             planner.parse_lora_targets(recipe.lora_targets)
@@ -109,12 +113,16 @@ def _layout(recipe: Recipe, world: int, launched: bool) -> str | None:
     data-parallel replicas: the ranks over `tensor_parallel` (dp x cp of them) reduce the
     gradients, data parallel at `zero_stage`, when there are two or more."""
     tp, cp, stage = recipe.tensor_parallel, recipe.context_parallel, recipe.zero_stage
-    if (world > 1 or stage or tp > 1 or cp > 1) and not launched:
-        return ("data, tensor and context parallelism run on ranks that torch.distributed started "
-                "(torchrun, or the harness's launcher); this process is not one")
+    ep = recipe.expert_parallel
+    if (world > 1 or stage or tp > 1 or cp > 1 or ep > 1) and not launched:
+        return ("data, tensor, context and expert parallelism run on ranks that torch.distributed "
+                "started (torchrun, or the harness's launcher); this process is not one")
     if world % (tp * cp):
         return (f"tensor_parallel={tp} x context_parallel={cp} does not divide the {world} ranks"
                 if cp > 1 else f"tensor_parallel={tp} does not divide the {world} ranks")
+    if (world // (tp * cp)) % ep:  # the experts' groups are cut from the replicas
+        return (f"expert_parallel={ep} groups the data-parallel replicas ({world} rank(s) / "
+                f"(tensor_parallel x context_parallel) = {world // (tp * cp)}): use a divisor of it")
     replicas = world // tp
     if stage and replicas == 1:  # compose would skip it: the recipe would not run
         return (f"zero_stage={stage} shards over the data-parallel replicas; {world} rank(s) / "
@@ -197,6 +205,22 @@ def _context_clash(recipe: Recipe) -> str | None:
     return None
 
 
+def _expert_clash(recipe: Recipe, mode: str) -> str | None:
+    """What expert parallelism's per-rank experts cannot pass through (each tried on gloo ranks)."""
+    if recipe.expert_parallel == 1:
+        return None
+    if recipe.tensor_parallel > 1 or recipe.context_parallel > 1:
+        return ("expert_parallel groups whole data-parallel replicas here (torchtitan also borrows "
+                "the cp ranks): use tensor_parallel=1 and context_parallel=1 with it")
+    if mode == "zero1":
+        return ("zero_stage=1's ZeroRedundancyOptimizer broadcasts each parameter from the rank that "
+                "updates it, over the experts other ranks hold: use zero_stage=0 with expert_parallel")
+    if mode in SHARDED:
+        return ("FSDP2 (zero_stage 2 or 3) would shard the expert weights over every data-parallel "
+                "rank and average different experts' gradients: use zero_stage=0 with expert_parallel")
+    return None
+
+
 def _device_clash(recipe: Recipe, device: str) -> str | None:
     if recipe.precision == "tf32" and not device.startswith("cuda"):
         return "TF32 is a mode of NVIDIA tensor cores; this device is a CPU"
@@ -212,6 +236,26 @@ def cp_shape_refusal(cfg: RunConfig, recipe: Recipe) -> str | None:
                                           recipe.context_parallel, recipe.tensor_parallel)
 
 
+def moe_refusal(cfg: RunConfig, recipe: Recipe) -> str | None:
+    """Why the run's model cannot take the recipe's parallelism as a mixture of experts (one
+    line), or None: experts that do not split over expert_parallel, tensor parallelism's plan
+    (which names a dense MLP's linears), or context parallelism's shards where the routing
+    groups matter (`expert_parallel.groups_matter`: capacity and the load-balancing loss would
+    be counted per shard of every row, not per rank's rows as in the plain step)."""
+    m = cfg.model
+    why = expert_parallel.shape_refusal(m, recipe.expert_parallel)
+    if why or not m.num_experts:
+        return why
+    if recipe.tensor_parallel > 1:
+        return ("tensor parallelism's plan shards a dense MLP's w1, w2, w3 linears; an MoE block's "
+                "experts are stacked weights it does not split: use expert_parallel, tensor_parallel=1")
+    if recipe.context_parallel > 1 and expert_parallel.groups_matter(m):
+        return ("context parallelism cuts every row over its ranks, so the MoE's capacity and "
+                "load-balancing loss would count per shard, not per rank's rows: use "
+                "context_parallel=1, or capacity_factor=0 and router_aux_loss_coef=0")
+    return None
+
+
 def micro_batch_size(batch_size: int, micro_batches: int) -> int:
     """Sequences per micro-batch: a rank's `batch_size` per optimizer step, split evenly."""
     if batch_size % micro_batches:
@@ -225,7 +269,8 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     `cfg.batch_size` sequences per rank and optimizer step (`recipe.micro_batches` of them at a
     time). Raises ConfigError (one line) for a recipe that cannot run."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    why = refusal(recipe, cfg.device, world) or cp_shape_refusal(cfg, recipe)
+    why = (refusal(recipe, cfg.device, world) or cp_shape_refusal(cfg, recipe)
+           or moe_refusal(cfg, recipe))
     if why:
         raise ConfigError(why)
     micro = micro_batch_size(cfg.batch_size, recipe.micro_batches)
@@ -271,6 +316,12 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     if layout.cp_enabled:
         context_parallel.apply_context_parallel(trainer, recipe.cp_mode, layout.cp_mesh,
                                                 replicas=layout.dp)
+    #    expert parallel: each MoE layer keeps its ep group's share of the experts (sliced from the
+    #    weights every rank built alike), before the wrapper (step 6), which is told to leave
+    #    them out: their gradients are reduced by hand over the ranks holding the same experts.
+    if layout.ep_enabled:
+        expert_parallel.apply_expert_parallel(trainer, layout.ep_mesh, layout.ep_replicas_mesh,
+                                              data_ranks=layout.dp_cp)
     # 4. checkpointing wraps whole (possibly sharded) blocks, before compile, so the compiled
     #    block is the one that recomputes.
     transforms.apply_checkpointing(trainer, recipe.checkpointing, every=recipe.checkpoint_every)
@@ -347,6 +398,10 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     if recipe.finetune != "none" and recipe.precision != "fp32":
         return None, (f"the planner's fine-tuning steps compute in one dtype; precision="
                       f"{recipe.precision} with finetune is not one of its cases (use fp32)")
+    if recipe.expert_parallel > 1 and (recipe.optimizer != "adamw" or recipe.precision == "bf16_weights"
+                                       or recipe.finetune != "none"):
+        return None, ("the planner has no case for expert_parallel with bf16_weights' master copies, "
+                      "a low-bit optimizer or finetune (planner.ep_memory: AdamW on trained weights)")
     mode, layers = recipe.checkpointing, None
     if mode == "every_n":  # the planner's full recomputation on the blocks every_n wraps
         mode = "full"
@@ -391,7 +446,43 @@ def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.Me
             checkpointing=kwargs["checkpointing"], device=cfg.device, zero_stage=kwargs["zero_stage"],
             gpus=kwargs["gpus"], optimizer=recipe.optimizer, packed=recipe.packing,
             loss_chunk=kwargs["loss_chunk"])
-    return _context_note(plan, cfg, recipe, kwargs["batch_size"])
+    return _expert_note(_context_note(plan, cfg, recipe, kwargs["batch_size"]), cfg, recipe)
+
+
+def _expert_note(plan: planner.MemoryPlan, cfg: RunConfig, recipe: Recipe) -> planner.MemoryPlan:
+    """Under expert parallelism a rank holds num_experts / ep experts of each layer and the rest
+    whole: its weights, gradients and AdamW's states from `planner.ep_memory`; the activations
+    stay the plain step's, which the formula says."""
+    ep = recipe.expert_parallel
+    if ep == 1:
+        return plan
+    states = planner.ep_memory(cfg.model, ep, recipe.precision, recipe.optimizer)
+    note = (f"expert_parallel={ep}: {states['expert_params']:,} expert parameters (all "
+            f"{planner.expert_params(cfg.model):,} / {ep}) + {states['replicated_params']:,} "
+            "replicated (planner.ep_memory)")
+    activation = ("; ".join(filter(None, (plan.formulas.get("activation"), (
+        f"expert_parallel={ep}: as without it, the rows this rank's experts receive taken as its "
+        "own routed rows (equal on average under uniform routing; the routing decides)")))))
+    return _with_states(plan, states, {**plan.formulas, "param": note, "activation": activation})
+
+
+def _with_states(plan: planner.MemoryPlan, states: dict, formulas: dict) -> planner.MemoryPlan:
+    """`plan` (DDP's) with `planner.ep_memory`'s model states: each phase moved by their change
+    (DDP's buckets hold the replicated gradients throughout, the experts' are made in the
+    backward), its peak chosen again, the peak's other terms as before and the rest of its bytes
+    the overhead (in the backward: less the experts' gradients, not yet made)."""
+    moved = states["param_bytes"] + states["optimizer_bytes"] - plan.param_bytes - plan.optimizer_bytes
+    buckets = states["grad_bytes"] * states["replicated_params"] // states["params"]
+    phases = {phase: value + moved - plan.grad_bytes
+              + (buckets if phase in ("backward", "forward") else states["grad_bytes"])
+              for phase, value in plan.phase_bytes.items()}
+    peak = max(phases, key=phases.get)
+    held = plan.held_at_peak if peak == plan.peak_phase else ("param", "grad", "optimizer", "overhead")
+    plan = dataclasses.replace(plan, num_params=states["params"], param_bytes=states["param_bytes"],
+                               grad_bytes=states["grad_bytes"], optimizer_bytes=states["optimizer_bytes"],
+                               phase_bytes=phases, peak_phase=peak, held_at_peak=held, formulas=formulas)
+    rest = sum(getattr(plan, f"{term}_bytes") for term in held if term != "overhead")
+    return dataclasses.replace(plan, overhead_bytes=phases[peak] - rest)
 
 
 def _context_note(plan: planner.MemoryPlan, cfg: RunConfig, recipe: Recipe,

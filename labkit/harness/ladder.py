@@ -35,9 +35,10 @@ from labkit.techniques import recipe, record
 NAME = "recipe"
 PLAIN = "plain"
 # The knobs a rung turns on, in the order compose applies them (its one `ORDER`); the model
-# converters and tensor and context parallelism are not rungs (the last two change what plain's
-# global batch is: the replicas)
-ORDER = tuple(k for k in recipes.ORDER if k not in ("finetune", "tensor_parallel", "context_parallel"))
+# converters and tensor, context and expert parallelism are not rungs (tensor and context
+# parallelism change what plain's global batch is: the replicas; expert parallelism needs an MoE)
+ORDER = tuple(k for k in recipes.ORDER
+              if k not in ("finetune", "tensor_parallel", "context_parallel", "expert_parallel"))
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(recipe.Config) if f.name in ORDER}  # all off
 DDP = "+ ddp"
 # Metrics a rung that did not run (oom, error, skipped) still has a prediction for.

@@ -7,7 +7,9 @@ to look for: notebooks/text/26_recipe.md.
 Variants:
 - `plain` (the reference): fp32, nothing applied but the model converters (they say what
   trains), every rank computing the whole global batch (replicas x batch_size sequences) as one
-  process would; `packing=True` trains the same documents one per padded row;
+  process would; `packing=True` trains the same documents one per padded row; a mixture of
+  experts (num_experts > 0) routes per group of the rows one rank's micro-batch holds, as the
+  composed ranks do (`labkit.blocks.expert_parallel`: what is equal, and why);
 - `composed`: the recipe, checked against `plain` on the losses of `steps` steps and the whole
   weights after them, within the tolerance of its precision (8- and 4-bit optimizers:
   `optimizers.TOLERANCE`). A quantized base is lossy: `base_loss_delta` is the first batch's loss
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import hardware, planner
-from labkit.blocks import compression, hf, lora, optimizers, packing
+from labkit.blocks import compression, expert_parallel, hf, lora, moe, optimizers, packing
 from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
@@ -101,6 +103,9 @@ class Config(DistConfig):
     cp_mode: str = knob("ring", choices=CP_MODES,
                         help="context_parallel > 1: ring (contiguous blocks), ring_zigzag (pieces r "
                              "and 2n-1-r, balanced) or ulysses (all-to-all to head shards)")
+    expert_parallel: int = knob(1, min=1, help="expert-parallel degree: the data-parallel replicas "
+                                "that split each MoE layer's experts (num_experts > 0), rows sent "
+                                "to them and back by all-to-all")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
@@ -148,9 +153,14 @@ def validate(cfg: Config) -> None:
                           "injects both)")
     if cfg.tensor_parallel > 1:
         check_tp_shape(cfg, cfg.tensor_parallel)
-    why = refused(cfg) or recipes.cp_shape_refusal(cfg, recipe_of(cfg))
+    why = (refused(cfg) or recipes.cp_shape_refusal(cfg, recipe_of(cfg))
+           or recipes.moe_refusal(cfg, recipe_of(cfg)))
     if why:
         raise ConfigError(why)
+    if cfg.packing and expert_parallel.groups_matter(cfg.model):
+        raise ConfigError("packing's plain reference pads each document into a row of its own, so "
+                          "its MoE capacity and load-balancing groups are not the recipe's: use "
+                          "packing=False, or capacity_factor=0 and router_aux_loss_coef=0")
 
 
 def skip_reason(cfg: Config) -> str | None:
@@ -194,6 +204,9 @@ def plain_step(cfg: Config, seen: Observed) -> Trainer:
     A quantized base's cost: the batch's loss on it less the loss before the converters (the
     adapters start at zero: only the base differs), in `seen.base_loss_delta`."""
     trainer = Trainer(cfg, lr=LR, batch_size=cfg.batch_size * replicas(cfg), optimizer=False)
+    # an MoE's capacity and load-balancing loss per group of the rows one rank's micro-batch
+    # holds, as the recipe's ranks route them (labkit.blocks.expert_parallel)
+    moe.set_groups(trainer.model, expert_parallel.capacity_groups(replicas(cfg), cfg.micro_batches))
     if cfg.packing:  # the packed recipe's documents, each alone in its row
         packing.apply_packing(trainer, packing.pad_batch(recipes.packed_documents(cfg, replicas(cfg))),
                               document_mask=False)
@@ -261,8 +274,9 @@ def check(trainer: Trainer, seen: Observed, budget: int | None, cfg: Config) -> 
     seen.all_gather_bytes = comm.bytes["all_gather"] / cfg.steps
     if budget is not None:
         over_budget(seen, budget, cfg)
-    weights = {n: full_tensor(p, cfg.device).float().cpu().numpy().copy()
-               for n, p in trainer.model.named_parameters()}
+    weights = expert_parallel.gather_experts(trainer, {n: full_tensor(p, cfg.device).float()
+                                                       for n, p in trainer.model.named_parameters()})
+    weights = {n: w.cpu().numpy().copy() for n, w in weights.items()}
     return {"losses": losses, "weights": weights}
 
 
@@ -397,12 +411,16 @@ def gathered_params(cfg: Config) -> int:
 
 def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int | None:
     """The fp32 model built whole (the batch's token ids beside it not counted); DDP's gradient
-    buckets beside it (as large), made when it wraps; under FSDP2 (ZeRO-2/3) on the meta device:
+    buckets beside it (as large), made when it wraps (expert parallel: beside this rank's
+    experts and the rest, buckets for the rest alone); under FSDP2 (ZeRO-2/3) on the meta device:
     the shards, and the largest parameter drawn whole beside its shard's copy. None for weights
     loaded from a folder under FSDP2 (built whole, then sharded: not predicted)."""
     whole, dp = 4 * planner.num_params(cfg.model), data_ranks(cfg)
     if cfg.variant == REFERENCE or dp == 1:
         return whole
+    if cfg.zero_stage <= 1 and cfg.expert_parallel > 1:  # the experts sliced, then DDP's buckets
+        replicated = planner.num_params(cfg.model) - planner.expert_params(cfg.model)  # (not theirs)
+        return max(whole, 4 * (planner.ep_rank_params(cfg.model, cfg.expert_parallel) + replicated))
     if cfg.zero_stage <= 1:
         return 2 * whole
     if hf.loads_weights(cfg.model):

@@ -146,4 +146,10 @@ CLAIMS = [
           lambda: f"over dp_cp = {Layout.of(Recipe(tensor_parallel=2, context_parallel=2, zero_stage=2), 8).dp_cp} ranks"),
     Claim('rcp-02', 'positions 2, 3, 4, 5',
           lambda: "positions " + ", ".join(str(int(p)) for p in rings.positions(rings.pieces(8, 2, 1, "zigzag")))),
+    Claim('rep-01', "dims {'dp_mod_ep': 2, 'ep': 2}",
+          lambda: f"dims {Layout.of(Recipe(expert_parallel=2), 4).dims}"),
+    Claim('rep-01', 'over dp_cp = 4 ranks',
+          lambda: f"over dp_cp = {Layout.of(Recipe(expert_parallel=2), 4).dp_cp} ranks"),
+    Claim('rep-02', '= 49,184',
+          lambda: f"= {planner.all_to_all_bytes([[[5, 4], [7, 3]]], 0, hidden=256, num_experts=4):,}"),
 ]
