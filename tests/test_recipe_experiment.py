@@ -187,7 +187,9 @@ REFUSED = [({"zero_stage": 1, "precision": "bf16_weights"}, "master copies"),
            ({"expert_parallel": 2, "zero_stage": 0}, "this model is dense"),
            ({"expert_parallel": 2, "num_experts": 4}, "average different experts"),  # RECIPE's ZeRO-2
            ({"packing": True, "zero_stage": 0, "num_experts": 4, "capacity_factor": 1.25},
-            "packing's plain reference pads")]
+            "packing's plain reference pads"),
+           ({"pipeline_parallel": 2}, "zero_stage=2 would not apply"),  # RECIPE's ZeRO-2
+           ({"pipeline_parallel": 2, "zero_stage": 0, "pp_schedule": "zbv"}, "micro_batches >= 3")]
 
 
 @pytest.mark.parametrize("overrides, reason", REFUSED)
@@ -383,3 +385,17 @@ def test_fsdp2_zero3_with_accumulation_peaks_at_its_predicted_bytes(tmp_path):
     whole = settings["micro_batches"] * (2 * planner.num_params(m) - planner.root_unit_params(m))
     for (precision, _, _), value in gathers.items():
         assert value == pytest.approx(whole * (2 if precision == "bf16" else 4), rel=0.01)
+
+
+def test_pipeline_parallel_is_a_knob_whose_ranks_plan_their_own_stages():
+    """`--set pipeline_parallel=2`: 2 stages on the 2 ranks, one replica; each rank plans its
+    stages' model states (rank 0 the embedding and block 0, rank 1 block 1 and the head), built
+    whole before the cut; plain still the whole global batch."""
+    pp = {"zero_stage": 0, "precision": "fp32", "checkpointing": "none", "pipeline_parallel": 2}
+    cfg = config(**pp, pp_schedule="gpipe")
+    assert recipe.recipe_of(cfg).pipeline_parallel == 2 and recipe.recipe_of(cfg).pp_schedule == "gpipe"
+    recipe.validate(cfg)
+    assert recipe.replicas(cfg) == 1 and recipe.computed_shape(cfg)[0] == SIZES["batch_size"]
+    plans = [recipe.recipes.planned_memory(cfg, recipe.recipe_of(cfg), 2, rank=r) for r in RANKS]
+    assert sum(p.num_params for p in plans) == planner.num_params(cfg.model)
+    assert recipe.expected(cfg)["build_peak_bytes"] == 4 * planner.num_params(cfg.model)

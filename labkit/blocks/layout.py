@@ -16,6 +16,10 @@ Expert parallelism borrows the data-parallel ranks (torchtitan borrows dp_shard 
 alone): the dp dimension is built as (dp_mod_ep, ep), ep the inner one, and flattened back to dp.
 An `ep_mesh` group (neighbouring replicas) splits each MoE layer's experts; the `dp_mod_ep`
 ranks, one in each ep group, hold the same experts and alone reduce their gradients.
+
+Pipeline parallelism is the outermost dimension (torchtitan's order: pp, dp, cp, tp): `pp`
+groups of world / pp ranks each hold a run of the model's stages, so a pp group (the ranks one
+micro-batch passes through) is ranks d, d + dp, ... (`labkit.blocks.pipeline_recipe`).
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ class Layout:
     always: tuple[str, ...] = ()
     cp: int = 1
     ep: int = 1
+    pp: int = 1
 
     @classmethod
     def of(cls, recipe, world: int, device: str = "cpu") -> "Layout":
@@ -61,17 +66,20 @@ class Layout:
         groups of `recipe.expert_parallel`); the gradients reduced over dp x cp at
         `recipe.zero_stage`."""
         tp, cp = recipe.tensor_parallel, recipe.context_parallel
-        if world % (tp * cp):
-            degrees = f"tensor_parallel={tp}" + (f" x context_parallel={cp}" if cp > 1 else "")
+        pp = getattr(recipe, "pipeline_parallel", 1)
+        if world % (pp * tp * cp):
+            degrees = ((f"pipeline_parallel={pp} x " if pp > 1 else "") + f"tensor_parallel={tp}"
+                       + (f" x context_parallel={cp}" if cp > 1 else ""))
             raise ConfigError(f"{degrees} does not divide the {world} ranks")
-        dp, ep = world // (tp * cp), recipe.expert_parallel
+        dp, ep = world // (pp * tp * cp), recipe.expert_parallel
         if dp % ep:
             raise ConfigError(f"expert_parallel={ep} does not divide the {dp} data-parallel replicas")
-        return cls(dp, tp, data_mode(recipe.zero_stage, dp * cp), device, recipe.offload, cp=cp, ep=ep)
+        return cls(dp, tp, data_mode(recipe.zero_stage, dp * cp), device, recipe.offload, cp=cp, ep=ep,
+                   pp=pp)
 
     @property
     def world(self) -> int:
-        return self.dp * self.cp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def dp_cp(self) -> int:
@@ -92,6 +100,10 @@ class Layout:
         return self.tp > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
@@ -109,9 +121,10 @@ class Layout:
         sharded path checked on one rank still shards over a mesh of one)."""
         if self.ep > 1:  # dp built as (dp_mod_ep, ep), flattened back to dp by `mesh`
             data = (("dp_mod_ep", self.dp // self.ep), ("ep", self.ep))
-            return {name: size for name, size in (*data, ("cp", self.cp), ("tp", self.tp))
+            return {name: size for name, size in (("pp", self.pp), *data, ("cp", self.cp), ("tp", self.tp))
                     if name in ("dp_mod_ep", "ep") or size > 1 or name in self.always}
-        return {name: size for name, size in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp))
+        return {name: size for name, size in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp),
+                                              ("tp", self.tp))
                 if size > 1 or name in self.always}
 
     @functools.cached_property
@@ -153,6 +166,11 @@ class Layout:
     def ep_replicas_mesh(self) -> DeviceMesh | None:
         """The dp / ep ranks that hold the same experts (one in each ep group)."""
         return self.meshes.get("dp_mod_ep") if self.ep > 1 else None
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """The pipeline group: the pp ranks one micro-batch passes through, a stage each."""
+        return self.meshes.get("pp")
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:

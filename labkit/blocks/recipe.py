@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from labkit import planner
 from labkit.blocks import (compression, context_parallel, expert_parallel, hf, losses, optimizers,
-                           packing, transforms)
+                           packing, pipeline_recipe, transforms)
 from labkit.blocks.layout import HOST_OPTIMIZER, SHARDED, ZERO_MODES, Layout, data_mode
 from labkit.blocks.model import build_model, materialize
 from labkit.blocks.training import Trainer
@@ -56,6 +56,10 @@ class Recipe:
     cp_mode: str = "ring"                # context_parallel.CP_MODES: how their attention meets
     expert_parallel: int = 1             # EP degree: the data-parallel replicas that split each MoE
                                          # layer's experts (labkit.blocks.expert_parallel)
+    pipeline_parallel: int = 1           # PP degree: stages the model's blocks split over, the
+                                         # outermost mesh dimension (labkit.blocks.pipeline_recipe)
+    pp_schedule: str = "1f1b"            # pipeline_recipe.PP_SCHEDULES: the micro-batches' order
+    virtual_stages: int = 2              # stage modules per rank of interleaved_1f1b, zero_bubble
 
     def techniques(self) -> list[str]:
         """The fields that differ from the plain step, as `name=value`."""
@@ -70,7 +74,8 @@ def refusal(recipe: Recipe, device: str, world: int = 1, *, launched: bool | Non
     `launched`: judge as if on `world` ranks torch.distributed started (True, before a launch)
     or not (False); None: as this process is."""
     launched = dist.is_initialized() if launched is None else launched
-    why = _unknown(recipe) or _layout(recipe, world, launched)
+    why = (_unknown(recipe) or _pipeline_layout(recipe, world, launched)
+           or pipeline_recipe.clash(recipe) or _layout(recipe, world // recipe.pipeline_parallel, launched))
     if why:
         return why
     mode = data_mode(recipe.zero_stage, world // recipe.tensor_parallel)
@@ -89,7 +94,8 @@ def _unknown(recipe: Recipe) -> str | None:
                                ("loss", recipe.loss, losses.LOSSES),
                                ("optimizer", recipe.optimizer, optimizers.OPTIMIZERS),
                                ("grad_compression", recipe.grad_compression, compression.RECIPE_FORMATS),
-                               ("cp_mode", recipe.cp_mode, context_parallel.CP_MODES)):
+                               ("cp_mode", recipe.cp_mode, context_parallel.CP_MODES),
+                               ("pp_schedule", recipe.pp_schedule, pipeline_recipe.PP_SCHEDULES)):
         try:
             check_choice(name, value, valid)
         except ConfigError as e:
@@ -97,14 +103,28 @@ def _unknown(recipe: Recipe) -> str | None:
     if recipe.checkpointing == "blocks":
         return "checkpointing=blocks needs the block list the checkpointing experiment's budget chooses"
     if min(recipe.micro_batches, recipe.tensor_parallel, recipe.context_parallel,
-           recipe.expert_parallel, recipe.checkpoint_every, recipe.loss_chunk) < 1:
-        return ("micro_batches, tensor_parallel, context_parallel, expert_parallel, checkpoint_every "
-                "and loss_chunk are counts: 1 or more")
+           recipe.expert_parallel, recipe.checkpoint_every, recipe.loss_chunk,
+           recipe.pipeline_parallel, recipe.virtual_stages) < 1:
+        return ("micro_batches, tensor_parallel, context_parallel, expert_parallel, pipeline_parallel, "
+                "virtual_stages, checkpoint_every and loss_chunk are counts: 1 or more")
     if recipe.finetune != "none":
         try:
             planner.parse_lora_targets(recipe.lora_targets)
         except ConfigError as e:
             return str(e)
+    return None
+
+
+def _pipeline_layout(recipe: Recipe, world: int, launched: bool) -> str | None:
+    """pp stages, the outermost dimension: each of world / pp ranks' groups holds one stage."""
+    pp = recipe.pipeline_parallel
+    if pp == 1:
+        return None
+    if not launched:
+        return ("pipeline parallelism runs on ranks that torch.distributed started (torchrun, or "
+                "the harness's launcher); this process is not one")
+    if world % pp:
+        return f"pipeline_parallel={pp} does not divide the {world} ranks"
     return None
 
 
@@ -270,11 +290,13 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     time). Raises ConfigError (one line) for a recipe that cannot run."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     why = (refusal(recipe, cfg.device, world) or cp_shape_refusal(cfg, recipe)
-           or moe_refusal(cfg, recipe))
+           or moe_refusal(cfg, recipe) or pipeline_recipe.shape_refusal(cfg, recipe))
     if why:
         raise ConfigError(why)
     micro = micro_batch_size(cfg.batch_size, recipe.micro_batches)
     layout = Layout.of(recipe, world, cfg.device)
+    if layout.pp_enabled:  # the stages and their schedule in place of the one model's step
+        return pipeline_recipe.compose_pipeline(cfg, recipe, layout, lr=lr)
     # 0. Under FSDP2 the model is built on the meta device, sharded, then made real (step 6): no
     #    rank holds the whole of it. Not for converters (NF4 and the adapters' initialisation
     #    need real weights), FSDP2's offload, or weights loaded from a folder.
@@ -390,6 +412,9 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
     """`planner.training_memory`'s keywords for `compose(cfg, recipe)` on one of `world` ranks
     (cfg.batch_size per rank and step, as compose takes it; the planner's batch_size is one
     micro-batch), or (None, why not) where the planner has no case for the recipe."""
+    if recipe.pipeline_parallel > 1:  # planned per stage (pipeline_recipe.planned), not by these
+        return None, (pipeline_recipe.no_case(recipe)
+                      or "pipeline_parallel: each rank's stages, pipeline_recipe.planned")
     if recipe.offload != "none" or recipe.compile:
         return None, "the planner does not model offload or compile"
     if recipe.optimizer != "adamw" and recipe.zero_stage and Layout.of(recipe, world, cfg.device).dp_enabled:
@@ -422,13 +447,16 @@ def planner_kwargs(cfg: RunConfig, recipe: Recipe, world: int = 1) -> tuple[dict
                 packed=recipe.packing), ""
 
 
-def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1) -> planner.MemoryPlan:
-    """The planner's prediction of one step of `compose(cfg, recipe)` on one of `world` ranks:
-    the same recipe the transforms apply. ConfigError where the planner has no case for it.
+def planned_memory(cfg: RunConfig, recipe: Recipe, world: int = 1, *, rank: int = 0) -> planner.MemoryPlan:
+    """The planner's prediction of one step of `compose(cfg, recipe)` on one of `world` ranks
+    (`rank`: which, where the ranks differ: a pipeline's stages): the same recipe the transforms
+    apply. ConfigError where the planner has no case for it.
 
     The host AdamW (offload=optimizer without FSDP2) is the recipe without it, less the
     optimizer's bytes, which live in host memory (`techniques.offload`'s rule; on an H200 the
     small preset's bf16 + full checkpointing + 2 micro-batches measured 1.6% above it)."""
+    if recipe.pipeline_parallel > 1:
+        return pipeline_recipe.planned(cfg, recipe, world, rank)
     if recipe.offload == "optimizer" and not Layout.of(recipe, world, cfg.device).fsdp_enabled:
         plan = planned_memory(cfg, dataclasses.replace(recipe, offload="none"), world)
         return dataclasses.replace(plan, optimizer_bytes=0, formulas={

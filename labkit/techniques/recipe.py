@@ -37,6 +37,7 @@ from labkit.blocks import recipe as recipes
 from labkit.blocks.distributed import (DistConfig, corrupt_reduction, corrupt_scale, is_distributed,
                                        world_size)
 from labkit.blocks.context_parallel import CP_MODES
+from labkit.blocks.pipeline_recipe import PP_SCHEDULES
 from labkit.blocks.layout import Layout
 from labkit.blocks.losses import LOSSES
 from labkit.blocks.recipe import Recipe, compose
@@ -106,6 +107,13 @@ class Config(DistConfig):
     expert_parallel: int = knob(1, min=1, help="expert-parallel degree: the data-parallel replicas "
                                 "that split each MoE layer's experts (num_experts > 0), rows sent "
                                 "to them and back by all-to-all")
+    pipeline_parallel: int = knob(1, min=1, help="pipeline-parallel degree: stages the model's blocks "
+                                  "split over (the outermost ranks), micro_batches run by pp_schedule")
+    pp_schedule: str = knob("1f1b", choices=PP_SCHEDULES,
+                            help="pipeline_parallel > 1: the micro-batches' order (torch.distributed."
+                                 "pipelining: GPipe, 1F1B, interleaved 1F1B, ZB1P, ZBV)")
+    virtual_stages: int = knob(2, min=1, help="stage modules per rank of interleaved_1f1b and "
+                               "zero_bubble (zbv: always 2)")
     steps: int = knob(2, min=1, help="training steps of the check (losses and weights after them)")
     budget_gib: float | None = knob(None, min=0.001, help="virtual memory budget of composed "
                                     "(plain runs without it): past it, an oom row")
@@ -115,7 +123,8 @@ class Config(DistConfig):
 def replicas(cfg: Config) -> int:
     """The data-parallel replicas (each computes its rows of the global batch): the ranks over
     the tensor- and context-parallel degrees."""
-    return max(1, (cfg.nproc or world_size()) // (cfg.tensor_parallel * cfg.context_parallel))
+    return max(1, (cfg.nproc or world_size()) // (cfg.tensor_parallel * cfg.context_parallel
+                                                   * cfg.pipeline_parallel))
 
 
 def data_ranks(cfg: Config) -> int:
@@ -151,10 +160,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError("fault=corrupt_reduction puts its own hook on DDP, which takes one beside "
                           "grad_compression's: use fault=none (the grad_compression experiment "
                           "injects both)")
+    if cfg.fault == "corrupt_reduction" and cfg.pipeline_parallel > 1:
+        raise ConfigError("fault=corrupt_reduction hooks DDP or FSDP2, which a pipeline recipe does "
+                          "not build (its dp reduction is by hand): the fault would not be injected; "
+                          "use fault=none")
     if cfg.tensor_parallel > 1:
         check_tp_shape(cfg, cfg.tensor_parallel)
     why = (refused(cfg) or recipes.cp_shape_refusal(cfg, recipe_of(cfg))
-           or recipes.moe_refusal(cfg, recipe_of(cfg)))
+           or recipes.moe_refusal(cfg, recipe_of(cfg))
+           or recipes.pipeline_recipe.shape_refusal(cfg, recipe_of(cfg)))
     if why:
         raise ConfigError(why)
     if cfg.packing and expert_parallel.groups_matter(cfg.model):
@@ -277,6 +291,10 @@ def check(trainer: Trainer, seen: Observed, budget: int | None, cfg: Config) -> 
     weights = expert_parallel.gather_experts(trainer, {n: full_tensor(p, cfg.device).float()
                                                        for n, p in trainer.model.named_parameters()})
     weights = {n: w.cpu().numpy().copy() for n, w in weights.items()}
+    if getattr(trainer, "pipeline", None) is not None:  # each rank holds its stages': all of them
+        every: list = [None] * world_size()
+        dist.all_gather_object(every, weights)
+        weights = {n: w for rank in every for n, w in rank.items()}
     return {"losses": losses, "weights": weights}
 
 
@@ -356,8 +374,8 @@ def planned(cfg: Config) -> planner.MemoryPlan | None:
         rows, seq_len, _ = computed_shape(cfg)  # with packing: one padded row per document
         whole = dataclasses.replace(cfg, batch_size=rows, seq_len=seq_len)
         return recipes.planned_memory(whole, recipes.converters(recipe_of(cfg)))  # on one process
-    try:
-        return recipes.planned_memory(cfg, recipe_of(cfg), n)
+    try:  # the ranks differ where a pipeline's stages do
+        return recipes.planned_memory(cfg, recipe_of(cfg), n, rank=dist.get_rank() if is_distributed() else 0)
     except ConfigError:
         return None
 
@@ -366,7 +384,7 @@ def computed_shape(cfg: Config) -> tuple[int, int, float]:
     """(rows, tokens per row, document tokens) this rank computes per step: plain the global
     batch (with packing: one padded row per document), composed its slice (with packing: its
     rows of documents, the document tokens its share of all of them)."""
-    dp = (cfg.nproc or 2) // (cfg.tensor_parallel * cfg.context_parallel)
+    dp = replicas(dataclasses.replace(cfg, nproc=cfg.nproc or 2))
     plain = cfg.variant == REFERENCE
     rows = cfg.batch_size * (dp if plain else 1)
     if not cfg.packing:  # context parallel: each rank holds seq_len / cp tokens of every row
@@ -416,7 +434,7 @@ def build_peak(cfg: Config, plan: planner.MemoryPlan) -> int | None:
     the shards, and the largest parameter drawn whole beside its shard's copy. None for weights
     loaded from a folder under FSDP2 (built whole, then sharded: not predicted)."""
     whole, dp = 4 * planner.num_params(cfg.model), data_ranks(cfg)
-    if cfg.variant == REFERENCE or dp == 1:
+    if cfg.variant == REFERENCE or dp == 1 or cfg.pipeline_parallel > 1:  # a pipeline: no wrapper
         return whole
     if cfg.zero_stage <= 1 and cfg.expert_parallel > 1:  # the experts sliced, then DDP's buckets
         replicated = planner.num_params(cfg.model) - planner.expert_params(cfg.model)  # (not theirs)
@@ -435,7 +453,8 @@ def expected(cfg: Config) -> dict[str, float]:
         stage = cfg.zero_stage if cfg.variant != REFERENCE and data_ranks(cfg) > 1 else 0
         # bf16 gathers in bf16 where FSDP2's mixed-precision policy applies, as bf16_weights does
         recipe = recipe_of(cfg)
-        policy = recipes.mixed_precision_policy(recipe, Layout.of(recipe, data_ranks(cfg), cfg.device))
+        policy = recipes.mixed_precision_policy(recipe, Layout.of(recipe, data_ranks(cfg) * cfg.pipeline_parallel,
+                                                                  cfg.device))
         bf16 = cfg.precision == "bf16_weights" or policy is not None
         out["all_gather_bytes"] = planner.fsdp2_all_gather_bytes(
             gathered_params(cfg), zero_stage=stage, micro_batches=cfg.micro_batches,
@@ -452,7 +471,7 @@ def expected(cfg: Config) -> dict[str, float]:
         out["saved_weight_copy_bytes"] = plan.kept_weight_copy_bytes
     dtype = "float32" if cfg.variant == REFERENCE else compute_dtype(cfg.precision)
     peak = hardware.peak_tflops(cfg.device, num_threads=cfg.num_threads).get(dtype)
-    if peak:
+    if peak and (cfg.variant == REFERENCE or cfg.pipeline_parallel == 1):  # a stage's: not predicted
         step_s = step_flops(cfg) / (peak * 1e12)
         out.update(step_ms=step_s * 1e3, tokens_per_s=computed_shape(cfg)[2] / step_s)
     return {k: float(v) for k, v in out.items()}
@@ -484,6 +503,12 @@ def notes(cfg: Config) -> dict[str, str]:
                                     "each row; predicted as the plain step of those, which keeps each "
                                     "block's attention output once where the ring or Ulysses keeps "
                                     "it twice (context_parallel.output_copy_bytes, not added).")
+    if cfg.pipeline_parallel > 1 and cfg.variant != REFERENCE:
+        out["peak_mem_bytes"] = (f"this rank's, measured over one timed step; predicted: its stage "
+                                 f"modules' model states and {cfg.pp_schedule}'s micro-batches in "
+                                 "flight (labkit.blocks.pipeline_recipe.planned; none with "
+                                 "checkpointing or 16-bit precision). The schedule runs the "
+                                 "forwards: activation_bytes and step_ms not measured or predicted.")
     if cfg.variant == REFERENCE:
         out["tokens_per_s"] = "every rank computes the whole global batch (as one process would)."
     if cfg.packing:

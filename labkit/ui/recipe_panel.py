@@ -30,13 +30,15 @@ from labkit.ui.background import BackgroundRun
 GIB = 2**30
 # The recipe experiment's knobs the panel shows, and the planner-side inputs around them.
 TECHNIQUES = ("precision", "checkpointing", "checkpoint_every", "micro_batches", "zero_stage",
-              "tensor_parallel", "context_parallel", "cp_mode", "expert_parallel", "offload", "compile",
+              "tensor_parallel", "context_parallel", "cp_mode", "expert_parallel", "pipeline_parallel",
+              "pp_schedule", "virtual_stages", "offload", "compile",
               "finetune", "loss", "loss_chunk", "optimizer", "packing")
 # The published model of notebook 08's worked example on its 4 x 24 GB: batch 8 per GPU.
 DEFAULTS: dict[str, Any] = {"model": "llama-2-7b", "hf_model": "", "batch_size": 8, "seq_len": 4096,
                             "precision": "fp32", "checkpointing": "none", "checkpoint_every": 2,
                             "micro_batches": 1, "zero_stage": 0, "tensor_parallel": 1,
                             "context_parallel": 1, "cp_mode": "ring", "expert_parallel": 1,
+                            "pipeline_parallel": 1, "pp_schedule": "1f1b", "virtual_stages": 2,
                             "offload": "none", "compile": False, "finetune": "none",
                             "loss": "plain", "loss_chunk": 1024, "optimizer": "adamw", "packing": False,
                             "num_gpus": 4, "gpu_mem_gib": 24.0, "scaled_budget": True}

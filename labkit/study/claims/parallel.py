@@ -8,8 +8,8 @@ import dataclasses
 from labkit import planner
 from labkit.blocks import ring as rings
 from labkit.blocks.layout import Layout
-from labkit.blocks.recipe import Recipe
-from labkit.config import MODELS
+from labkit.blocks.recipe import Recipe, planned_memory
+from labkit.config import MODELS, RunConfig, resolve
 from labkit.planner.pipeline import handoffs_per_micro_batch
 from labkit.study.claims.base import Claim
 
@@ -152,4 +152,15 @@ CLAIMS = [
           lambda: f"over dp_cp = {Layout.of(Recipe(expert_parallel=2), 4).dp_cp} ranks"),
     Claim('rep-02', '= 49,184',
           lambda: f"= {planner.all_to_all_bytes([[[5, 4], [7, 3]]], 0, hidden=256, num_experts=4):,}"),
+    Claim('rpp-01', 'is 664,608 B', lambda: f"is {pp_activation('gpipe'):,} B"),
+    Claim('rpp-01', '332,448 B: p - rank', lambda: f"{pp_activation('1f1b'):,} B: p - rank"),
+    Claim('rpp-01', 'the batch\'s 288 B', lambda: f"the batch's {planner.pipeline.pipeline_token_bytes(4, 8)} B"),
 ]
+
+
+def pp_activation(schedule: str) -> int:
+    """rpp-01: rank 0's planned activation bytes of a 2-stage pipeline recipe (tiny, 2 blocks,
+    4 rows of 8 tokens in 4 micro-batches)."""
+    cfg = resolve(RunConfig, "tiny", {"device": "cpu", "num_layers": 2, "batch_size": 4, "seq_len": 8})
+    plan = planned_memory(cfg, Recipe(pipeline_parallel=2, pp_schedule=schedule, micro_batches=4), 2, rank=0)
+    return plan.activation_bytes
