@@ -65,8 +65,7 @@ class Layout:
         of `recipe.context_parallel` of them, the rest data-parallel replicas (in expert-parallel
         groups of `recipe.expert_parallel`); the gradients reduced over dp x cp at
         `recipe.zero_stage`."""
-        tp, cp = recipe.tensor_parallel, recipe.context_parallel
-        pp = getattr(recipe, "pipeline_parallel", 1)
+        tp, cp, pp = recipe.tensor_parallel, recipe.context_parallel, recipe.pipeline_parallel
         if world % (pp * tp * cp):
             degrees = ((f"pipeline_parallel={pp} x " if pp > 1 else "") + f"tensor_parallel={tp}"
                        + (f" x context_parallel={cp}" if cp > 1 else ""))
@@ -119,13 +118,11 @@ class Layout:
     def dims(self) -> dict[str, int]:
         """The mesh's named dimensions: each that splits the ranks, and each in `always` (a
         sharded path checked on one rank still shards over a mesh of one)."""
-        if self.ep > 1:  # dp built as (dp_mod_ep, ep), flattened back to dp by `mesh`
-            data = (("dp_mod_ep", self.dp // self.ep), ("ep", self.ep))
-            return {name: size for name, size in (("pp", self.pp), *data, ("cp", self.cp), ("tp", self.tp))
-                    if name in ("dp_mod_ep", "ep") or size > 1 or name in self.always}
-        return {name: size for name, size in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp),
-                                              ("tp", self.tp))
-                if size > 1 or name in self.always}
+        # with ep, dp built as (dp_mod_ep, ep), both kept at any size, flattened back by `meshes`
+        data = ((("dp_mod_ep", self.dp // self.ep), ("ep", self.ep)) if self.ep > 1
+                else (("dp", self.dp),))
+        return {name: size for name, size in (("pp", self.pp), *data, ("cp", self.cp), ("tp", self.tp))
+                if size > 1 or name in self.always or name in ("dp_mod_ep", "ep")}
 
     @functools.cached_property
     def meshes(self) -> dict[str, DeviceMesh]:
@@ -141,17 +138,13 @@ class Layout:
         data = ("dp_mod_ep", "ep") if self.ep > 1 else ("dp",)
         if self.ep > 1:
             out["dp"] = mesh[data]._flatten("dp")
-        if self.has("dp") and "cp" in self.dims:
+        if "dp" in out and "cp" in out:
             out["dp_cp"] = mesh[(*data, "cp")]._flatten("dp_cp")
         return out
 
     @property
     def mesh(self) -> DeviceMesh | None:
         return self.meshes.get("root")
-
-    def has(self, name: str) -> bool:
-        """Whether the mesh has dimension `name` (dp also where ep splits it)."""
-        return name in self.dims or (name == "dp" and self.ep > 1)
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
@@ -160,12 +153,12 @@ class Layout:
     @property
     def ep_mesh(self) -> DeviceMesh | None:
         """The expert-parallel group: ep neighbouring replicas, each holding 1/ep of the experts."""
-        return self.meshes.get("ep") if self.ep > 1 else None
+        return self.meshes.get("ep")
 
     @property
     def ep_replicas_mesh(self) -> DeviceMesh | None:
         """The dp / ep ranks that hold the same experts (one in each ep group)."""
-        return self.meshes.get("dp_mod_ep") if self.ep > 1 else None
+        return self.meshes.get("dp_mod_ep")
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -184,6 +177,5 @@ class Layout:
     def dp_cp_mesh(self) -> DeviceMesh | None:
         """The ranks the data-parallel wrappers reduce over: dp and cp flattened (rank d·cp + c
         of it is replica d's c-th sequence shard), or whichever of the two there is."""
-        if "cp" not in self.dims:
-            return self.dp_mesh
-        return self.meshes["dp_cp"] if self.has("dp") else self.cp_mesh
+        meshes = self.meshes
+        return meshes.get("dp_cp", meshes.get("dp", meshes.get("cp")))

@@ -16,20 +16,22 @@ backwards' too).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage
 
+from labkit import planner
 from labkit.blocks import transforms
-from labkit.blocks.pipeline_schedule import LOOPED, local_stages, rank_of, stages_per_rank, torch_orders
+from labkit.blocks.pipeline_schedule import (LOOPED, SCHEDULES, in_flight, local_stages, rank_of,
+                                             stages_per_rank, torch_orders)
 from labkit.blocks.pipeline_stages import StageModule, balance, min_layers
 from labkit.blocks.training import Trainer, lm_loss
-from labkit.config import RunConfig
+from labkit.config import ConfigError, RunConfig
 from labkit.planner import pipeline as pipe_plan
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, **LOOPED}
 PP_SCHEDULES = tuple(SCHEDULES)  # planner.pipeline.SCHEDULES, in its order
 # autocast around the stages' forwards, or bf16 weights (bf16 sent between stages): each seen
 # equal to the plain step within its rounding; fp16's GradScaler never sees the schedule's loss
@@ -108,7 +110,6 @@ class PipelineStep:
         self.schedule = SCHEDULES[recipe.pp_schedule](
             self.stages if looped else self.stages[0], recipe.micro_batches, loss_fn=lm_loss,
             scale_grads=scale_grads)
-        self.orders = torch_orders(recipe.pp_schedule, p, recipe.micro_batches, recipe.virtual_stages)
         self.last_rank = layout.pp_mesh.mesh.flatten().tolist()[
             rank_of(recipe.pp_schedule, p)(self.n - 1)]  # global rank of the last module's
         keep_local(model, self.ids, self.bounds, self.n)
@@ -173,15 +174,12 @@ def stage_plan(cfg: RunConfig, recipe, pp_rank: int) -> dict[str, int]:
     moments) and keeps for backward at its peak: the schedule's actions walked at the planner's
     bytes per micro-batch of each module (`planner.pipeline.stage_activation_bytes`,
     `pipeline_schedule.in_flight`), as the pipeline experiment predicts it."""
-    from labkit import planner
-    from labkit.blocks.pipeline_schedule import in_flight
-
     n, p, m = modules_of(recipe), recipe.pipeline_parallel, recipe.micro_batches
     bounds, rows = even_bounds(cfg.model.num_layers, n), cfg.batch_size // m
     ids = local_stages(recipe.pp_schedule, pp_rank, p, recipe.virtual_stages)
     shape = dict(batch_size=rows, seq_len=cfg.seq_len)
-    sizes = [planner.stage_params(_blocks(cfg.model, bounds[s + 1] - bounds[s]), first=s == 0,
-                                  last=s == n - 1) for s in ids]
+    sizes = [planner.stage_params(dataclasses.replace(cfg.model, num_layers=bounds[s + 1] - bounds[s]),
+                                  first=s == 0, last=s == n - 1) for s in ids]
     params = sum(sp.total for sp in sizes)
     # AdamW's step: torch's for-loop (the CPU's default) makes previous + 2 x current of its
     # temporaries at the largest pair, the multi-tensor one a copy of every v (planner.training)
@@ -200,11 +198,6 @@ def stage_plan(cfg: RunConfig, recipe, pp_rank: int) -> dict[str, int]:
                                                            recipe.virtual_stages)}
 
 
-def _blocks(m, blocks: int):
-    from dataclasses import replace
-    return replace(m, num_layers=blocks)
-
-
 def no_case(recipe) -> str | None:
     """Why `planned` has no case for the recipe (one line), or None."""
     if recipe.precision != "fp32" or recipe.checkpointing != "none":
@@ -221,9 +214,6 @@ def planned(cfg: RunConfig, recipe, world: int, rank: int):
     yet made); or the optimizer step's, with its temporaries (`stage_plan`'s step_bytes), where
     that is more. ConfigError where the planner has no case: its stage bytes are fp32's,
     without recomputation."""
-    from labkit import planner
-    from labkit.config import ConfigError
-
     why = no_case(recipe)
     if why:
         raise ConfigError(why)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from torch.distributed.pipelining import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 Action = tuple[int, str, int]  # (stage, "F" | "B" | "I" | "W", micro-batch)
 LOOPED = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble,
           "zbv": ScheduleZBVZeroBubble}  # several stages per rank
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, **LOOPED}  # by variant name
 SPLIT = ("zero_bubble", "zbv")  # the backward split into I and W
 
 
@@ -55,7 +56,8 @@ def rank_of(variant: str, p: int) -> Callable[[int], int]:
 
 def local_stages(variant: str, rank: int, p: int, v: int) -> list[int]:
     """The stage indices rank `rank` holds, in increasing order."""
-    return sorted(s for s in range(p * stages_per_rank(variant, v)) if rank_of(variant, p)(s) == rank)
+    owner = rank_of(variant, p)
+    return sorted(s for s in range(p * stages_per_rank(variant, v)) if owner(s) == rank)
 
 
 def actions_of(pipeline_order: dict[int, list]) -> list[list[Action]]:
@@ -117,8 +119,9 @@ def replay_actions(orders: list[list[Action]], seconds: Callable[[int, str], flo
                 ready = 0 if dep is None else done[dep] + (handoff if rank(dep[1]) != r else 0)
                 start = max(spans[r][-1][1] if spans[r] else 0, ready)
                 # a full backward also stands for the I a previous stage waits on
-                done[("I" if kind == "B" else kind, s, i)] = start + seconds(s, kind)
-                spans[r].append((start, done[("I" if kind == "B" else kind, s, i)]))
+                key = ("I" if kind == "B" else kind, s, i)
+                done[key] = start + seconds(s, kind)
+                spans[r].append((start, done[key]))
                 progressed = True
         if not progressed:
             raise ValueError("the schedules wait on each other: no op can start")

@@ -276,6 +276,14 @@ def moe_refusal(cfg: RunConfig, recipe: Recipe) -> str | None:
     return None
 
 
+def shape_refusal(cfg: RunConfig, recipe: Recipe) -> str | None:
+    """Why the run's model, sequence or batch does not fit the recipe's context, expert or
+    pipeline parallelism (one line), or None: the checks past `refusal` that need the run's
+    config."""
+    return (cp_shape_refusal(cfg, recipe) or moe_refusal(cfg, recipe)
+            or pipeline_recipe.shape_refusal(cfg, recipe))
+
+
 def micro_batch_size(batch_size: int, micro_batches: int) -> int:
     """Sequences per micro-batch: a rank's `batch_size` per optimizer step, split evenly."""
     if batch_size % micro_batches:
@@ -289,8 +297,7 @@ def compose(cfg: RunConfig, recipe: Recipe, *, lr: float = 1e-3) -> Trainer:
     `cfg.batch_size` sequences per rank and optimizer step (`recipe.micro_batches` of them at a
     time). Raises ConfigError (one line) for a recipe that cannot run."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    why = (refusal(recipe, cfg.device, world) or cp_shape_refusal(cfg, recipe)
-           or moe_refusal(cfg, recipe) or pipeline_recipe.shape_refusal(cfg, recipe))
+    why = refusal(recipe, cfg.device, world) or shape_refusal(cfg, recipe)
     if why:
         raise ConfigError(why)
     micro = micro_batch_size(cfg.batch_size, recipe.micro_batches)

@@ -40,12 +40,9 @@ def cp_block_bytes(batch: int, heads: int, seq_len: int, head_dim: int, n: int, 
 
 def ring_sent_bytes(batch: int, kv_heads: int, seq_len: int, head_dim: int, n: int, *,
                     backward: bool = True, e: int = 4) -> int:
-    """Bytes one rank sends in one ring-attention forward (+ backward): 2·(n-1) K/V blocks forward,
-    2·(n-1) again and 2·n dK/dV blocks backward."""
-    if n == 1:
-        return 0
-    hops = (n - 1) + ((n - 1) + n if backward else 0)
-    return 2 * hops * cp_block_bytes(batch, kv_heads, seq_len, head_dim, n, e=e)
+    """Bytes one rank sends in one ring-attention forward (+ backward): `ring_sends` blocks, 2·(n-1)
+    K/V blocks forward, 2·(n-1) again and 2·n dK/dV blocks backward."""
+    return ring_sends(n, backward=backward) * cp_block_bytes(batch, kv_heads, seq_len, head_dim, n, e=e)
 
 
 def ring_sends(n: int, *, backward: bool = True) -> int:

@@ -12,7 +12,8 @@ from typing import Sequence
 
 from labkit.config import ConfigError, ModelConfig
 from labkit.planner.model import num_params
-from labkit.planner.precision import PRECISION_BYTES, optimizer_bytes_per_param
+from labkit.planner.precision import PRECISION_BYTES
+from labkit.planner.sharding import zero_model_state_bytes
 
 
 # Mixtral-8x7B's published config.json (mistralai/Mixtral-8x7B-v0.1), as `labkit.blocks.hf` reads it:
@@ -39,7 +40,7 @@ def active_params(m: ModelConfig) -> int:
     each layer (embedding and head included, as Mixtral's 12.9B counts them)."""
     _need_moe(m)
     unused = m.num_experts - m.experts_per_token
-    return num_params(m) - m.num_layers * unused * 3 * m.hidden_size * m.expert_ffn_size
+    return num_params(m) - expert_params(m) // m.num_experts * unused
 
 
 def ep_rank_params(m: ModelConfig, ep: int) -> int:
@@ -58,13 +59,13 @@ def check_ep(m: ModelConfig, ep: int) -> None:
 def ep_memory(m: ModelConfig, ep: int, precision: str = "bf16_weights", optimizer: str = "adamw") -> dict:
     """One expert-parallel rank's model states, in bytes (the replicated part not sharded by
     ZeRO): weights, gradients and optimizer states at `precision`."""
-    p, k = PRECISION_BYTES[precision], optimizer_bytes_per_param(precision, optimizer)
     mine = ep_rank_params(m, ep)
     experts = expert_params(m) // ep
+    param, grad, opt = zero_model_state_bytes(mine, stage=0, dp=1, precision=precision,
+                                              optimizer=optimizer)
     return {"ep": ep, "params": mine, "expert_params": experts, "replicated_params": mine - experts,
-            "param_bytes": mine * p.weight, "expert_param_bytes": experts * p.weight,
-            "grad_bytes": mine * p.grad, "optimizer_bytes": mine * k,
-            "model_states_bytes": mine * (p.weight + p.grad + k)}
+            "param_bytes": param, "expert_param_bytes": experts * PRECISION_BYTES[precision].weight,
+            "grad_bytes": grad, "optimizer_bytes": opt, "model_states_bytes": param + grad + opt}
 
 
 # --- capacity and drops -------------------------------------------------------------------------

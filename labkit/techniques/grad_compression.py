@@ -190,13 +190,13 @@ def grad_tolerance(cfg: Config, reference: dict, outputs: dict) -> float:
       is at most half a step s_b, so is the mean's;
     - powersgd: 1: a projection moves the gradient by at most its own norm."""
     fmt, n = FORMAT[cfg.variant], world_size()
-    norm = math.sqrt(sum(float((g.astype("float64") ** 2).sum()) for g in reference["grads"].values()))
     if fmt == "fp32":
         return FP32_TOLERANCE
-    if fmt == "int8":
-        return math.sqrt(outputs["int8_bound_sq"]) / norm + FP32_TOLERANCE
     if fmt == "powersgd":
         return 1.0 + FP32_TOLERANCE
+    norm = math.sqrt(sum(float((g.astype("float64") ** 2).sum()) for g in reference["grads"].values()))
+    if fmt == "int8":
+        return math.sqrt(outputs["int8_bound_sq"]) / norm + FP32_TOLERANCE
     tol = formulas.rounding_tolerance(fmt, n) * reference["local_norm"] / norm
     if fmt == "fp16":
         numel = sum(g.size for g in reference["grads"].values())
@@ -324,5 +324,6 @@ def scale_table(model: str, *, world: int = 8, powersgd_rank: int = 4, link_gbps
     sent = formulas.format_bytes(m, powersgd_rank=powersgd_rank)
     bus = {fmt: formulas.bus_bytes(s, world) for fmt, s in sent.items()}
     return pd.DataFrame({"grad_comm_bytes": sent, "grad_bus_bytes": bus,
-                         "compression_ratio": {f: sent["fp32"] / s for f, s in sent.items()},
+                         "compression_ratio": {f: formulas.compression_ratio(sent["fp32"], s)
+                                               for f, s in sent.items()},
                          "link_ms": {f: b / (link_gbps * 1e9) * 1e3 for f, b in bus.items()}})

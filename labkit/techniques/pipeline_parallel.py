@@ -24,12 +24,11 @@ from statistics import median
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from labkit import planner
 from labkit.blocks.distributed import DistConfig, default_nproc, world_size
 from labkit.blocks.model import build_model
-from labkit.blocks.pipeline_schedule import (LOOPED, SPLIT, actions_of, bubbles, in_flight,
+from labkit.blocks.pipeline_schedule import (LOOPED, SCHEDULES, SPLIT, actions_of, bubbles, in_flight,
                                              local_stages, rank_of, replay_actions, stages_per_rank,
                                              timeline, torch_orders)
 from labkit.blocks.pipeline_stages import (Spans, StageModule, TimedStage, agreed_costs,
@@ -51,7 +50,6 @@ CPU_RUNGS = ({"timed_steps": 1}, {"timed_steps": 1, "batch_size": 3, "micro_batc
               "num_layers": 2})  # the last: m < 2p - 1, ZBV skipped
 
 SIZES = {"tiny": {"batch_size": 4, "micro_batches": 4, "seq_len": 32, "timed_steps": 2}}
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, **LOOPED}
 # fp32, relative: the mean of m equal-sized micro-batch means against one mean, and m partial
 # gradient sums against one sum, differ by a few ulps (1.2e-7 each).
 LOSS_TOLERANCE = 1e-6
@@ -358,7 +356,6 @@ class Pipeline:
                     cfg.variant, p, m, r, v=cfg.virtual_stages, batch_size=cfg.batch_size // m,
                     seq_len=cfg.seq_len, hidden_size=cfg.model.hidden_size),
                 "send_count": m * pipe_plan.handoffs_per_micro_batch(cfg.variant, p, r, cfg.virtual_stages)}
-
 
     def predicted_saved(self) -> int:
         """Peak saved bytes of this rank: the schedule's actions walked at the planner's bytes per

@@ -166,9 +166,7 @@ def validate(cfg: Config) -> None:
                           "use fault=none")
     if cfg.tensor_parallel > 1:
         check_tp_shape(cfg, cfg.tensor_parallel)
-    why = (refused(cfg) or recipes.cp_shape_refusal(cfg, recipe_of(cfg))
-           or recipes.moe_refusal(cfg, recipe_of(cfg))
-           or recipes.pipeline_recipe.shape_refusal(cfg, recipe_of(cfg)))
+    why = refused(cfg) or recipes.shape_refusal(cfg, recipe_of(cfg))
     if why:
         raise ConfigError(why)
     if cfg.packing and expert_parallel.groups_matter(cfg.model):

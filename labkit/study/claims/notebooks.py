@@ -11,9 +11,9 @@ from labkit.config import MODELS
 from labkit.planner.compression import UNIT_ROUNDOFF
 from labkit.planner.precision import (BIAS_CORRECTIONS, EAGER_FP32_BYTES, EAGER_QUANTIZED_BYTES, LOW_BIT,
                                       QUANTIZED_MIN)
-from labkit.study.claims.base import GIB, H100, H200, LLAMA3, Claim, bf16_peak, ridge, sci, tbps
-from labkit.study.claims.serving import int8_kv_ratio, saved_mib
-from labkit.study.claims.training import int4_bits, nf4_bits, state_bytes
+from labkit.study.claims.base import GIB, H100, H200, LLAMA3, Claim, bf16_peak, ridge, sci, state_bytes, tbps
+from labkit.study.claims.serving import bits_int4, int8_kv_ratio, saved_mib
+from labkit.study.claims.training import nf4_bits
 
 NB, EX = "notebooks/text/", "notebooks/exercises/text/"
 LOW8 = LOW_BIT["adamw8bit"]
@@ -69,13 +69,13 @@ CLAIMS = [
     Claim(NB + '26_recipe.md', '53 bytes per element of the largest tensor',
           lambda: f"{EAGER_QUANTIZED_BYTES} bytes per element of the largest tensor"),
     Claim(NB + '27_weight_quant.md', '0.14x at group 64',
-          lambda: f"{int4_bits(64) / 32:.2f}x at group 64"),
+          lambda: f"{bits_int4(64) / 32:.2f}x at group 64"),
     Claim(NB + '27_weight_quant.md', "(the MLP's 688 on `tiny`, 344 on `reference`)",
           lambda: f"(the MLP's {MODELS['tiny'].ffn_size} on `tiny`, {MODELS['reference'].ffn_size} on `reference`)"),
     Claim(NB + '30_finetune.md', 'about 4.13 bits per weight, so about 0.13x of fp32',
           lambda: f"about {nf4_bits():.2f} bits per weight, so about {nf4_bits() / 32:.2f}x of fp32"),
     Claim(NB + '30_finetune.md', '4 + 2 × 16 / 64 = 4.5 bits a weight',
-          lambda: f"4 + 2 × 16 / 64 = {int4_bits(64)} bits a weight"),
+          lambda: f"4 + 2 × 16 / 64 = {bits_int4(64)} bits a weight"),
     Claim(NB + '32_fp8.md', '2^-4 = 6.25% and 2^-3 = 12.5%',
           lambda: f"2^-4 = {fp8.rounding_bound('e4m3'):.2%} and 2^-3 = {fp8.rounding_bound('e5m2'):.1%}"),
     Claim(NB + '32_fp8.md', 'about 0.196 x 2^-m',

@@ -11,9 +11,8 @@ from labkit.blocks.layout import Layout
 from labkit.blocks.recipe import Recipe, planned_memory
 from labkit.config import MODELS, RunConfig, resolve
 from labkit.planner.pipeline import handoffs_per_micro_batch
-from labkit.study.claims.base import Claim
+from labkit.study.claims.base import GIB, MIB, Claim
 
-MIB, GIB = 2**20, 2**30
 M8 = planner.MIXTRAL_8X7B  # the published Mixtral-8x7B shape
 PSI = planner.num_params(MODELS["llama-2-7b"])
 RING = dict(batch=1, kv_heads=8, seq_len=32768, head_dim=128, n=4)  # cp-01's layer on 4 ranks

@@ -42,10 +42,6 @@ def nf4_bits(double_quant: bool = True) -> float:
     return planner.nf4_bytes(4096, 4096, double_quant=double_quant) * 8 / 4096**2
 
 
-def int4_bits(group: int = 64) -> float:
-    return planner.weight_only_bytes(4096, 4096, "int4", group) * 8 / 4096**2
-
-
 def low_bit_gib(m, optimizer: str) -> float:
     return planner.low_bit_state_bytes(list(planner.stage_tensors(m)), optimizer) / GIB
 

@@ -94,15 +94,23 @@ class Rows:
     def __init__(self, rows: list[dict[str, Any]], source: str, run_id: str | None = None):
         self.rows, self.source, self.run_id = rows, source, run_id
 
+    def row(self, variant: str, metric: str | None = None, *, rank: int = 0, **point: Any) -> dict | None:
+        """The first row of `variant` (and `metric`, rank and sweep point when given), None when absent."""
+        return next((r for r in self.rows
+                     if r["variant"] == variant and (metric is None or r["metric"] == metric)
+                     and (r.get("rank") or 0) == rank
+                     and all(r["params"]["sweep"].get(k) == v for k, v in point.items())), None)
+
     def get(self, variant: str, metric: str | None = None, *, rank: int = 0, **point: Any) -> Any:
         """The value of `metric` (rank 0 of a multi-process run), None when absent; without a
         metric, the variant's first row (its status and message: an OOM has no metrics)."""
-        for r in self.rows:
-            if (r["variant"] == variant and (metric is None or r["metric"] == metric)
-                    and (r.get("rank") or 0) == rank
-                    and all(r["params"]["sweep"].get(k) == v for k, v in point.items())):
-                return r["value"] if metric else r
-        return None
+        r = self.row(variant, metric, rank=rank, **point)
+        return r if r is None or metric is None else r["value"]
+
+    def predicted(self, variant: str, metric: str, *, rank: int = 0, **point: Any) -> Any:
+        """The row's `predicted` (the planner's or the napkin math's figure), None when absent."""
+        r = self.row(variant, metric, rank=rank, **point)
+        return None if r is None else r.get("predicted")
 
 
 @dataclass(frozen=True)

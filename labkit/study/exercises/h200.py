@@ -36,11 +36,24 @@ def check(experiment: str, metric: str) -> dict[str, Any] | None:
     return None
 
 
+@functools.cache
+def run_rows(run_id: str) -> list[dict[str, Any]]:
+    """The rows of the record's run `run_id` (read once)."""
+    return json.loads((RUNS_DIR / f"{run_id}.json").read_text(encoding="utf-8"))["rows"]
+
+
 def run_row(run_id: str, metric: str, value: float) -> dict[str, Any]:
     """The row of the record's run `run_id` that measured `value` of `metric` (its sweep point
     and the datasheet figure it was predicted at)."""
-    rows = json.loads((RUNS_DIR / f"{run_id}.json").read_text(encoding="utf-8"))["rows"]
-    return next(r for r in rows if r["metric"] == metric and r["value"] == value)
+    return next(r for r in run_rows(run_id) if r["metric"] == metric and r["value"] == value)
+
+
+def _against_datasheet(c: dict[str, Any], metric: str, unit: str) -> tuple[dict[str, Any], str]:
+    """The run row behind check `c` (its `metric`), and its measured value as a share of the
+    datasheet figure it was predicted at."""
+    row = run_row(c["run_id"], metric, c["measured"])
+    return row, (f"{100 * c['measured'] / row['predicted']:.0f}% of the datasheet's "
+                 f"{show(row['predicted'], unit)} (run {c['run_id']})")
 
 
 def matmul_words() -> str:
@@ -48,11 +61,9 @@ def matmul_words() -> str:
     c = check("matmul", "bf16 matmul TFLOP/s")
     if c is None:
         return "none: the H200 record holds no matmul run"
-    row = run_row(c["run_id"], "tflops", c["measured"])
+    row, versus = _against_datasheet(c, "tflops", "TFLOP/s")
     size = row["params"]["sweep"].get("size")
-    return (f"{show(c['measured'], 'TFLOP/s')} in bf16 at m = n = k = {size:,}, "
-            f"{100 * c['measured'] / row['predicted']:.0f}% of the datasheet's "
-            f"{show(row['predicted'], 'TFLOP/s')} (run {c['run_id']})")
+    return f"{show(c['measured'], 'TFLOP/s')} in bf16 at m = n = k = {size:,}, {versus}"
 
 
 def copy_words() -> str:
@@ -60,10 +71,8 @@ def copy_words() -> str:
     c = check("memory_access", "device-to-device copy GB/s")
     if c is None:
         return "none: the H200 record holds no copy run"
-    row = run_row(c["run_id"], "gbps", c["measured"])
-    return (f"a device-to-device copy at {show(c['measured'], 'GB/s')}, "
-            f"{100 * c['measured'] / row['predicted']:.0f}% of the datasheet's "
-            f"{show(row['predicted'], 'GB/s')} (run {c['run_id']})")
+    _, versus = _against_datasheet(c, "gbps", "GB/s")
+    return f"a device-to-device copy at {show(c['measured'], 'GB/s')}, {versus}"
 
 
 def int4_words() -> str:

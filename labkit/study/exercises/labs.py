@@ -161,12 +161,7 @@ class Reading:
 
     def predicted(self, metric: str, *, rank: int = 0) -> Any:
         """The planner's (or the experiment's napkin math's) figure beside the measured one."""
-        for r in self.rows.rows:
-            if (r["variant"] == self.trial.variant and r["metric"] == metric
-                    and (r.get("rank") or 0) == rank
-                    and all(r["params"]["sweep"].get(k) == v for k, v in self.trial.point.items())):
-                return r.get("predicted")
-        return None
+        return self.rows.predicted(self.trial.variant, metric, rank=rank, **self.trial.point)
 
     def reference(self, metric: str) -> Any:
         """The same metric for the Run's reference variant (measured in the same run)."""
@@ -266,10 +261,15 @@ def _flops_grade(before: Reading, after: Reading, s: Setup) -> FixGrade:
                     "recomputation (FlopCounterMode counts every forward it runs)")
 
 
+def _fp32_plan(c) -> planner.MemoryPlan:
+    """The planner's fp32 training memory of config `c` (no recomputation)."""
+    return planner.training_memory(c.model, batch_size=c.batch_size, seq_len=c.seq_len,
+                                   precision="fp32", device=c.device)
+
+
 def _ckpt_evidence(r: Reading, s: Setup) -> dict[str, str]:
     c = s.cfg(r.trial.variant)
-    plan = planner.training_memory(c.model, batch_size=c.batch_size, seq_len=c.seq_len,
-                                   precision="fp32", device=c.device)
+    plan = _fp32_plan(c)
     ceil_ms = s.expected("none").get("step_ms")
     return {"step time": f"{show(r.get('step_ms'), 'ms')} (the planner's FLOPs-at-peak bound for "
                          f"the plain step: {show(ceil_ms, 'ms')})",
@@ -293,8 +293,7 @@ def _train_words(overrides: dict[str, Any]) -> dict[str, Any]:
 
 def _oom_evidence(r: Reading, s: Setup) -> dict[str, str]:
     c = s.cfg("none")
-    plan = planner.training_memory(c.model, batch_size=c.batch_size, seq_len=c.seq_len,
-                                   precision="fp32", device=c.device)
+    plan = _fp32_plan(c)
     return {"status of the step": f"{r.status}: {r.message}",
             "memory budget": mib(c.memory_budget_gib * 2**30),
             "the planner's peak for this step": mib(s.expected("none")["peak_mem_bytes"]),
@@ -655,7 +654,12 @@ class FixOutcome:
     grade: FixGrade
     source: str  # the re-measurement
     solution: bool = False
-    unmapped: str = ""  # the knob set, when this setup has nothing it sets
+
+    @property
+    def unmapped(self) -> str:
+        """The knob set, when this setup has nothing it sets ("" otherwise)."""
+        changed = self.lab.changed(self.fix)
+        return changed[0] if changed and changed[0] not in self.lab.fixes else ""
 
     @property
     def passed(self) -> bool:
@@ -789,14 +793,11 @@ def apply_fix(key: str, fix: dict[str, Any] | None = None, *, solution: bool = F
     was) and grade it by the mechanism figure against the broken setup's, with the lab's margin."""
     lab = get_lab(key)
     given = given_fix(key, reference_fix(key) if solution else fix)
-    settings = {**lab.broken, **given}
-    changed = lab.changed(settings)
     before, _ = _read(lab.trial, device, runs_dir)
-    after, setup = _read(lab.trial_for(settings), device, runs_dir)
+    after, setup = _read(lab.trial_for({**lab.broken, **given}), device, runs_dir)
     with setup.formulas():
         grade = lab.grade_fix(before, after, setup)
-    unmapped = changed[0] if changed and changed[0] not in lab.fixes else ""
-    outcome = FixOutcome(lab, given, grade, after.rows.source, solution, unmapped)
+    outcome = FixOutcome(lab, given, grade, after.rows.source, solution)
     if not solution:
         record_attempt(kind="fix", exercise=key, topic=TOPIC, level=lab.level, prediction=given,
                        reference=lab.solution, correct=grade.passed,

@@ -48,7 +48,7 @@ def build_exercises() -> list[Exercise]:
             evidence=lambda r, s: {
                 "ideal_1f1b": percent(r.get("1f1b", "ideal_bubble_fraction")),
                 "measured": percent(r.get("interleaved_1f1b", "bubble_fraction_mean")),
-                "replayed": percent(_predicted(r, "interleaved_1f1b", "bubble_fraction_mean")),
+                "replayed": percent(r.predicted("interleaved_1f1b", "bubble_fraction_mean")),
                 "sends": show(r.get("interleaved_1f1b", "send_count")),
                 "sends_1f1b": show(r.get("1f1b", "send_count"))},
             level=1, unit="%", abs_tol=0.5, mistake=interleaved_ratio_pct,
@@ -66,13 +66,6 @@ def build_exercises() -> list[Exercise]:
             supports=lambda r, s: _held_is(r, held(s, "zero_bubble")),
             words={"rank": RANK}),
     ]
-
-
-def _predicted(r, variant: str, metric: str):
-    """The row's `predicted` (rank 0), None when absent."""
-    row = next((x for x in r.rows if x["variant"] == variant and x["metric"] == metric
-                and (x.get("rank") or 0) == 0), None)
-    return None if row is None else row.get("predicted")
 
 
 def _held_is(r, count: int) -> str | None:
