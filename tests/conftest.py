@@ -143,14 +143,16 @@ def fault_fixtures(experiment: str, overrides: dict):
     return run, rows, corrupted
 
 
-# Each notebook's own parameters on top of report mode: sizes that finish in seconds. What they
+# Each notebook's own parameters on top of report mode: sizes that finish in seconds, and one
+# variant beside the reference where the experiment's own tests run every variant. What they
 # leave unset, the report's plan sizes at a budget no notebook fits: the smallest it has, on any CPU.
 TEST_BUDGET_S = 1.0
 PARAMETERS = {
     "00_environment": {},
     "01_mixed_precision": {"overrides": {**TINY_TRAIN, "batch_size": 2}, "variants": "bf16_weights"},
     "02_kv_cache": {"overrides": TINY_DECODE},
-    "03_checkpointing": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2}},
+    "03_checkpointing": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2},
+                         "variants": "full"},
     "04_grad_accumulation": {"overrides": {**FAST, "batch_size": 1, "seq_len": 8, "num_layers": 2},
                                    "sweep": {"micro_batches": [1, 2]}},
     "05_offload": {"overrides": TINY_TRAIN},
@@ -193,18 +195,19 @@ PARAMETERS = {
                              "variants": "workers"},
     "24_threads": {"overrides": {**FAST, "size": 128, "threads": 2}, "variants": "set_num_threads,omp_env"},
     "25_quiz": {"n": 3, "seed": 0},
-    "26_recipe": {"overrides": TINY_DIST, "nproc": 2},
-    "27_weight_quant": {"overrides": TINY_DECODE},
-    "28_speculative": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 16}},
+    "26_recipe": {"overrides": TINY_DIST, "nproc": 2, "ladder_steps": {"checkpointing": "full"}},
+    "27_weight_quant": {"overrides": TINY_DECODE, "variants": "int4"},
+    "28_speculative": {"overrides": {**FAST, "num_layers": 2, "prompt_len": 8, "new_tokens": 16},
+                       "variants": "prompt_lookup"},
     "29_sla": {"overrides": {"num_requests": 6, "max_output_len": 8, "num_layers": 2, "search_steps": 2},
-               "variants": "continuous", "pareto_batch_sizes": [2, 4], "pareto_variants": "continuous"},
+               "variants": "continuous", "pareto_batch_sizes": [2], "pareto_variants": "continuous"},
     "30_finetune": {"overrides": TINY_TRAIN, "variants": "qlora", "frontier_cpu_budget_gib": 0.001,
                     "frontier_seq_step": 64, "frontier_overrides": {"batch_size": 1, "num_layers": 1, "vocab_size": 256,
                                                                     "hidden_size": 64, "ffn_size": 128, "max_seq_len": 256}},
-    "31_packing": {"overrides": {**FAST, "num_layers": 2, "batch_size": 6, "seq_len": 64}},
+    "31_packing": {"overrides": {**FAST, "num_layers": 2, "batch_size": 6, "seq_len": 64}, "variants": "packed"},
     "34_moe": {"overrides": {**TINY_DIST, "timed_steps": 1}, "sweep": {"capacity_factor": [1.0, 2.0]},
                "variants": "ep", "nproc": 2},
-    "32_fp8": {"overrides": {**FAST, "num_layers": 2, "seq_len": 32}},
+    "32_fp8": {"overrides": {**FAST, "num_layers": 2, "seq_len": 32}, "variants": "fp8_tensorwise"},
     "33_context_parallel": {"overrides": {**FAST, "timed_steps": 1, "batch_size": 1, "seq_len": 64},
                             "nproc": 2},
     "35_grad_compression": {"overrides": {**TINY_DIST, "timed_steps": 1, "steps": 2, "num_layers": 1,

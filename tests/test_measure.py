@@ -28,7 +28,8 @@ def test_timer_runs_warmup_then_at_least_the_repeats_and_measures_the_step():
         time.sleep(0.02)
 
     timing = time_step(step, warmup=2, min_run_time_s=0.0, min_repeats=4)
-    assert len(timing.times_s) >= 4 and len(calls) >= 2 + 4
+    # no minimum time: exactly the warm-up calls and the repeats, no untimed block-size estimate
+    assert len(timing.times_s) == 4 and len(calls) == 2 + 4
     # sleep() can only overshoot: every repeat is at least the 20 ms slept
     assert min(timing.times_s) >= 0.02 and timing.median_s >= 0.02
     assert timing.iqr_s >= 0.0

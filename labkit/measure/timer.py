@@ -10,6 +10,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from labkit.measure.clock import seconds
+
 MAX_REPEATS = 1000
 
 
@@ -55,15 +57,23 @@ def time_step(step: Callable[[], object], *, device: str = "cpu", warmup: int = 
         for _ in range(warmup):
             step()
         return Timing(_time_cuda(step, min_run_time_s, min_repeats), warmup)
+    with cpu_threads(num_threads):
+        for _ in range(warmup):
+            step()
+        # blocked_autorange sizes its blocks with an untimed call first; with no minimum time (the
+        # tests' sizes) only the repeats run, one call each (Timer.timeit(1) would warm up with
+        # two more calls every time)
+        times = _autorange(step, min_run_time_s, num_threads) if min_run_time_s > 0 else []
+        while len(times) < min_repeats:
+            times.append(seconds(step, "cpu"))
+    return Timing(tuple(times), warmup)
+
+
+def _autorange(step: Callable[[], object], min_run_time_s: float, num_threads: int) -> list[float]:
     from torch.utils import benchmark  # imported here: it pulls in setuptools (0.14 s)
 
     timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=num_threads)
-    if warmup:
-        timer.timeit(warmup)
-    times = list(timer.blocked_autorange(min_run_time=min_run_time_s).times)
-    while len(times) < min_repeats:
-        times.extend(timer.timeit(1).times)
-    return Timing(tuple(times), warmup)
+    return list(timer.blocked_autorange(min_run_time=min_run_time_s).times)
 
 
 def _time_cuda(step: Callable[[], object], min_run_time_s: float, min_repeats: int) -> tuple[float, ...]:
