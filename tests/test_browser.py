@@ -169,10 +169,11 @@ def wait_until_serving(proc: subprocess.Popen, url: str, log: Path) -> None:
                 f"{log.read_text()[-3000:]}")
 
 
-@pytest.fixture
-def lab(tmp_path):
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
     """JupyterLab (the `labkit lab` command) serving a folder with the prepared notebook; yields its
-    base URL and token. The process group is ended afterwards, also when the test failed."""
+    base URL and token. The process group is ended afterwards, also when a test failed."""
+    tmp_path = tmp_path_factory.mktemp("jupyterlab")
     root = tmp_path / "lab"
     root.mkdir()
     prepare_notebook(root)
@@ -264,6 +265,19 @@ def test_notebook_panel_in_jupyterlab_gains_points_on_run(browser, lab):
     assert legends["legends"] >= 2 and not legends["overlaps"], legends
     assert not errors, errors
     assert not refused, f"JupyterLab asked for non-local addresses: {refused}"
+
+
+def test_lab_answers_with_its_token_and_refuses_a_request_without_it(lab):
+    """The server `labkit lab`'s command starts (its 127.0.0.1-only command line: test_cli.py)."""
+    import urllib.error
+
+    base, token = lab
+    url = f"{base}/api/contents/{NOTEBOOK}?content=0"
+    with urllib.request.urlopen(f"{url}&token={token}", timeout=5) as r:
+        assert r.status == 200 and json.loads(r.read())["name"] == NOTEBOOK
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=5)
+    assert refused.value.code == 403
 
 
 def test_report_page_renders_its_plots_with_the_network_blocked(browser, report):

@@ -76,10 +76,11 @@ class WarmKernel:
         import papermill
 
         self._ready(Path(path).stem)
-        try:
+        try:  # the output written once, at the end, failed or not (papermill's finally), not after every cell
             papermill.execute_notebook(str(path), str(output), parameters=parameters,
                                        kernel_name="python3", km=self.km, progress_bar=False,
-                                       store_widget_state=False, **papermill_kwargs)
+                                       store_widget_state=False, request_save_on_cell_execute=False,
+                                       **papermill_kwargs)
         except papermill.PapermillExecutionError:
             raise  # a cell raised: the kernel itself is fine
         except BaseException:
