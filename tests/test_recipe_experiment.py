@@ -115,9 +115,9 @@ def test_a_budget_makes_composed_an_oom_row_while_plain_still_runs(rows):
 QLORA = {"checkpointing": "full", "precision": "fp32"}
 # ZeRO-2 with 2 micro-batches: each micro-batch's forward gathers FSDP2's units anew; ZeRO-3:
 # the blocks gathered again for the backward, the root unit kept from its forward. QLoRA's NF4
-# base, and the weight-only int8 and int4 bases (labkit.blocks.lora.apply_weight_only)
-QLORA_POINTS = ({"finetune": "qlora", "zero_stage": 2, "micro_batches": 1},
-                {"finetune": "qlora", "zero_stage": 2, "micro_batches": 2},
+# base, and the weight-only int8 and int4 bases (labkit.blocks.lora.apply_weight_only); one
+# micro-batch under ZeRO-2 is lora_int8's point
+QLORA_POINTS = ({"finetune": "qlora", "zero_stage": 2, "micro_batches": 2},
                 {"finetune": "qlora", "zero_stage": 3, "micro_batches": 1},
                 {"finetune": "lora_int8", "zero_stage": 2, "micro_batches": 1},
                 {"finetune": "lora_int4", "zero_stage": 3, "micro_batches": 2})
