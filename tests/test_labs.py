@@ -493,16 +493,27 @@ def test_lab_shape_grades_the_formula_on_a_cpu_and_the_rate_on_a_gpu(monkeypatch
     assert not lab.grade_fix(before, given(lab.trial, rate(150.0)), setup).passed  # still unaligned
 
 
+@pytest.fixture(scope="module")
+def lab_notebooks(lab_runs, tmp_path_factory):
+    """On one warm kernel: a lab played through (OVERFLOW_LAB: a wrong diagnosis, the right one,
+    the reference fix), then every lab notebook in solution mode; {"played" or key: its text}."""
+    pytest.importorskip("papermill")
+    folder = tmp_path_factory.mktemp("lab-notebooks")
+    played = (lab_path(OVERFLOW_LAB), folder / "played.ipynb", {
+        "diagnosis": [labs.DIAGNOSES[3], labs.LABS[OVERFLOW_LAB].diagnosis],
+        "fix": labs.reference_fix(OVERFLOW_LAB), "interactive": False, "device": DEVICE, "runs_dir": lab_runs})
+    params = {"solution": True, "interactive": False, "device": DEVICE, "runs_dir": lab_runs}
+    jobs = [played] + [(lab_path(k), folder / f"{k}.ipynb", params) for k in labs.LABS]
+    return dict(zip(["played", *labs.LABS], execute_notebooks(jobs, folder)))
+
+
 @pytest.mark.notebook
-def test_a_lab_played_through_in_a_notebook(lab_runs, tmp_path):
+def test_a_lab_played_through_in_a_notebook(lab_notebooks, lab_runs):
     """Symptoms, evidence, a wrong diagnosis and its feedback, the right one, the knobs after it,
     the reference fix applied and the re-measurement that grades it."""
-    pytest.importorskip("papermill")
     key, lab = OVERFLOW_LAB, labs.LABS[OVERFLOW_LAB]
     wrong = labs.DIAGNOSES[3]
-    (text,) = execute_notebooks([(lab_path(key), tmp_path / "played.ipynb", {
-        "diagnosis": [wrong, lab.diagnosis], "fix": labs.reference_fix(key), "interactive": False,
-        "device": DEVICE, "runs_dir": lab_runs})], tmp_path)
+    text = lab_notebooks["played"]
     assert lab.symptoms in text and "Evidence (" in text and "inf/nan" in text
     assert f"Diagnosis {wrong!r}: wrong" in text and lab.feedback[wrong] in text
     assert f"Diagnosis {lab.diagnosis!r}: correct" in text
@@ -513,12 +524,9 @@ def test_a_lab_played_through_in_a_notebook(lab_runs, tmp_path):
 
 
 @pytest.mark.notebook
-def test_every_lab_notebook_in_solution_mode(lab_runs, tmp_path):
-    pytest.importorskip("papermill")
-    params = {"solution": True, "interactive": False, "device": DEVICE, "runs_dir": lab_runs}
-    texts = execute_notebooks([(lab_path(k), tmp_path / f"{k}.ipynb", params) for k in labs.LABS],
-                              tmp_path)
-    for key, text in zip(labs.LABS, texts):
+def test_every_lab_notebook_in_solution_mode(lab_notebooks):
+    for key in labs.LABS:
+        text = lab_notebooks[key]
         assert "Solution mode: the reference diagnosis" in text and ": correct." in text, (key, text[-1500:])
         assert "Solution mode: the reference fix" in text and "graded fixed" in text, (key, text[-1500:])
 
