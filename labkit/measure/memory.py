@@ -36,11 +36,17 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     `tree_leaves` finds, several times faster, which matters once per dispatched op."""
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in tensors_in(x)]
     if isinstance(obj, dict):
-        return [t for x in obj.values() for t in tensors_in(x)]
-    return []
+        obj = list(obj.values())
+    elif not isinstance(obj, (tuple, list)):
+        return []
+    out = []
+    for x in obj:  # an op's arguments are mostly flat: recurse only into containers
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (tuple, list, dict)):
+            out.extend(tensors_in(x))
+    return out
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -49,8 +55,11 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    t = local_tensor(t)
-    if t.device.type == "meta" or not hasattr(t, "untyped_storage"):
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:  # plain ones first: per op
+        t = local_tensor(t)
+        if not hasattr(t, "untyped_storage"):
+            return None
+    if t.is_meta:
         return None
     try:
         return t.untyped_storage()
@@ -137,8 +146,8 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = tensors_in((args, kwargs))
-        if any(_opaque(t) for t in tensors):
+        tensors = tensors_in(args) + tensors_in(kwargs) if kwargs else tensors_in(args)
+        if any(type(t) is not torch.Tensor and _opaque(t) for t in tensors):
             # A wrapper subclass (torchao's 8-bit optimizer states) runs its ops on its inner
             # tensors; declining the op here lets them come back through this mode, so its
             # temporaries and its new inner tensors are counted, not its placeholder's size.
