@@ -54,8 +54,11 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {st._cdata for st in map(_storage, tensors) if st is not None}
 
 
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # types with a storage of their own, no wrapper to probe
+
+
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:  # plain ones first: per op
+    if type(t) not in PLAIN:  # a DTensor's shard, a wrapper subclass: the rarer, slower path
         t = local_tensor(t)
         if not hasattr(t, "untyped_storage"):
             return None
@@ -147,7 +150,7 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = tensors_in(args) + tensors_in(kwargs) if kwargs else tensors_in(args)
-        if any(type(t) is not torch.Tensor and _opaque(t) for t in tensors):
+        if any(type(t) not in PLAIN and _opaque(t) for t in tensors):
             # A wrapper subclass (torchao's 8-bit optimizer states) runs its ops on its inner
             # tensors; declining the op here lets them come back through this mode, so its
             # temporaries and its new inner tensors are counted, not its placeholder's size.
