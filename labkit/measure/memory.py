@@ -71,8 +71,9 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 def _opaque(t: torch.Tensor) -> bool:
-    """A wrapper subclass other than a DTensor (whose local shard `_storage` counts)."""
-    return type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t) and not hasattr(t, "placements")
+    """A wrapper subclass other than a DTensor (whose local shard `_storage` counts); the caller
+    has left out the PLAIN types."""
+    return is_traceable_wrapper_subclass(t) and not hasattr(t, "placements")
 
 
 def _dtype_name(t: torch.Tensor) -> str:
