@@ -46,6 +46,17 @@ def test_data_wait_is_a_share_of_the_step_and_h2d_only_on_cuda(rows):
     assert by(rows, "baseline", "data_ms")["predicted"] == pytest.approx(2 * 300 / 1e3)
 
 
+def test_one_stalled_step_does_not_decide_the_wait():
+    """The wait and compute are the median step's: a step stalled by something else on the
+    machine (here 84 ms in next()) moves neither, where a sum over the steps doubled the share."""
+    feed = dataloading.LoaderFeed(_cfg())
+    feed.records = [(0.001, 0.100, 0.0), (0.002, 0.110, 0.0), (0.084, 0.200, 0.0)]
+    out = feed.report()
+    assert out["data_ms"] == pytest.approx(2.0) and out["compute_ms"] == pytest.approx(108.0)
+    assert out["data_wait_pct"] == pytest.approx(100 * 2.0 / (2.0 + 108.0))
+    assert feed.predicted()["step_ms"] == pytest.approx(108.0 + dataloading.data_ms(feed.cfg))
+
+
 def test_loaders_with_and_without_workers_yield_identical_batches():
     """The mechanism behind equal losses: per-index seeded samples and a seeded shuffle drawn in
     the main process, whichever process builds the samples."""

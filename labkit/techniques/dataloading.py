@@ -225,15 +225,21 @@ class LoaderFeed:
         if is_metered():  # a harness meter (memory, FLOPs) slowed this step: not a timing
             self.records.pop()
 
+    def medians(self) -> tuple[float, float]:
+        """The median step's wait and compute, in seconds: one step stalled by something else on
+        the machine (a preempted or throttled process) moves neither."""
+        return (statistics.median(w for w, _, _ in self.records),
+                statistics.median(t - w for w, t, _ in self.records))
+
     def report(self) -> dict[str, float]:
         if not self.records:
             return {"first_batch_ms": self.first_batch_s * 1e3}
-        wait, total, copy = (sum(column) for column in zip(*self.records))
-        n = len(self.records)
-        out = {"data_wait_pct": 100 * wait / total, "data_ms": 1e3 * wait / n,
-               "compute_ms": 1e3 * (total - wait) / n, "first_batch_ms": self.first_batch_s * 1e3}
+        wait, compute = self.medians()
+        copy = sum(c for _, _, c in self.records)
+        out = {"data_wait_pct": 100 * wait / (wait + compute), "data_ms": 1e3 * wait,
+               "compute_ms": 1e3 * compute, "first_batch_ms": self.first_batch_s * 1e3}
         if is_cuda(self.cfg) and copy > 0:
-            out["h2d_gbps"] = batch_bytes(self.cfg) * n / copy / 1e9
+            out["h2d_gbps"] = batch_bytes(self.cfg) * len(self.records) / copy / 1e9
         return out
 
     def predicted(self) -> dict[str, float]:
@@ -241,7 +247,7 @@ class LoaderFeed:
         this run's measured compute time and the data set's per-sample cost."""
         if not self.records:
             return {}
-        compute_ms = 1e3 * statistics.median(t - w for w, t, _ in self.records)
+        compute_ms = 1e3 * self.medians()[1]
         data = data_ms(self.cfg)
         step = max(compute_ms, data / self.cfg.num_workers) if self.cfg.variant in WORKERS \
             else compute_ms + data
@@ -263,7 +269,8 @@ def build(cfg: Config) -> Workload:
     return Workload(
         step=trainer.step, check=functools.partial(check, trainer, feed),
         tokens_per_step=cfg.batch_size * cfg.seq_len, tensors={"param_bytes": trainer.model.parameters},
-        report=feed.report, predicted=feed.predicted, notes=notes(cfg), compute_dtype=cfg.dtype)
+        report=feed.report, predicted=feed.predicted, notes=notes(cfg), compute_dtype=cfg.dtype,
+        min_repeats=5)  # the median of 5 steps: two stalled steps cannot decide the wait
 
 
 def check(trainer: Trainer, feed: LoaderFeed) -> dict:
@@ -309,8 +316,9 @@ def expected(cfg: Config) -> dict[str, float]:
 
 def notes(cfg: Config) -> dict[str, str]:
     out = {"data_wait_pct": "time blocked in next(iterator) plus the host-to-device copy, over "
-                            "the step's time (perf_counter; on CUDA the copy is timed by events), "
-                            "summed over the timed steps.",
+                            "the step's time (perf_counter; on CUDA the copy is timed by events): the "
+                            "median step's wait over that wait plus the median step's compute, "
+                            "so one step stalled by other work on the machine does not decide it.",
            "step_ms": "predicted: data + compute without workers, max(compute, data / workers) "
                       "with them, from this run's measured compute and the per-sample cost "
                       "knobs; assumes a free core per worker.",
