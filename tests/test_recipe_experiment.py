@@ -1,14 +1,17 @@
 """The `recipe` experiment on two gloo ranks, and the planner's autocast and FSDP2 terms.
 
-One launch serves every test that reads rows: the issue's recipe (bf16, full checkpointing, 2
-micro-batches, ZeRO-2: FSDP2 with its bf16 mixed-precision policy) swept over no budget and a
-budget of half its predicted peak, so the second point's composed is an `oom` row while plain,
-the reference, still runs.
+One launch serves every test that reads rows (a launch costs 6-12 s), its points:
+- the issue's recipe (bf16, full checkpointing, 2 micro-batches, ZeRO-2: FSDP2 with its bf16
+  mixed-precision policy) with no budget, and with a budget of half its predicted peak, so that
+  composed is an `oom` row there while plain, the reference, still runs;
+- the model converters: a quantized base + LoRA + full checkpointing + ZeRO (QLORA_POINTS);
+- FSDP2's ZeRO-3 with accumulation (FSDP2_POINTS).
 The planner's new terms are held to single-process measurements below (autocast's activations
 and cached weight copies, and the peaks they make)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 import pytest
@@ -38,19 +41,40 @@ def config(variant="composed", **overrides) -> recipe.Config:
 
 
 BUDGET_GIB = 0.5 * recipe.planned(config()).total_bytes / 2**30  # composed cannot fit it
+BUDGET = {**RECIPE, "budget_gib": BUDGET_GIB}
+
+QLORA = {"checkpointing": "full", "precision": "fp32"}
+# ZeRO-2 with 2 micro-batches: each micro-batch's forward gathers FSDP2's units anew; ZeRO-3:
+# the blocks gathered again for the backward, the root unit kept from its forward. QLoRA's NF4
+# base, and the weight-only int8 and int4 bases (labkit.blocks.lora.apply_weight_only); one
+# micro-batch under ZeRO-2 is lora_int8's point
+QLORA_POINTS = tuple({**QLORA, **p} for p in (
+    {"finetune": "qlora", "zero_stage": 2, "micro_batches": 2},
+    {"finetune": "qlora", "zero_stage": 3, "micro_batches": 1},
+    {"finetune": "lora_int8", "zero_stage": 2, "micro_batches": 1},
+    {"finetune": "lora_int4", "zero_stage": 3, "micro_batches": 2}))
+QLORA_IDS = [f"{p['finetune']}-zero{p['zero_stage']}-x{p['micro_batches']}" for p in QLORA_POINTS]
+QLORA_READY = all(importlib.util.find_spec(m) for m in ("peft", "torchao"))
+# without recomputation in fp32, with it in bf16 (FSDP2's policy under ZeRO-3)
+FSDP2_POINTS = tuple({"zero_stage": 3, "micro_batches": 2, "num_layers": 3, **p} for p in (
+    {"checkpointing": "none", "precision": "fp32"}, {"checkpointing": "full", "precision": "bf16"}))
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    return run_experiment("recipe", preset="tiny", overrides={**SIZES, **RECIPE},
-                          sweep={"budget_gib": [None, BUDGET_GIB]},
+    points = [RECIPE, BUDGET, *(QLORA_POINTS if QLORA_READY else ()), *FSDP2_POINTS]
+    return run_experiment("recipe", preset="tiny", overrides=SIZES, sweep=points,
                           runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
 
 
-def at(rows, variant, metric, rank, budget=None):
-    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)
-            and r["params"]["sweep"].get("budget_gib") == budget]
-    assert len(hits) == 1, (variant, metric, rank, budget, hits)
+def of(rows, point):
+    """The rows measured at the sweep point `point`."""
+    return [r for r in rows if r["params"]["sweep"] == point]
+
+
+def at(rows, variant, metric, rank, point=RECIPE):
+    hits = [r for r in of(rows, point) if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)]
+    assert len(hits) == 1, (variant, metric, rank, point, hits)
     return hits[0]
 
 
@@ -100,72 +124,46 @@ def test_model_states_and_activations_are_measured_beside_their_predictions(rows
 
 
 def test_a_budget_makes_composed_an_oom_row_while_plain_still_runs(rows):
-    budget = BUDGET_GIB
     for rank in RANKS:
-        oom = [r for r in rows if r["variant"] == "composed" and r["rank"] == rank
-               and r["params"]["sweep"].get("budget_gib") == budget]
+        oom = [r for r in of(rows, BUDGET) if r["variant"] == "composed" and r["rank"] == rank]
         assert [r["status"] for r in oom] == ["oom"], oom
         assert "budget" in oom[0]["message"] and "predicted" in oom[0]["message"]
-        plain = at(rows, "plain", "peak_mem_bytes", rank, budget)
-        assert plain["status"] == "ok" and plain["value"] > budget * 2**30  # not bound by it
+        plain = at(rows, "plain", "peak_mem_bytes", rank, BUDGET)
+        assert plain["status"] == "ok" and plain["value"] > BUDGET_GIB * 2**30  # not bound by it
 
 
-# --- the model converters: a quantized base + LoRA + full checkpointing + ZeRO, one more launch --
-
-QLORA = {"checkpointing": "full", "precision": "fp32"}
-# ZeRO-2 with 2 micro-batches: each micro-batch's forward gathers FSDP2's units anew; ZeRO-3:
-# the blocks gathered again for the backward, the root unit kept from its forward. QLoRA's NF4
-# base, and the weight-only int8 and int4 bases (labkit.blocks.lora.apply_weight_only); one
-# micro-batch under ZeRO-2 is lora_int8's point
-QLORA_POINTS = ({"finetune": "qlora", "zero_stage": 2, "micro_batches": 2},
-                {"finetune": "qlora", "zero_stage": 3, "micro_batches": 1},
-                {"finetune": "lora_int8", "zero_stage": 2, "micro_batches": 1},
-                {"finetune": "lora_int4", "zero_stage": 3, "micro_batches": 2})
-QLORA_IDS = [f"{p['finetune']}-zero{p['zero_stage']}-x{p['micro_batches']}" for p in QLORA_POINTS]
+# --- the model converters: a quantized base + LoRA + full checkpointing + ZeRO --------------------
+qlora = pytest.mark.skipif(not QLORA_READY, reason="needs peft and torchao (the finetune extra)")
 
 
-@pytest.fixture(scope="module")
-def qlora_rows(tmp_path_factory):
-    pytest.importorskip("peft")
-    pytest.importorskip("torchao")
-    return run_experiment("recipe", preset="tiny", overrides={**SIZES, **QLORA},
-                          sweep=list(QLORA_POINTS),
-                          runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
-
-
-def qlora_at(rows, variant, metric, rank, point):
-    hits = [r for r in rows if (r["variant"], r["metric"], r["rank"]) == (variant, metric, rank)
-            and all(r["params"]["sweep"][k] == v for k, v in point.items())]
-    assert len(hits) == 1, (variant, metric, rank, point, hits)
-    return hits[0]
-
-
+@qlora
 @pytest.mark.parametrize("point", QLORA_POINTS, ids=QLORA_IDS)
-def test_qlora_with_checkpointing_and_zero_matches_its_one_process_reference(qlora_rows, point):
+def test_qlora_with_checkpointing_and_zero_matches_its_one_process_reference(rows, point):
     """plain holds the same converters on one process: the same adapters train, the NF4 base stays;
     composed must end with its weights and losses at fp32 precision."""
     for rank in RANKS:
         for metric in ("loss_rel_diff", "weight_rel_diff"):
-            row = qlora_at(qlora_rows, "composed", metric, rank, point)
+            row = at(rows, "composed", metric, rank, point)
             assert row["status"] == "ok" and row["value"] <= recipe.FP32_TOLERANCE, row
 
 
+@qlora
 @pytest.mark.parametrize("point", QLORA_POINTS, ids=QLORA_IDS)
-def test_qlora_zero_terms_are_the_planners_and_the_peak_within_3_percent(qlora_rows, point):
+def test_qlora_zero_terms_are_the_planners_and_the_peak_within_3_percent(rows, point):
     for rank in RANKS:
         for metric in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                        "all_gather_bytes"):
-            row = qlora_at(qlora_rows, "composed", metric, rank, point)
+            row = at(rows, "composed", metric, rank, point)
             assert row["value"] == pytest.approx(row["predicted"], rel=0.01), row
         for variant in recipe.VARIANTS:
-            row = qlora_at(qlora_rows, variant, "peak_mem_bytes", rank, point)
+            row = at(rows, variant, "peak_mem_bytes", rank, point)
             assert row["value"] == pytest.approx(row["predicted"], rel=0.03), row
         # the adapters' gradients and moments halved; the NF4 base whole on each rank
-        plain, composed = (qlora_at(qlora_rows, v, "grad_bytes", rank, point)["value"]
+        plain, composed = (at(rows, v, "grad_bytes", rank, point)["value"]
                            for v in recipe.VARIANTS)
         assert composed == pytest.approx(plain / 2, rel=0.01)
         # the quantized base's cost, measured on the reference: not 0 (the base was converted)
-        delta = qlora_at(qlora_rows, "plain", "base_loss_delta", rank, point)["value"]
+        delta = at(rows, "plain", "base_loss_delta", rank, point)["value"]
         assert math.isfinite(delta) and delta != 0.0
 
 
@@ -355,34 +353,30 @@ def test_fsdp2_bf16_gathers_in_bf16_over_fp32_shards():
     assert planner._zero_buffers(run, stage, True, False, 1) == 2 * (root + layer) + 4 * layer
 
 
-def test_fsdp2_zero3_with_accumulation_peaks_at_its_predicted_bytes(tmp_path):
+def test_fsdp2_zero3_with_accumulation_peaks_at_its_predicted_bytes(rows):
     """FSDP2 accumulates into the gradient shards: each micro-batch's backward makes whole
     gradients anew, the root unit stays gathered, a block's backward holds the next block's
     all-gather and the previous block's reduce-scatter input, and with recomputation the peak
     moves to the forward's first all-gathers (planner `_fsdp2_buffers`, `_fsdp2_forward_gathers`).
-    One launch: without recomputation in fp32, with it in bf16 (FSDP2's policy under ZeRO-3),
+    FSDP2_POINTS: without recomputation in fp32, with it in bf16 (FSDP2's policy under ZeRO-3),
     every rank within 3% (each term of either peak is in one of the two)."""
-    settings = {**SIZES, "zero_stage": 3, "micro_batches": 2, "num_layers": 3}
-    points = [{"checkpointing": "none", "precision": "fp32"}, {"checkpointing": "full", "precision": "bf16"}]
-    rows = run_experiment("recipe", preset="tiny", overrides=settings, variants=["composed"],
-                          sweep=points, runs_dir=str(tmp_path), progress=False).rows
-    peaks = [r for r in rows if (r["variant"], r["metric"]) == ("composed", "peak_mem_bytes")]
-    assert len(peaks) == len(points) * len(RANKS)
+    composed = [r for point in FSDP2_POINTS for r in of(rows, point) if r["variant"] == "composed"]
+    peaks = [r for r in composed if r["metric"] == "peak_mem_bytes"]
+    assert len(peaks) == len(FSDP2_POINTS) * len(RANKS)
     for row in peaks:
         assert row["status"] == "ok" and row["value"] == pytest.approx(row["predicted"], rel=0.03), row
     # what the forward leaves for the backward, FSDP2's gathered weights left out (resharded
     # after the forward under ZeRO-3: their storages hold nothing then), as the planner says;
     # and no weight copies kept: fp32 casts nothing, FSDP2's bf16 policy gathers in bf16
-    for row in (r for r in rows if r["variant"] == "composed"
-                and r["metric"] in ("activation_bytes", "saved_weight_copy_bytes")):
+    for row in (r for r in composed if r["metric"] in ("activation_bytes", "saved_weight_copy_bytes")):
         assert row["value"] == pytest.approx(row["predicted"], rel=0.01), row
     # bf16 under ZeRO-3 is FSDP2's mixed-precision policy: every all-gather delivers bf16, half
     # of fp32's
     gathers = {(r["params"]["sweep"]["precision"], r["params"]["sweep"]["checkpointing"], r["rank"]):
-               r["value"] for r in rows if r["metric"] == "all_gather_bytes"}
+               r["value"] for r in composed if r["metric"] == "all_gather_bytes"}
     # ZeRO-3: every block twice a micro-batch, the root unit (not resharded after forward) once
-    m = config(**settings).model
-    whole = settings["micro_batches"] * (2 * planner.num_params(m) - planner.root_unit_params(m))
+    m = config(**FSDP2_POINTS[0]).model
+    whole = FSDP2_POINTS[0]["micro_batches"] * (2 * planner.num_params(m) - planner.root_unit_params(m))
     for (precision, _, _), value in gathers.items():
         assert value == pytest.approx(whole * (2 if precision == "bf16" else 4), rel=0.01)
 
