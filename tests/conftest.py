@@ -1,6 +1,5 @@
 import collections
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -242,17 +241,25 @@ def shared_runs(tmp_path_factory):
     return str(folder)
 
 
-def execute_notebooks(jobs, cwd):
-    """Execute `jobs` ((path, output, parameters) each) in order on one warm kernel of one
-    thread (labkit.report.kernel: its imports are paid once, not once a notebook; the suite's
-    other worker has the other core); returns each notebook's printed text, in order."""
-    import nbformat
-
+@pytest.fixture(scope="session")
+def notebook_kernel(tmp_path_factory):
+    """One warm kernel of one thread for the exercise and lab notebooks (labkit.report.kernel:
+    its imports are paid once a session, not once a notebook or a module; the suite's other
+    worker has the other core). Their tests share a worker: they all read `shared_runs`."""
     from labkit.report.kernel import WarmKernel
 
-    with WarmKernel(cwd, Path(cwd) / "kernel.log", threads=1) as kernel:
-        for path, out, parameters in jobs:
-            kernel.execute(path, out, parameters)
+    cwd = tmp_path_factory.mktemp("notebook-kernel")
+    with WarmKernel(cwd, cwd / "kernel.log", threads=1) as kernel:
+        yield kernel
+
+
+def execute_notebooks(kernel, jobs):
+    """Execute `jobs` ((path, output, parameters) each) in order on `kernel` (`notebook_kernel`);
+    returns each notebook's printed text, in order."""
+    import nbformat
+
+    for path, out, parameters in jobs:
+        kernel.execute(path, out, parameters)
     texts = []
     for _, out, _ in jobs:
         nb = nbformat.read(out, as_version=4)

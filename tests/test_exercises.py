@@ -181,7 +181,7 @@ def test_tolerance_edges():
 
 
 @pytest.fixture(scope="module")
-def executed(shared_runs, tmp_path_factory):
+def executed(shared_runs, notebook_kernel, tmp_path_factory):
     """Every exercise notebook in solution mode, then the first as a learner opens it (its
     default parameters), on one warm kernel: {(stem, "solution" or "default"): (the executed
     notebook's path, its printed text)}."""
@@ -191,7 +191,7 @@ def executed(shared_runs, tmp_path_factory):
     jobs = [(p, folder / p.name, solution) for p in exercise_notebooks()]
     first = exercise_notebooks()[0]
     jobs.append((first, folder / "default.ipynb", {"device": "cpu"}))
-    texts = execute_notebooks(jobs, folder)
+    texts = execute_notebooks(notebook_kernel, jobs)
     return {(p.stem, "default" if out.name == "default.ipynb" else "solution"): (out, text)
             for (p, out, _), text in zip(jobs, texts)}
 

@@ -494,7 +494,7 @@ def test_lab_shape_grades_the_formula_on_a_cpu_and_the_rate_on_a_gpu(monkeypatch
 
 
 @pytest.fixture(scope="module")
-def lab_notebooks(lab_runs, tmp_path_factory):
+def lab_notebooks(lab_runs, notebook_kernel, tmp_path_factory):
     """On one warm kernel: a lab played through (OVERFLOW_LAB: a wrong diagnosis, the right one,
     the reference fix), then every lab notebook in solution mode; {"played" or key: its text}."""
     pytest.importorskip("papermill")
@@ -504,7 +504,7 @@ def lab_notebooks(lab_runs, tmp_path_factory):
         "fix": labs.reference_fix(OVERFLOW_LAB), "interactive": False, "device": DEVICE, "runs_dir": lab_runs})
     params = {"solution": True, "interactive": False, "device": DEVICE, "runs_dir": lab_runs}
     jobs = [played] + [(lab_path(k), folder / f"{k}.ipynb", params) for k in labs.LABS]
-    return dict(zip(["played", *labs.LABS], execute_notebooks(jobs, folder)))
+    return dict(zip(["played", *labs.LABS], execute_notebooks(notebook_kernel, jobs)))
 
 
 @pytest.mark.notebook
