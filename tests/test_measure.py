@@ -176,6 +176,25 @@ def test_activation_meter_sees_what_checkpointing_keeps():
     assert held["full"] < 2 * d + 4 * d + logits
 
 
+def test_activation_meter_reads_the_live_storages_after_settle():
+    """A buffer the forward made that something else lets go of just after it (gloo's worker
+    thread holding an all-gather's buffers): counted without `settle`, not once `settle` has let
+    it go, while the tensor the forward keeps for backward counts both ways."""
+    from labkit.measure.memory import ActivationMeter
+
+    w = torch.ones(64, 32, requires_grad=True)
+    pending = []
+
+    def forward():
+        pending.append(torch.zeros(1024))  # 4 KiB the "communication thread" still holds
+        return (torch.ones(8, 64).sin() @ w).sum()  # keeps sin's (8, 64) output for backward
+
+    kept = 8 * 64 * 4
+    assert ActivationMeter([w]).measure(forward).total_bytes == kept + 1024 * 4
+    pending.clear()
+    assert ActivationMeter([w]).measure(forward, settle=pending.clear).total_bytes == kept
+
+
 def test_tracker_follows_storage_resizes_as_fsdp_frees_and_regathers():
     """FSDP2 frees a gathered parameter with storage.resize_(0), then gathers into it again."""
     original = torch.UntypedStorage.resize_
