@@ -268,6 +268,7 @@ def _quantized_rows(variant: str) -> list[dict]:
     return [r for r in rows if r["variant"] == variant and r["metric"] == "logit_rel_error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, bug", [
     ("int8", "scale halved"),  # round(w / (amax / 255)) clamped to 127: the outer half saturates
     ("int4", "nibbles swapped"),  # each byte's two weights exchanged

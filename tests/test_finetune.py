@@ -35,6 +35,7 @@ def test_checks_pass_in_fp32_with_exact_init_and_frozen_base(variant):
     assert finetune.compare({}, out, cfg).ok
 
 
+@pytest.mark.slow
 def test_a_changed_base_or_a_wrong_gradient_fails_the_comparison():
     cfg = config("lora")
     good = finetune.build(cfg).check()

@@ -199,6 +199,7 @@ def _builder():
     return module
 
 
+@pytest.mark.slow
 def test_every_experiment_notebook_comes_from_its_record_and_every_section_is_used():
     """The builder makes one notebook per experiment record with a notebook, with the record's
     CPU ranks; each text file is a notebook's (or the template's), and no section goes unread."""
@@ -217,6 +218,7 @@ def test_every_experiment_notebook_comes_from_its_record_and_every_section_is_us
             assert body and body in sources, (stem, section)
 
 
+@pytest.mark.slow
 def test_each_notebooks_predicted_metrics_are_predicted_on_the_cpu():
     """A metric named for a notebook's predictions that expected() never returns would always
     read "not predicted": every one is predicted at the tiny preset on the CPU."""

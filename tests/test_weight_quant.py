@@ -145,6 +145,7 @@ def test_fp8_is_skipped_on_the_cpu_with_the_reason(rows):
     assert len(fp8) == 1 and fp8[0]["status"] == "skipped" and "compute capability" in fp8[0]["message"]
 
 
+@pytest.mark.slow
 def test_quantized_variants_stay_within_their_logit_tolerance(rows):
     assert by(rows, "none", "token_agreement")["value"] == 1.0
     for variant in ("int8", "int4"):

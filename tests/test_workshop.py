@@ -272,6 +272,7 @@ def test_names_are_stored_in_the_run_and_every_row(tmp_path, monkeypatch, capsys
     assert capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_the_panel_has_name_fields_filled_from_the_environment(monkeypatch):
     pytest.importorskip("ipywidgets")
     from labkit.ui.widgets import Panel
