@@ -11,13 +11,12 @@ and cached weight copies, and the peaks they make)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 
 import pytest
 import torch
 
-from conftest import FAST
+from conftest import FAST, needs
 from labkit import planner
 from labkit.blocks.layout import Layout
 from labkit.blocks.recipe import Recipe, compose
@@ -54,7 +53,7 @@ QLORA_POINTS = tuple({**QLORA, **p} for p in (
     {"finetune": "lora_int8", "zero_stage": 2, "micro_batches": 1},
     {"finetune": "lora_int4", "zero_stage": 3, "micro_batches": 2}))
 QLORA_IDS = [f"{p['finetune']}-zero{p['zero_stage']}-x{p['micro_batches']}" for p in QLORA_POINTS]
-QLORA_READY = all(importlib.util.find_spec(m) for m in ("peft", "torchao"))
+qlora = needs("peft", "torchao")  # the finetune extra; its skip condition leaves the points out too
 # without recomputation in fp32, with it in bf16 (FSDP2's policy under ZeRO-3)
 FSDP2_POINTS = tuple({"zero_stage": 3, "micro_batches": 2, "num_layers": 3, **p} for p in (
     {"checkpointing": "none", "precision": "fp32"}, {"checkpointing": "full", "precision": "bf16"}))
@@ -62,7 +61,8 @@ FSDP2_POINTS = tuple({"zero_stage": 3, "micro_batches": 2, "num_layers": 3, **p}
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    points = [RECIPE, BUDGET, *(QLORA_POINTS if QLORA_READY else ()), *FSDP2_POINTS]
+    skipped = qlora.args[0]  # needs' condition: a package is missing
+    points = [RECIPE, BUDGET, *(() if skipped else QLORA_POINTS), *FSDP2_POINTS]
     return run_experiment("recipe", preset="tiny", overrides=SIZES, sweep=points,
                           runs_dir=str(tmp_path_factory.mktemp("runs")), progress=False).rows
 
@@ -133,8 +133,6 @@ def test_a_budget_makes_composed_an_oom_row_while_plain_still_runs(rows):
 
 
 # --- the model converters: a quantized base + LoRA + full checkpointing + ZeRO --------------------
-qlora = pytest.mark.skipif(not QLORA_READY, reason="needs peft and torchao (the finetune extra)")
-
 
 @qlora
 @pytest.mark.parametrize("point", QLORA_POINTS, ids=QLORA_IDS)
