@@ -128,3 +128,28 @@ def test_cpp_wrapper_reaches_inductor_and_only_mode_default_takes_it(monkeypatch
                      experiment="compile")
     on_gpu.device = "cuda"
     assert "option of mode default" in compiling.skip_reason(on_gpu)
+
+
+def test_the_isa_verdict_is_stored_once_all_pass_and_read_only_under_the_same_key(monkeypatch, tmp_path):
+    """With no verdict stored, Inductor checks every ISA and the verdict is stored: this CPU's
+    ISAs, best first, all passed. A stored verdict of another key (another torch) changes
+    nothing; the same key tells Inductor that all passed, and it picks the same ISA."""
+    from torch._inductor import config, cpu_vec_isa
+
+    key = compiler._isa_key()
+    if key is None:
+        pytest.skip("not an x86 CPU: Inductor's ISA list is not made by build checks")
+    path = tmp_path / "verdict.json"
+    monkeypatch.setattr(compiler, "_isa_verdict_path", lambda: str(path))
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    picked = compiler.inductor_cpu_isa()
+    assert config.cpp.vec_isa_ok is None
+    if [str(i) for i in cpu_vec_isa.valid_vec_isa_list()] != key["isas"]:
+        assert not path.exists()  # an ISA failed its check here: nothing to store
+        return
+    assert compiler._read_verdict(str(path)) == key
+
+    compiler._write_verdict(str(path), {**key, "torch": "0.0"})
+    assert compiler.inductor_cpu_isa() == picked and config.cpp.vec_isa_ok is None
+    compiler._write_verdict(str(path), key)
+    assert compiler.inductor_cpu_isa() == picked and config.cpp.vec_isa_ok is True

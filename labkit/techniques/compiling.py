@@ -21,8 +21,8 @@ token: Dynamo recompiles, then marks the length dynamic.)
 Every compiled variant starts cold (`torch.compiler.reset()`, Inductor's on-disk caches off
 unless `inductor_cache`): its first call is timed in `check()` (`first_call_ms`, `compile_s` =
 first call minus the second). On a CPU, Inductor's once-a-process choice of vector instructions
-comes first, outside that time and with its cache (`isa_check_s`: test programs built once a
-machine, loaded once a process), so that `compile_s` is the model's compile. Then
+comes first, outside that time and with its cache (`isa_check_s`: test programs built and
+loaded once a machine, `labkit.measure.compiler`), so that `compile_s` is the model's compile. Then
 `decode_steps` more positions (decode) count recompiles; after the harness's timing, eager and compiled calls timed in turns give the break-even:
 compile_s / (eager - compiled) steps, or never when compiled is not faster. The outputs (and
 for `block` the gradients) must equal eager's within the dtype's tolerance before anything is
@@ -227,8 +227,9 @@ def build(cfg: Config) -> Workload:
                 messages["isa_check_s"] = (
                     f"Inductor's choice of vector instructions for its C++ kernels ({isa} here), "
                     "made once a process, before the timed first call and with Inductor's on-disk "
-                    "cache: the first process on a machine builds a test program per ISA, a later "
-                    "one only loads them. Not part of compile_s.")
+                    "cache: the first process on a machine builds a test program per ISA and loads "
+                    "each; a later one reads that all passed (labkit.measure.compiler). Not part "
+                    "of compile_s.")
             with torch.compiler.config.patch(force_disable_caches=not cfg.inductor_cache):
                 runs = []
                 found["first_call_s"] = seconds(lambda: runs.append(target.check(fn, 0)), cfg.device)
