@@ -1,6 +1,7 @@
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -257,3 +258,66 @@ def test_no_caller_probes_an_experiment_module_for_its_pieces():
     found = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "record.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
     assert found == []
+
+
+def _another(field):
+    """A value of `field` other than its default, that its knob allows."""
+    meta, default = field.metadata, field.default
+    if meta.get("choices"):
+        return next(c for c in meta["choices"] if c != default)
+    if isinstance(default, bool):
+        return not default
+    if default is None or isinstance(default, float):
+        return (default or 0.0) + 1.0
+    return default + 1 if isinstance(default, int) else default + "x"
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else a == b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["recipe", "pipeline_parallel"])
+def test_the_reference_computes_the_same_with_every_knob_it_ignores_changed(name):
+    """What `reference_ignores` names, the reference does not read: its check's outputs (losses,
+    weights or gradients) are bit for bit the same with every one of those knobs changed."""
+    import dataclasses
+
+    from labkit.config import resolve
+    from labkit.techniques import record
+
+    exp = record(name)
+    cfg = resolve(exp.Config, "tiny", {**FAST, "device": "cpu", "nproc": 1, "batch_size": 2,
+                                       "seq_len": 8, "num_layers": 2}, experiment=name)
+    ignored = exp.reference_ignores(cfg)
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    assert ignored and set(ignored) <= set(fields)
+    changed = dataclasses.replace(cfg, **{k: _another(fields[k]) for k in ignored})
+    assert all(getattr(changed, k) != getattr(cfg, k) for k in ignored)
+    assert _equal(exp.build(cfg).check(), exp.build(changed).check())
+
+
+@pytest.mark.slow
+def test_the_reference_is_measured_once_across_points_that_differ_only_in_knobs_it_ignores():
+    """The recipe's plain reads no checkpointing: at the second point its rows are the first
+    point's (its step time too, which no second measurement would repeat to the bit), saying so,
+    and composed is checked against them; a point that changes what plain reads (seq_len)
+    measures it again."""
+    points = [{"checkpointing": "none"}, {"checkpointing": "full"}, {"checkpointing": "full", "seq_len": 16}]
+    rows = run_experiment("recipe", preset="tiny", progress=False, sweep=points,
+                          overrides={**TINY_TRAIN, "device": "cpu", "nproc": 1}).rows
+    first, second, third = ([r for r in rows if r["variant"] == "plain" and r["params"]["sweep"] == p]
+                            for p in points)
+    assert [(r["metric"], r["value"]) for r in second] == [(r["metric"], r["value"]) for r in first]
+    assert by(rows, "plain", "step_ms", points[2])["value"] != by(rows, "plain", "step_ms", points[0])["value"]
+    note = "measured once, at checkpointing=none: plain does not read checkpointing, where this point differs."
+    assert all(r["params"]["checkpointing"] == "full" and r["message"].endswith(note) for r in second)
+    assert not any(note in r["message"] for r in first + third)
+    checked = by(rows, "composed", "loss_rel_diff", points[1])
+    assert checked["status"] == "ok" and checked["value"] is not None

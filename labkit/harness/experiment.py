@@ -134,20 +134,52 @@ def profile_experiment(name: str, *, preset: str | None = None, overrides: dict[
 def run_points(exp: Experiment, chosen: list[str], points: list[tuple[dict[str, Any], RunConfig]],
                store: RunRecord, *, on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
                bar: Any = None, before_variant: Callable[[int, RunConfig], None] | None = None) -> None:
-    """Every variant at every point, the reference first at each; rows stored as they come."""
+    """Every variant at every point, the reference first at each; rows stored as they come.
+    Where a point differs from the one before only in knobs the reference does not read
+    (`Experiment.reference_ignores`), the reference's rows measured there stand for this point too,
+    and its outputs check this point's variants (`_reused`)."""
     bar = bar or _NoBar()
+    last = None  # the reference's last measurement: (the settings it reads, cfg, point, rows, outputs)
     for point, cfg in points:
         reference = None
         for index, variant in enumerate(chosen):
             bar.set_postfix_str(f"{variant} {point}" if point else variant)
             cfg_v = dataclasses.replace(cfg, variant=variant)
-            if before_variant:
-                before_variant(index, cfg_v)
-            rows, outputs = measure_stored(exp, cfg_v, reference, point, store)
+            reads = reference_reads(exp, cfg_v) if variant == exp.reference else None
+            if reads is not None and last is not None and last[0] == reads:
+                rows, outputs = _reused(exp, cfg_v, point, *last[1:4]), last[4]
+                store.add(rows)
+            else:
+                if before_variant:
+                    before_variant(index, cfg_v)
+                rows, outputs = measure_stored(exp, cfg_v, reference, point, store)
+                if reads is not None:  # a reference that did not run is measured again
+                    last = None if outputs is None else (reads, cfg_v, point, rows, outputs)
             reference = outputs if variant == exp.reference else reference
             if on_rows:
                 on_rows([expand_row(r, store.record) for r in rows])
             bar.update(1)
+
+
+def reference_reads(exp: Experiment, cfg: RunConfig) -> dict[str, Any] | None:
+    """The settings the reference reads at `cfg`: all but the knobs it ignores there (None where
+    the experiment does not say which those are)."""
+    if exp.reference_ignores is None:
+        return None
+    ignored = set(exp.reference_ignores(cfg))
+    return {k: v for k, v in cfg.params().items() if k not in ignored}
+
+
+def _reused(exp: Experiment, cfg: RunConfig, point: dict[str, Any], measured_cfg: RunConfig,
+            measured_point: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reference's rows measured at `measured_point`, as this point's (its settings), each
+    saying where it was measured and which knobs, all unread by the reference, differ."""
+    params, before = _row_maker(cfg, point)(None, None)["params"], measured_cfg.params()
+    differ = [k for k in exp.reference_ignores(cfg) if params.get(k) != before.get(k)]
+    where = ", ".join(f"{k}={v}" for k, v in measured_point.items()) or "the base settings"
+    note = (f"measured once, at {where}: {exp.reference} does not read {', '.join(differ)}, "
+            "where this point differs.")
+    return [{**r, "params": params, "message": " ".join(filter(None, [r["message"], note]))} for r in rows]
 
 
 def lab_plan(device: str = "auto", preset: str | None = None) -> list[dict[str, Any]]:

@@ -83,6 +83,12 @@ class Config(DistConfig):
                              "schedules) micro-batch 0's weight-gradient step W dropped")
 
 
+def reference_ignores(cfg: Config) -> tuple[str, ...]:
+    """The knobs `single` (one plain step on the whole batch) does not read: the pipeline's."""
+    return ("micro_batches", "virtual_stages", "delay_stage", "stage_delay_ms", "stage_layers",
+            "block_cost_ms", "corrupt")
+
+
 def num_stages(cfg: Config) -> int:
     return cfg.nproc or default_nproc(cfg.device)
 

@@ -120,6 +120,20 @@ class Config(DistConfig):
     reduction_fault = True  # see composed_step
 
 
+# What composed alone reads: plain is fp32 AdamW on the whole global batch, with no technique
+# but the model converters (finetune and its lora knobs), the data (packing) and the ranks'
+# layout that sets the global batch (tensor, context and pipeline degrees).
+COMPOSED_ONLY = ("precision", "checkpointing", "checkpoint_every", "zero_stage", "offload", "compile",
+                 "loss", "loss_chunk", "optimizer", "grad_compression", "cp_mode", "expert_parallel",
+                 "pp_schedule", "virtual_stages", "budget_gib")
+
+
+def reference_ignores(cfg: Config) -> tuple[str, ...]:
+    """The knobs plain does not read (a sweep over them measures it once): COMPOSED_ONLY, and
+    micro_batches but for a mixture of experts, whose plain routes per micro-batch's rows."""
+    return COMPOSED_ONLY + (() if cfg.model.num_experts else ("micro_batches",))
+
+
 def replicas(cfg: Config) -> int:
     """The data-parallel replicas (each computes its rows of the global batch): the ranks over
     the tensor- and context-parallel degrees."""

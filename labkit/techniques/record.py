@@ -2,8 +2,9 @@
 about one experiment, as one typed value built from its module.
 
 An experiment module defines `Config`, `VARIANTS`, `REFERENCE`, `build`, `compare` and `expected`;
-it may define `validate`, `skip_reason`, `DISTRIBUTED`, `CPU_RANKS`, `SIZES` and `CPU_RUNGS`. `from_module` is
-the only place that reads those names, so no caller probes a module for optional pieces.
+it may define `validate`, `skip_reason`, `reference_ignores`, `DISTRIBUTED`, `CPU_RANKS`, `SIZES`
+and `CPU_RUNGS`. `from_module` is the only place that reads those names, so no caller probes a
+module for optional pieces.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ DEFAULT_CPU_RANKS = 2
 class Experiment:
     """One experiment. `variants` are the lines of its comparison, `reference` among them;
     `validate(cfg)` raises ConfigError for a config it refuses, `skip_reason(cfg)` says why a
-    variant cannot run here (None: it can); `cpu_ranks` is the ranks it starts without GPUs (1
+    variant cannot run here (None: it can); `reference_ignores(cfg)` names the knobs that the
+    reference does not read at `cfg` (a sweep measures it once across points that differ only in
+    those; None: every knob counts); `cpu_ranks` is the ranks it starts without GPUs (1
     for a single-process experiment); `sizes` maps a preset to the settings this experiment sets
     there over the preset's own; `cpu_rungs` are cheaper sizes of its default CPU run, each
     cheaper than the one before (`labkit.harness.budget` steps down them on a slow CPU);
@@ -38,6 +41,7 @@ class Experiment:
     expected: Callable[[RunConfig], dict[str, float]]
     validate: Callable[[RunConfig], None] | None = None
     skip_reason: Callable[[RunConfig], str | None] | None = None
+    reference_ignores: Callable[[RunConfig], tuple[str, ...]] | None = None
     distributed: bool = False
     cpu_ranks: int = 1
     sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -72,6 +76,7 @@ def from_module(name: str, module: ModuleType, notebook: str | None) -> Experime
         name=name, module=module, Config=ns["Config"], variants=tuple(ns["VARIANTS"]),
         reference=ns["REFERENCE"], build=ns["build"], compare=ns["compare"],
         expected=ns["expected"], validate=ns.get("validate"), skip_reason=ns.get("skip_reason"),
+        reference_ignores=ns.get("reference_ignores"),
         distributed=distributed,
         cpu_ranks=int(ns.get("CPU_RANKS", DEFAULT_CPU_RANKS if distributed else 1)),
         sizes=ns.get("SIZES", {}), cpu_rungs=tuple(ns.get("CPU_RUNGS", ())), notebook=notebook)
