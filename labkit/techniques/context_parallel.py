@@ -84,6 +84,11 @@ def make_inputs(cfg: Config) -> tuple[torch.Tensor, ...]:
                  .to(cfg.device, torch_dtype(cfg.dtype)) for h in heads)
 
 
+def reference_ignores(cfg: Config) -> tuple[str, ...]:
+    """`single` is one process's attention: no ring, so no ring_bug."""
+    return ("ring_bug",)
+
+
 def attention_for(cfg: Config):
     """(attend(q, k, v), this rank's (start, length) runs of the sequence, the Ring or None)."""
     if cfg.variant == REFERENCE:

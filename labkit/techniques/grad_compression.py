@@ -93,6 +93,11 @@ def warmup_passes(variant: str) -> int:
     return compression.POWERSGD_START_ITER if variant == "powersgd" else 1
 
 
+def reference_ignores(cfg: Config) -> tuple[str, ...]:
+    """fp32 DDP (no hook but the sum) has no PowerSGD rank and no int8 hook for int8_fault."""
+    return ("powersgd_rank", "int8_fault")
+
+
 def build_step(cfg: Config) -> tuple[Trainer, compression.Compression | None]:
     """The plain step on the global batch, made data parallel (this rank's slice; DDP with the
     variant's hook, or FSDP2 ZeRO-2 with its reduce dtype), the fault added, then AdamW."""

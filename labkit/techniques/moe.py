@@ -85,6 +85,11 @@ def validate(cfg: Config) -> None:
                           f"valid: a multiple of {n}")
 
 
+def reference_ignores(cfg: Config) -> tuple[str, ...]:
+    """`single` routes on one process: no expert-parallel dispatch for moe_fault to break."""
+    return ("moe_fault",)
+
+
 def build_step(cfg: Config) -> Trainer:
     """The plain step on the global batch; `ep` keeps this rank's rows and experts, weighs its
     loss 1/n and sums the replicated gradients; then AdamW over what this rank holds."""

@@ -122,10 +122,11 @@ class Config(DistConfig):
 
 # What composed alone reads: plain is fp32 AdamW on the whole global batch, with no technique
 # but the model converters (finetune and its lora knobs), the data (packing) and the ranks'
-# layout that sets the global batch (tensor, context and pipeline degrees).
+# layout that sets the global batch (tensor, context and pipeline degrees). A fault is composed's
+# (corrupt_reduction) or the harness's (a crash or hang, at the first point's first variant).
 COMPOSED_ONLY = ("precision", "checkpointing", "checkpoint_every", "zero_stage", "offload", "compile",
                  "loss", "loss_chunk", "optimizer", "grad_compression", "cp_mode", "expert_parallel",
-                 "pp_schedule", "virtual_stages", "budget_gib")
+                 "pp_schedule", "virtual_stages", "budget_gib", "fault", "fault_rank")
 
 
 def reference_ignores(cfg: Config) -> tuple[str, ...]:
