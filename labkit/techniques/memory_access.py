@@ -52,6 +52,11 @@ class Config(RunConfig):
     uses_seq_len = False
 
 
+def reference_ignores(cfg: Config) -> tuple[str, ...]:
+    """`contiguous` reads its values in order: no stride."""
+    return ("stride",)
+
+
 def validate(cfg: Config) -> None:
     if cfg.dtype != "float32":
         raise ConfigError(f"memory_access moves float32 values; dtype must be float32 (got {cfg.dtype}); "
