@@ -87,6 +87,7 @@ def test_lora_adapters_are_scaled_by_the_configured_alpha_over_rank():
 
 # --- 3. NF4's backward ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_nf4_matmul_backward_returns_the_input_gradient():
     """Bug: `NF4Matmul.backward` (now `FrozenMatmul`, QLoRA's and the int8/int4 bases' matmul)
     returns no input gradient. dL/dx must be g deq(W), the gradient of x deq(W)^T, exactly as

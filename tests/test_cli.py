@@ -191,6 +191,7 @@ def test_results_lists_a_stored_run(kv_run):
     assert rc == 0 and out.strip() == "no stored results"
 
 
+@pytest.mark.slow
 def test_results_json_is_strict_json(kv_run):
     rc, out, _ = call(["results", "--runs-dir", str(kv_run["runs"]), "--json"])
     assert rc == 0

@@ -150,6 +150,7 @@ RESIZED = {("pipeline_parallel", "tiny"): {"batch_size": 4, "micro_batches": 4, 
                                            "timed_steps": 2}}
 
 
+@pytest.mark.slow
 def test_every_resolved_config_is_what_the_old_preset_table_gave(monkeypatch):
     """The old table's entry given as overrides to a resolve that adds no experiment sizes: the
     same config, field by field, for every experiment at every preset."""

@@ -33,6 +33,7 @@ def test_micro_batches_are_the_large_batch_in_order():
     assert (acc.inputs == big.inputs).all()  # the same sequences as one batch of k*b
 
 
+@pytest.mark.slow
 def test_accumulated_gradients_equal_the_large_batch_within_fp32_rounding():
     reference = step_with_gradients(ga.accumulation_step(config(batch_size=2)))
     got = step_with_gradients(ga.accumulation_step(config("accumulate", batch_size=2)))

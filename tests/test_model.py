@@ -26,6 +26,7 @@ def test_real_shapes_have_the_published_parameter_count_on_meta(preset):
     assert planner.num_params(MODELS[preset]) == PUBLISHED[preset]
 
 
+@pytest.mark.slow
 def test_planner_counts_every_preset_like_the_module():
     for cfg in MODELS.values():
         assert planner.num_params(cfg) == num_params(build_model(cfg, device="meta"))

@@ -66,6 +66,7 @@ def test_activations_go_through_the_host_hooks_and_weights_stay_put():
     assert hooks.bytes_to_host == x.numel() * 4 + 4 * 16 * 4
 
 
+@pytest.mark.slow
 def test_offloaded_training_gives_the_reference_numbers():
     """Both offloads at once, on the CPU (unpinned): the same losses and gradient norm, exactly."""
     cfg = resolve(offload.Config, "tiny", {**TINY_TRAIN, "device": "cpu", "steps": 3})

@@ -87,6 +87,7 @@ def saved_bytes(trainer: Trainer) -> tuple[dict, int]:
 
 # --- single process: each transform against the plain step ---------------------------------------
 
+@pytest.mark.slow
 def test_the_empty_recipe_is_bitwise_the_plain_trainer():
     ref_trainer, trainer = Trainer(config()), compose(config(), Recipe())
     ref, got = step_with_gradients(ref_trainer), step_with_gradients(trainer)
@@ -129,6 +130,7 @@ def test_activation_offload_is_bitwise_and_sends_the_activations_to_the_host():
 
 # --- precision ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bf16_checkpointing_and_accumulation_stay_within_bf16_tolerance_of_fp32():
     ref = plain(2)
     got = one_step(compose(config(batch_size=2), Recipe(precision="bf16", checkpointing="full",
@@ -140,6 +142,7 @@ def test_bf16_checkpointing_and_accumulation_stay_within_bf16_tolerance_of_fp32(
     assert same["loss"] == got["loss"] and gradient_difference(same["grads"], got["grads"]) == (0.0, 0.0)
 
 
+@pytest.mark.slow
 def test_bf16_weights_build_fp32_master_copies_of_the_bf16_weights():
     # precision before the optimizer: the copies are fp32 images of the already-rounded weights
     trainer = compose(config(), Recipe(precision="bf16_weights"))
@@ -153,6 +156,7 @@ def test_bf16_weights_build_fp32_master_copies_of_the_bf16_weights():
     assert all(torch.equal(p, c.to(torch.bfloat16)) for c, p in zip(trainer.optimizer.copies, params))
 
 
+@pytest.mark.slow
 def test_fp16_builds_a_grad_scaler_that_unscales_exactly_before_the_update():
     trainer = compose(config(), Recipe(precision="fp16"))
     assert isinstance(trainer.scaler, torch.amp.GradScaler)

@@ -121,6 +121,7 @@ def test_the_step_starts_with_the_weights_and_adamws_state(frame):
         assert (samples["parameters"] == start["parameters"]).all()
 
 
+@pytest.mark.slow
 def test_gradients_exist_from_the_backward_until_the_update_frees_them(frame):
     samples = wide(frame, "plain")
     by_phase = samples.groupby("phase", sort=False)["gradients"].max()
@@ -129,6 +130,7 @@ def test_gradients_exist_from_the_backward_until_the_update_frees_them(frame):
     assert samples["gradients"].iloc[-1] == 0  # zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow
 def test_marks_are_ordered(frame):
     for recipe, marks in frame.attrs["marks"].items():
         assert [p for p, _ in marks] == [*PHASES, "end"]
@@ -138,6 +140,7 @@ def test_marks_are_ordered(frame):
         assert phases == sorted(phases, key=["start", *PHASES, "end"].index)
 
 
+@pytest.mark.slow
 def test_full_checkpointing_holds_fewer_activations_and_both_peaks_match_the_planner(frame):
     plain, full = wide(frame, "plain"), wide(frame, "checkpointing=full")
     assert full["activations"].max() < plain["activations"].max()
