@@ -272,6 +272,12 @@ def _another(field):
     return default + 1 if isinstance(default, int) else default + "x"
 
 
+def _others(field) -> list:
+    """Every other choice of a knob that has choices; else one other value."""
+    choices = field.metadata.get("choices")
+    return [c for c in choices if c != field.default] if choices else [_another(field)]
+
+
 def _equal(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
@@ -290,7 +296,8 @@ IGNORING = [name for name, exp in records().items() if exp.reference_ignores is 
 def test_the_reference_computes_the_same_with_every_knob_it_ignores_changed(name, tmp_path):
     """What `reference_ignores` names, the reference does not read: its check's outputs (losses,
     weights or gradients) are bit for bit the same with every one of those knobs changed (on a
-    one-rank gloo group, which DDP's reference needs)."""
+    one-rank gloo group, which DDP's reference needs), and its notes and predictions with each
+    one changed (to each of its other choices) that the experiment accepts alone."""
     import dataclasses
 
     import torch.distributed as dist
@@ -308,7 +315,15 @@ def test_the_reference_computes_the_same_with_every_knob_it_ignores_changed(name
     assert all(getattr(changed, k) != getattr(cfg, k) for k in ignored)
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
     try:
-        assert _equal(exp.build(cfg).check(), exp.build(changed).check())
+        before = exp.build(cfg)
+        assert _equal(before.check(), exp.build(changed).check())
+        for knob, value in ((k, v) for k in ignored for v in _others(fields[k])):
+            one = dataclasses.replace(cfg, **{knob: value})
+            try:
+                exp.check(one)
+            except ConfigError:
+                continue  # never run: nothing to predict
+            assert exp.build(one).notes == before.notes and exp.expected(one) == exp.expected(cfg), (knob, value)
     finally:
         dist.destroy_process_group()
 

@@ -477,7 +477,7 @@ def expected(cfg: Config) -> dict[str, float]:
                    grad_bytes=plan.grad_bytes, optimizer_bytes=plan.optimizer_bytes,
                    activation_bytes=plan.activation_bytes)
     built = build_peak(cfg, plan) if plan is not None and cfg.finetune == "none" \
-        and cfg.precision != "bf16_weights" else None
+        and (cfg.variant == REFERENCE or cfg.precision != "bf16_weights") else None  # plain: fp32
     if built is not None:
         out["build_peak_bytes"] = built
     if plan is not None:  # autocast's casts that its backward keeps (none without autocast)
@@ -497,8 +497,8 @@ def notes(cfg: Config) -> dict[str, str]:
                              "planner's training_memory for this exact recipe"
                              + (f" but for grad_compression={cfg.grad_compression}'s own buffers "
                                 "(the hook's compressed copies, PowerSGD's P, Q and error "
-                                "feedback), which it does not count" if cfg.grad_compression
-                                not in ("none", "bf16", "fp16") else "") + ".",
+                                "feedback), which it does not count" if cfg.variant != REFERENCE
+                                and cfg.grad_compression not in ("none", "bf16", "fp16") else "") + ".",
            "grad_bytes": "at the optimizer step (dropped after it): DDP's buckets, FSDP2's "
                          "gradient shards or whole gradients.",
            "activation_bytes": "what the first micro-batch's forward leaves allocated for its "
