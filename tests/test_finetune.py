@@ -16,7 +16,9 @@ from labkit.config import ConfigError, resolve
 from labkit.measure.memory import storage_bytes
 from labkit.techniques import finetune
 
-pytestmark = needs("peft", "torchao")
+# peft's import (3 to 4 s here, paid by a worker's first test here) makes every test here slow:
+# `-m "not slow"` never imports it
+pytestmark = [needs("peft", "torchao"), pytest.mark.slow]
 
 SMALL = {"batch_size": 1, "seq_len": 16, "steps": 2, "num_layers": 2, "compute": "fp32"}
 

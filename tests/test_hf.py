@@ -20,6 +20,8 @@ from labkit.reference import load_reference
 from labkit.techniques.kv_cache import Config as KVConfig, generate_cached
 
 pytestmark = needs("transformers")
+# transformers' import (2.5 s here, paid by a worker's first test that builds one of its models)
+# makes every test that builds one slow: `-m "not slow"` never imports it
 
 TOL = 1e-5  # fp32 rounding: the same operations, at most in another order
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -103,6 +105,7 @@ def pair(request, tmp_path):
     return request.param, cfg, model, labkit_twin(model, cfg)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_logits_match_transformers(pair):
     name, cfg, model, ours = pair
@@ -112,6 +115,7 @@ def test_logits_match_transformers(pair):
     assert diff <= TOL
 
 
+@pytest.mark.slow
 def test_parameter_counts_match_transformers(pair):
     _, cfg, model, _ = pair
     theirs = sum(p.numel() for p in model.parameters())  # parameters(): tied weights once
@@ -120,6 +124,7 @@ def test_parameter_counts_match_transformers(pair):
     assert sum(planner.stage_tensors(cfg)) == theirs  # the per-tensor list the planner shards
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_kv_bytes_per_token_match_transformers_cache(pair):
     _, cfg, model, _ = pair
@@ -131,6 +136,7 @@ def test_kv_bytes_per_token_match_transformers_cache(pair):
     assert planner.kv_bytes_per_token(cfg, "float32") == formula == held // tokens.numel()
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_greedy_tokens_match_transformers_generate(pair):
     _, cfg, model, ours = pair
@@ -139,6 +145,7 @@ def test_greedy_tokens_match_transformers_generate(pair):
     assert torch.equal(generate_cached(ours, prompt, new, DynamicCache(cfg.num_layers)), theirs)
 
 
+@pytest.mark.slow
 def test_state_dict_round_trip_into_transformers(pair):
     _, cfg, model, ours = pair
     back = hf.to_hf(ours.state_dict(), cfg)
@@ -148,6 +155,7 @@ def test_state_dict_round_trip_into_transformers(pair):
     assert not missing & {n for n, _ in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_gpt2_files_without_prefix_or_head(tmp_path):
     """The original GPT-2 files name tensors without `transformer.` and leave the tied head out."""
     folder = write_folder(tmp_path / "gpt2", CONFIGS["gpt2"])
@@ -175,6 +183,7 @@ def test_config_dict_is_the_inverse(tmp_path):
         assert dataclasses.replace(again, source="") == dataclasses.replace(cfg, source="")
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_reference_weights_in_llama_for_causal_lm(tmp_path):
     """labkit's own trained decoder, loaded into transformers' LlamaForCausalLM: same logits, and
@@ -196,6 +205,7 @@ def test_reference_weights_in_llama_for_causal_lm(tmp_path):
     assert torch.equal(generate_cached(ours, prompt, new, DynamicCache(ours.cfg.num_layers)), theirs)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_sliding_window_caps_the_context(tmp_path):
     """Mistral's window (16) < its context (64): labkit's context is the window, where sliding
@@ -212,6 +222,7 @@ def test_sliding_window_caps_the_context(tmp_path):
         resolve(KVConfig, "tiny", {"model": cfg, "prompt_len": 10, "new_tokens": 10})
 
 
+@pytest.mark.slow
 def test_mixtral_8x7b_counts_what_transformers_builds_on_meta(tmp_path):
     """46,702,792,704 parameters, 12,879,925,248 active per token, as transformers'
     MixtralForCausalLM holds them (built on the meta device: nothing allocated); labkit's own
@@ -257,6 +268,7 @@ def test_bad_folders_are_one_line(tmp_path, capsys):
         assert words in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_safetensors_weights_load_while_the_shape_is_unchanged(tmp_path):
     """A folder save_pretrained wrote (transformers' current config.json spelling, safetensors
     weights): build_model gives its weights; shrunk through --set, random ones."""
@@ -270,6 +282,7 @@ def test_safetensors_weights_load_while_the_shape_is_unchanged(tmp_path):
     assert shrunk.source == cfg.source and not hf.maybe_load_weights(build_model(shrunk))
 
 
+@pytest.mark.slow
 def test_plan_json_counts_what_transformers_holds(tmp_path, capsys):
     for name in ("qwen2", "gpt2"):
         folder = write_folder(tmp_path / name, CONFIGS[name])

@@ -56,6 +56,7 @@ def test_llama_2_7b_lora_r8_on_q_v_trains_4_194_304_params():
     assert planner.trainable_params(MODELS["llama-2-7b"], "lora", lora_rank=8, lora_targets="q,v") == 4_194_304
 
 
+@pytest.mark.slow  # peft's import (with transformers', 4 s here): `-m "not slow"` never pays it
 @pytest.mark.parametrize("targets,rank", [("q,v", 8), ("all", 4), ("k,up", 2)])
 def test_trainable_params_equal_peft_on_labkits_decoder(targets, rank):
     peft = peft_or_skip()
@@ -195,6 +196,7 @@ def test_param_bytes_are_the_base_plus_the_adapters():
     assert qlora.linear_weight_bytes <= 0.145 * lora.linear_weight_bytes
 
 
+@pytest.mark.slow  # peft's import, as above
 @pytest.mark.parametrize("targets", ["q,v", "all", "gate", "o", "down"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_activations_equal_what_autograd_saves_in_peft(targets, dtype):
