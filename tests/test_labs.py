@@ -221,9 +221,11 @@ def _evidence_pipeline(r, s):
     assert c.stage_layers == labs.STAGE_LAYERS[0] == "2,0" and c.block_cost_ms == labs.BLOCK_COST_MS
     assert c.stage_delay_ms == 0.0  # no stage sleeps as such: the work follows the blocks
     # stage 0 holds both blocks, each sleeping in every micro-batch's forward (counted as busy,
-    # never shorter); stage 1 holds the head alone
-    assert r.get("stage_busy_ms", rank=0) >= c.micro_batches * 2 * labs.BLOCK_COST_MS
-    assert r.get("stage_busy_ms", rank=1) < c.micro_batches * labs.BLOCK_COST_MS
+    # never shorter); stage 1 holds the head alone: busy under half as long. (Not under one
+    # block's sleeps: a CPU quota stretched the head's compute alone to 101 ms of the 100.)
+    busy = r.get("stage_busy_ms", rank=0)
+    assert busy >= c.micro_batches * 2 * labs.BLOCK_COST_MS
+    assert r.get("stage_busy_ms", rank=1) < busy / 2
 
 
 def _evidence_shape(r, s):
