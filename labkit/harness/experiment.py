@@ -139,7 +139,7 @@ def run_points(exp: Experiment, chosen: list[str], points: list[tuple[dict[str, 
     (`Experiment.reference_ignores`), the reference's rows measured there stand for this point too,
     and its outputs check this point's variants (`_reused`)."""
     bar = bar or _NoBar()
-    last = None  # the reference's last measurement: (the settings it reads, cfg, point, rows, outputs)
+    last = None  # the reference's last measurement: (the settings it reads, its rows, its outputs)
     for point, cfg in points:
         reference = None
         for index, variant in enumerate(chosen):
@@ -147,14 +147,14 @@ def run_points(exp: Experiment, chosen: list[str], points: list[tuple[dict[str, 
             cfg_v = dataclasses.replace(cfg, variant=variant)
             reads = reference_reads(exp, cfg_v) if variant == exp.reference else None
             if reads is not None and last is not None and last[0] == reads:
-                rows, outputs = _reused(exp, cfg_v, point, *last[1:4]), last[4]
+                rows, outputs = _reused(exp, cfg_v, point, last[1]), last[2]
                 store.add(rows)
             else:
                 if before_variant:
                     before_variant(index, cfg_v)
                 rows, outputs = measure_stored(exp, cfg_v, reference, point, store)
                 if reads is not None:  # a reference that did not run is measured again
-                    last = None if outputs is None else (reads, cfg_v, point, rows, outputs)
+                    last = None if outputs is None else (reads, rows, outputs)
             reference = outputs if variant == exp.reference else reference
             if on_rows:
                 on_rows([expand_row(r, store.record) for r in rows])
@@ -170,13 +170,13 @@ def reference_reads(exp: Experiment, cfg: RunConfig) -> dict[str, Any] | None:
     return {k: v for k, v in cfg.params().items() if k not in ignored}
 
 
-def _reused(exp: Experiment, cfg: RunConfig, point: dict[str, Any], measured_cfg: RunConfig,
-            measured_point: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The reference's rows measured at `measured_point`, as this point's (its settings), each
-    saying where it was measured and which knobs, all unread by the reference, differ."""
-    params, before = _row_maker(cfg, point)(None, None)["params"], measured_cfg.params()
-    differ = [k for k in exp.reference_ignores(cfg) if params.get(k) != before.get(k)]
-    where = ", ".join(f"{k}={v}" for k, v in measured_point.items()) or "the base settings"
+def _reused(exp: Experiment, cfg: RunConfig, point: dict[str, Any],
+            rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reference's `rows` measured at another point, as this point's (its settings), each
+    saying where they were measured and which knobs, all unread by the reference, differ."""
+    params, before = _row_maker(cfg, point)(None, None)["params"], rows[0]["params"]
+    differ = [k for k in exp.reference_ignores(cfg) if params[k] != before[k]]
+    where = ", ".join(f"{k}={v}" for k, v in before["sweep"].items()) or "the base settings"
     note = (f"measured once, at {where}: {exp.reference} does not read {', '.join(differ)}, "
             "where this point differs.")
     return [{**r, "params": params, "message": " ".join(filter(None, [r["message"], note]))} for r in rows]

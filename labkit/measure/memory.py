@@ -410,7 +410,9 @@ class ActivationMeter:
         """`settle`: called after the forward, before the live storages are read (a barrier on
         ranks whose forward ends in an asynchronous collective: gloo's worker thread lets go of
         the collective's buffers just after the waiting thread returns, so they were sometimes
-        still alive at the forward's end, 768 KiB on tensor parallelism's tiny test model)."""
+        still alive at the forward's end, 768 KiB on tensor parallelism's tiny test model). It
+        narrows that race, not closes it: gloo has two worker threads, and the barrier can end
+        on the other one (seen once since, in a run under a CPU quota)."""
         tracker = LiveTensorTracker()
         saved = SavedTensorMeter(self.exclude, gathered=self.gathered is not None)
         with tracker, saved:
