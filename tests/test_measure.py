@@ -176,23 +176,41 @@ def test_activation_meter_sees_what_checkpointing_keeps():
     assert held["full"] < 2 * d + 4 * d + logits
 
 
-def test_activation_meter_reads_the_live_storages_after_settle():
-    """A buffer the forward made that something else lets go of just after it (gloo's worker
-    thread holding an all-gather's buffers): counted without `settle`, not once `settle` has let
-    it go, while the tensor the forward keeps for backward counts both ways."""
-    from labkit.measure.memory import ActivationMeter
+@pytest.mark.slow  # a gloo group, and a buffer held past the wait
+def test_activation_meter_waits_for_a_collectives_buffer_that_another_thread_lets_go_of(tmp_path):
+    """An all-gather's buffer that another thread lets go of just after the forward (gloo's worker
+    thread) is waited for and not counted; one held longer than the wait, or saved for backward,
+    counts, and a saved one costs no wait."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from labkit.measure.memory import COLLECTIVE_LET_GO_S, ActivationMeter
 
     w = torch.ones(64, 32, requires_grad=True)
-    pending = []
+    kept, gathered = 8 * 64 * 4, 1024 * 4
 
-    def forward():
-        pending.append(torch.zeros(1024))  # 4 KiB the "communication thread" still holds
-        return (torch.ones(8, 64).sin() @ w).sum()  # keeps sin's (8, 64) output for backward
+    def forward(hold_s=None, save=False):
+        def run():
+            group = dist.group.WORLD.group_name
+            buffer = torch.ops._c10d_functional.all_gather_into_tensor(torch.zeros(1024), 1, group)
+            buffer = torch.ops._c10d_functional.wait_tensor(buffer)
+            if hold_s is not None:  # the "worker thread" holds it a while after the forward
+                threading.Thread(target=lambda held, s: time.sleep(s), args=(buffer, hold_s)).start()
+            # sin's (8, 64) output is kept for backward; so is the buffer, by `* w[0, 0]`
+            return (torch.ones(8, 64).sin() @ w).sum(), (buffer * w[0, 0] if save else buffer).sum()
+        return run
 
-    kept = 8 * 64 * 4
-    assert ActivationMeter([w]).measure(forward).total_bytes == kept + 1024 * 4
-    pending.clear()
-    assert ActivationMeter([w]).measure(forward, settle=pending.clear).total_bytes == kept
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        assert ActivationMeter([w]).measure(forward(hold_s=0.05)).total_bytes == kept
+        assert ActivationMeter([w]).measure(forward(hold_s=2 * COLLECTIVE_LET_GO_S)).total_bytes == kept + gathered
+        start = time.monotonic()
+        assert ActivationMeter([w]).measure(forward(save=True)).total_bytes == kept + gathered
+        assert time.monotonic() - start < COLLECTIVE_LET_GO_S
+    finally:
+        dist.destroy_process_group()
 
 
 def test_tracker_follows_storage_resizes_as_fsdp_frees_and_regathers():

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import torch.distributed as dist
 
 from labkit import planner
 from labkit.config import knob
@@ -117,8 +116,7 @@ def check_step(trainer: Trainer, measured: dict[str, float]) -> dict:
         # CommDebugMode's module tracker hooks the embedding, whose token ids need no grad
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         out: list = []
-        meter = ActivationMeter(trainer.model.parameters()).measure(
-            lambda: out.append(forward(trainer)) or out[0], settle=dist.barrier if world_size() > 1 else None)
+        meter = ActivationMeter(trainer.model.parameters()).measure(lambda: out.append(forward(trainer)) or out[0])
         logits, loss = out[0]
         backward(trainer, loss)
     measured.update(counter.metrics(), activation_bytes=meter.total_bytes)
