@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from labkit.measure.clock import repeat_seconds
+from labkit.measure.modes import unmetered
 from labkit.measure.timer import cpu_threads
 
 DATA_DIR: Path = Path(__file__).resolve().parents[1] / "data"
@@ -602,8 +603,8 @@ def _spec_ceilings(device: str, name: str, memory_bytes: int | None) -> Ceilings
 @functools.lru_cache(maxsize=None)
 def _cpu_ceilings(num_threads: int) -> Ceilings:
     """The physical ceiling of ``num_threads`` cores, and a calibration with that many threads
-    (torch's thread count restored after)."""
-    with cpu_threads(num_threads):
+    (torch's thread count restored after), unmetered (`_cpu_bandwidth`)."""
+    with cpu_threads(num_threads), unmetered():
         calibrated = {
             "float32": _matmul_tflops(1024, torch.float32),
             # small: without avx512_bf16/amx bf16 (avx512_fp16 for fp16) is emulated, ~50x slower
@@ -628,8 +629,12 @@ def _cpu_ceilings(num_threads: int) -> Ceilings:
 
 @functools.lru_cache(maxsize=None)
 def _cpu_bandwidth(num_threads: int) -> float:
-    """A 64 MiB copy's GB/s with `num_threads` torch threads (torch's thread count restored)."""
-    with cpu_threads(num_threads):
+    """A 64 MiB copy's GB/s with `num_threads` torch threads (torch's thread count restored).
+    Unmetered: the first call may come inside an experiment's memory meter (collectives' notes
+    name the ceiling in its build), whose virtual budget the copy's two 64 MiB buffers would
+    pass (a 4 KiB all-reduce was an `oom` row under a 0.05 GiB budget), and whose dispatch
+    would be timed with the copy."""
+    with cpu_threads(num_threads), unmetered():
         return _copy_gbps(64 * 2**20)
 
 

@@ -280,6 +280,19 @@ def test_cpu_ceilings_are_cached_per_thread_count_and_restore_threads():
     assert first.peak_tflops == hardware.cpu_peak(1).tflops
 
 
+def test_the_cpu_calibration_is_invisible_to_a_memory_meter_around_it():
+    """First measured inside an experiment's memory meter (collectives' notes name the ceiling in
+    its build), the copy's two 64 MiB buffers and the matmuls neither count nor pass its
+    virtual budget."""
+    from labkit.measure.memory import LiveTensorTracker
+
+    hardware._cpu_bandwidth.cache_clear()
+    hardware._cpu_ceilings.cache_clear()
+    with LiveTensorTracker(budget_bytes=2**20) as tracker:
+        assert hardware.bandwidth_gbps("cpu") > 0 and hardware.ceilings("cpu").bandwidth_gbps > 0
+    assert tracker.peak_bytes == 0
+
+
 def test_the_physical_ceiling_bounds_this_machines_calibration():
     """The ceiling's inputs come from this machine's cpuinfo; a calibration above it is a bug."""
     ceil = hardware.ceilings("cpu")
