@@ -183,6 +183,8 @@ class RunConfig:
                                            help="virtual memory budget: OOM past it")
     warmup: int = knob(1, min=0, help="untimed calls before timing")
     min_run_time_s: float = knob(0.5, min=0.0, help="timing: least total time measured")
+    min_repeats: int = knob(0, min=0, help="timing: least calls timed, step_ms their median (0: "
+                            "the experiment's own, 3; 1 where one step is a long run)")
     # Who ran it (a workshop's leaderboard): stored in every row's params; checked by resolve().
     participant: str = name_knob("LABKIT_PARTICIPANT", help="your name on the leaderboard")
     team: str = name_knob("LABKIT_TEAM", help="your team on the leaderboard")

@@ -72,7 +72,7 @@ def _isolated(monkeypatch, tmp_path):
 
 
 # Sizes that make every experiment finish in well under a second per variant on a 2-core CPU.
-FAST = {"min_run_time_s": 0.0, "warmup": 0}
+FAST = {"min_run_time_s": 0.0, "warmup": 0, "min_repeats": 1}
 # Exercises whose evidence is read off the wall clock against a fixed figure: (variant, metric,
 # a value the check accepts, one it rejects). Under a CPU quota (a 2-core CPU five times slower,
 # emulated) the throttled process measured the GPipe bubble at 0.13 against its 0.2 bound and the

@@ -263,7 +263,7 @@ def test_recipe_flags_a_rank_whose_gradient_reduction_is_corrupted(recipe_rows):
 
 def _quantized_rows(variant: str) -> list[dict]:
     sizes = {"new_tokens": 4, "prompt_len": 8, "batch_size": 1, "dtype": "bfloat16", "warmup": 0,
-             "min_run_time_s": 0.0, "kernel": "dequant"}
+             "min_run_time_s": 0.0, "min_repeats": 1, "kernel": "dequant"}
     rows = run_experiment("weight_quant", preset="tiny", variants=[variant], overrides=sizes,
                           progress=False).rows
     return [r for r in rows if r["variant"] == variant and r["metric"] == "logit_rel_error"]

@@ -165,7 +165,7 @@ def test_reference_goal_gptq_or_awq_at_most_half_of_rtns_perplexity_delta(tmp_pa
     """Issue 28's goal on the trained model, int4 group 64: ~15 s on one thread."""
     result = run_experiment("weight_quant", preset="reference",
                             overrides={"device": "cpu", "prompt_len": 4, "new_tokens": 4, "warmup": 0,
-                                       "min_run_time_s": 0.0},
+                                       "min_run_time_s": 0.0, "min_repeats": 1},
                             variants=["int4", "gptq_int4", "awq_int4"], progress=False, runs_dir=str(tmp_path))
     measured = {}
     for r in result.rows:

@@ -128,7 +128,7 @@ def test_labkit_runs_without_triton_and_says_why_the_kernel_is_skipped():
         from labkit.harness.experiment import run_experiment
         rows = run_experiment("fused_kernel", variants=["triton"], progress=False,
                               overrides={"device": "cpu", "rows": 8, "hidden_size": 32,
-                                         "min_run_time_s": 0.0}).rows
+                                         "min_run_time_s": 0.0, "min_repeats": 1}).rows
         print({r["variant"]: (r["status"], r["message"]) for r in rows if r["variant"] == "triton"})
     """)
     assert "skipped" in out and "not installed" in out

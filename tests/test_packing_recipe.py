@@ -73,7 +73,7 @@ def test_the_packed_step_with_8_bit_adamw_and_qlora_passes_its_check():
     rows = run_experiment("recipe", preset="tiny", overrides={
         "device": "cpu", "nproc": 1, "num_layers": 2, "seq_len": 64, "vocab_size": 32768, "packing": True,
         "loss": "chunked", "loss_chunk": 128, "optimizer": "adamw8bit", "finetune": "qlora",
-        "min_run_time_s": 0.0, "warmup": 0, "timed_steps": 1}).rows
+        "min_run_time_s": 0.0, "warmup": 0, "timed_steps": 1, "min_repeats": 1}).rows
     assert cfg.packing and all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
     composed = {r["metric"]: r for r in rows if r["variant"] == "composed"}
     for metric in ("loss_rel_diff", "weight_rel_diff"):

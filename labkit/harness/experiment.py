@@ -333,10 +333,9 @@ def _energy_rows(span: energy.EnergySpan, tokens_per_call: int, device: str,
 
 def _time(step: Callable[[], Any], wl: Workload, cfg: RunConfig) -> Timing:
     if distributed.world_size() > 1:
-        times = fixed_repeats_timer(step, warmup=cfg.warmup,
-                                                repeats=cfg.timed_steps, device=cfg.device)
+        times = fixed_repeats_timer(step, warmup=cfg.warmup, repeats=cfg.timed_steps, device=cfg.device)
         return Timing(times, cfg.warmup)
-    return time_step(step, device=cfg.device, warmup=cfg.warmup, min_repeats=wl.min_repeats,
+    return time_step(step, device=cfg.device, warmup=cfg.warmup, min_repeats=cfg.min_repeats or wl.min_repeats,
                      min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
 
 

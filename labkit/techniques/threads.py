@@ -197,7 +197,7 @@ def child_main() -> None:
             "interop_threads_seen": torch.get_num_interop_threads()}
     fn = make_work(cfg)
     out = fn().clone()
-    timing = time_calls(fn, cfg.warmup, cfg.min_run_time_s)
+    timing = time_calls(fn, cfg.warmup, cfg.min_run_time_s, cfg.min_repeats or 3)
     torch.set_num_threads(1)
     one = time_calls(fn, cfg.warmup, cfg.min_run_time_s)
     torch.save(out, spec["out"])
