@@ -88,7 +88,8 @@ def test_a_chunked_recipe_matches_plain_and_its_peak_is_the_planners(precision, 
 
     rows = run_experiment("recipe", preset="tiny", progress=False, variants=["composed"], runs_dir=str(tmp_path),
                           overrides={"nproc": 1, "device": "cpu", "min_run_time_s": 0.0, "warmup": 0,
-                                     "min_repeats": 1, "precision": precision, "loss": "chunked", "loss_chunk": 256}).rows
+                                     "min_repeats": 1, "precision": precision, "loss": "chunked",
+                                     "loss_chunk": 256}).rows
     got = {r["metric"]: r for r in rows if r["variant"] == "composed"}
     assert got["loss_rel_diff"]["status"] == "ok" and got["weight_rel_diff"]["status"] == "ok"
     assert got["activation_bytes"]["value"] == got["activation_bytes"]["predicted"]

@@ -110,14 +110,14 @@ def budget_message(needed: int, budget: int) -> str:
 
 
 class LiveTensorTracker(TorchDispatchMode):
-    """Live bytes of the storages created inside the mode, and their peak; `collective_outputs`:
-    the storages that functional collectives (`_c10d_functional`, DTensor's) made."""
+    """Live bytes of the storages created inside the mode, and their peak; `collective_buffers`:
+    the storages that functional collectives (`_c10d_functional`, DTensor's) read or made."""
 
     def __init__(self, budget_bytes: int | None = None):
         super().__init__()
         self.budget_bytes = budget_bytes
         self.live: dict[int, int] = {}
-        self.collective_outputs: set[int] = set()
+        self.collective_buffers: set[int] = set()
         self.dtypes: dict[int, str] = {}  # of the first tensor seen on each storage
         self.current_bytes = 0
         self.peak_bytes = 0
@@ -166,8 +166,7 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in tensors_in(out):
             self._track(t, inputs)
         if func.namespace == "_c10d_functional":
-            self.collective_outputs.update(st._cdata for t in tensors_in(out)
-                                           if (st := _storage(t)) is not None and st._cdata not in inputs)
+            self.collective_buffers |= inputs | storage_keys(tensors_in(out))
         return out
 
     def _track(self, t: torch.Tensor, inputs: set[int] = frozenset()) -> None:
@@ -442,17 +441,18 @@ COLLECTIVE_LET_GO_S = 0.2
 
 def let_go_of_collectives(tracker: LiveTensorTracker, held: set[int],
                           timeout_s: float = COLLECTIVE_LET_GO_S) -> None:
-    """Wait, at most `timeout_s`, until every storage a functional collective made is freed,
-    unless something the meter sees holds it (`held`: saved for backward, the forward's output,
-    a gathered parameter) or it holds nothing (resized to 0). gloo's worker threads let go of a
-    finished collective's buffers just after the waiting thread returns: the logits' all-gather
-    left 768 KiB alive at tensor parallelism's forward end in 13 of 144 measurements. A barrier
-    only narrowed that race (gloo has two worker threads, and it can end on the other one);
-    this waits for the worker itself, unless it was kept off the CPU for longer than
+    """Wait, at most `timeout_s`, until every storage made in the meter that a functional
+    collective read or made is freed, unless something the meter sees holds it (`held`: saved
+    for backward, the forward's output, a gathered parameter) or it holds nothing (resized to
+    0). gloo's worker threads let go of a finished collective's input and output just after
+    the waiting thread returns: the logits' all-gather (the head's local shard and the gathered
+    copy) left 768 KiB alive at tensor parallelism's forward end in 13 of 144 measurements. A
+    barrier only narrowed that race (gloo has two worker threads, and it can end on the other
+    one); this waits for the worker itself, unless it was kept off the CPU for longer than
     `timeout_s`. A buffer held where the meter cannot see (on tensor parallelism, one
     all-reduce's output a forward) counts, as before, and costs this wait."""
     deadline = time.monotonic() + timeout_s
-    while any(tracker.live.get(key) and key not in held for key in tracker.collective_outputs):
+    while any(tracker.live.get(key) and key not in held for key in tracker.collective_buffers):
         if time.monotonic() > deadline:
             return
         time.sleep(0.001)  # the worker needs the GIL to drop its last reference
