@@ -335,8 +335,9 @@ def _time(step: Callable[[], Any], wl: Workload, cfg: RunConfig) -> Timing:
     if distributed.world_size() > 1:
         times = fixed_repeats_timer(step, warmup=cfg.warmup, repeats=cfg.timed_steps, device=cfg.device)
         return Timing(times, cfg.warmup)
-    return time_step(step, device=cfg.device, warmup=cfg.warmup, min_repeats=cfg.min_repeats or wl.min_repeats,
-                     min_run_time_s=cfg.min_run_time_s, num_threads=cfg.num_threads)
+    return time_step(step, device=cfg.device, warmup=cfg.warmup,
+                     min_repeats=cfg.min_repeats or wl.min_repeats, min_run_time_s=cfg.min_run_time_s,
+                     num_threads=cfg.num_threads)
 
 
 def _compare(exp: Experiment, cfg: RunConfig, reference: dict[str, Any] | None,

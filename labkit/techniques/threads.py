@@ -150,7 +150,7 @@ def per_step(cfg: Config) -> dict[str, float]:
     return {"tokens_per_s": float(cfg.batch_size * cfg.seq_len)}
 
 
-def time_calls(fn: Callable[[], Any], warmup: int, min_run_time_s: float, min_repeats: int = 3) -> Timing:
+def time_calls(fn: Callable[[], Any], warmup: int, min_run_time_s: float, min_repeats: int) -> Timing:
     """Each call timed on its own, touching no thread setting (the knob under test stays as set);
     CPU work only (skip_reason refuses another device)."""
     times = timed_calls(fn, device="cpu", warmup=warmup, min_run_time_s=min_run_time_s,
@@ -197,9 +197,10 @@ def child_main() -> None:
             "interop_threads_seen": torch.get_num_interop_threads()}
     fn = make_work(cfg)
     out = fn().clone()
-    timing = time_calls(fn, cfg.warmup, cfg.min_run_time_s, cfg.min_repeats or 3)
+    repeats = cfg.min_repeats or Workload.min_repeats  # the knob, else every experiment's own
+    timing = time_calls(fn, cfg.warmup, cfg.min_run_time_s, repeats)
     torch.set_num_threads(1)
-    one = time_calls(fn, cfg.warmup, cfg.min_run_time_s)
+    one = time_calls(fn, cfg.warmup, cfg.min_run_time_s, repeats)
     torch.save(out, spec["out"])
     report = {**seen, "times_s": timing.times_s, "one_thread_times_s": one.times_s,
               "env": {k: os.environ.get(k) for k in KNOBS_SHOWN if k in os.environ},
