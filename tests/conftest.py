@@ -4,6 +4,9 @@ import importlib.util
 import pytest
 import torch
 
+from labkit.report.kernel import defer_iri_grammar
+
+defer_iri_grammar()  # as the report's processes do: the suite's import nbformat (1.3 CPU-s less each)
 
 # Session fixtures measured once for many test files: the tests that read one share a worker.
 SHARED = ("report", "shared_runs")

@@ -37,7 +37,8 @@ def test_warmed_kernel_forgets_names_keeps_modules_replaces_a_dead_one(tmp_path,
     first = notebook(tmp_path, "first", "import os, sys, torch\nleft = 41\n"
                      "sys.stderr.write('to the log\\n')\nos.write(2, b'fd two\\n')\n"
                      "print('pid', os.getpid(), 'threads', torch.get_num_threads())\n"
-                     "print('warm', 'labkit.harness.experiment' in sys.modules)")
+                     "print('warm', 'labkit.harness.experiment' in sys.modules)\n"
+                     "import nbformat\nprint('grammar', 'rfc3987_syntax.syntax_helpers' in sys.modules)")
     second = notebook(tmp_path, "second", "import os, multiprocessing as mp\n"
                       "print('left' in globals(), x)\n"
                       "p = mp.get_context('spawn').Process(target=print)\np.start(); p.join()\n"
@@ -57,6 +58,7 @@ def test_warmed_kernel_forgets_names_keeps_modules_replaces_a_dead_one(tmp_path,
     pid, threads = (text.split(f"{name} ")[1].split()[0] for name in ("pid", "threads"))
     assert threads == "1"  # one thread, on a machine of any number of cores
     assert "warm True" in text  # imported by warm(), not by the notebook
+    assert "grammar False" in text  # deferred as the kernel started (defer_iri_grammar)
     assert printed(tmp_path / "out2.ipynb").split() == ["False", "2", "exit", "0", "pid", pid]
     again = printed(tmp_path / "out4.ipynb").split()
     assert again[:4] == ["False", "4", "exit", "0"] and again[5] != pid  # a fresh kernel
@@ -64,3 +66,25 @@ def test_warmed_kernel_forgets_names_keeps_modules_replaces_a_dead_one(tmp_path,
     order = [text.index(part) for part in ("--- (start)", "--- first", "fd two", "--- second")]
     assert order == sorted(order)
     assert text.count("--- second") == 2 and "--- dies" in text
+
+
+IRI_CHECKS = """
+import sys
+from labkit.report.kernel import defer_iri_grammar
+defer_iri_grammar()
+import jsonschema, nbformat
+built = 'rfc3987_syntax.syntax_helpers' in sys.modules
+check = jsonschema.Draft7Validator.FORMAT_CHECKER
+print(built, check.conforms('http://a.b/c d', 'iri'), check.conforms('http://例え.jp/パス', 'iri'),
+      'rfc3987_syntax.syntax_helpers' in sys.modules)
+"""
+
+
+def test_the_iri_grammar_is_built_on_first_use_and_checks_as_the_real_one():
+    """nbformat imported without rfc3987_syntax's grammar built; jsonschema's `iri` check then
+    builds it and judges as the real module does (a space is not allowed; Unicode is)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", IRI_CHECKS], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True", "True"]

@@ -196,9 +196,11 @@ def run_report(out: str | Path, *, preset: str | None = None, device: str | None
     at the tiny preset each notebook is sized to its share of `budget_s` before it runs (None:
     never); `dry_run` plans and returns without running. A notebook that fails is reported; the
     others still run (see `Report.failed`)."""
-    import papermill
-
     from labkit.measure.pace import handed_down
+    from labkit.report.kernel import defer_iri_grammar
+
+    defer_iri_grammar()  # before papermill imports nbformat
+    import papermill
 
     out = Path(out).resolve()
     runs_dir = Path(runs_dir or out / "runs").resolve()
@@ -358,6 +360,9 @@ def worker_kernel(cwd: str, threads: int | None) -> Any:
 def warm_worker(cwd: str, threads: int | None) -> None:
     """A worker process's start: its kernel started and warmed (`WarmKernel.warm`) before its
     first notebook, whose seconds then hold only its own work."""
+    from labkit.report.kernel import defer_iri_grammar
+
+    defer_iri_grammar()  # before papermill imports nbformat here
     kernel = worker_kernel(cwd, threads)
     try:
         kernel.warm()

@@ -18,9 +18,46 @@ thread: beside 18_compile, 30_finetune's memory search took 8.6 s instead of 3.0
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import sys
+import types
 from pathlib import Path
 from typing import Any
+
+# jsonschema imports rfc3987_syntax for its `iri` format checks, and that module builds about 35
+# Earley parsers as it loads: 1.3 CPU-s on the reference CPU (python-jsonschema/jsonschema#1428),
+# paid by every process that imports nbformat (papermill, nbconvert and plotly's figure output
+# do), for a format that no notebook's schema uses.
+IRI_MODULE = "rfc3987_syntax"
+
+
+def defer_iri_grammar() -> None:
+    """Put a stand-in for rfc3987_syntax where imports find it, whose attributes load the real
+    module on first use: `is_valid_syntax` (what jsonschema takes) is a function that does, so an
+    `iri` check still gives the real module's answer. Nothing where it is loaded or missing."""
+    if IRI_MODULE in sys.modules or importlib.util.find_spec(IRI_MODULE) is None:
+        return
+    stand_in, real = types.ModuleType(IRI_MODULE), []
+
+    def load() -> Any:
+        if not real:
+            if sys.modules.get(IRI_MODULE) is stand_in:
+                del sys.modules[IRI_MODULE]
+            real.append(importlib.import_module(IRI_MODULE))
+        return real[0]
+
+    def attribute(name: str) -> Any:
+        if name.startswith("__"):  # what the import system asks of any module (__path__, ...)
+            raise AttributeError(name)
+        return getattr(load(), name)
+
+    def is_valid_syntax(*args: Any, **kwargs: Any) -> Any:
+        return load().is_valid_syntax(*args, **kwargs)
+
+    stand_in.__getattr__, stand_in.is_valid_syntax = attribute, is_valid_syntax  # type: ignore[attr-defined]
+    sys.modules[IRI_MODULE] = stand_in
 
 
 def _manager() -> Any:
@@ -42,6 +79,8 @@ def _manager() -> Any:
 
 # the kernel's threads: torch's intra-op threads, and Inductor's compile workers
 THREAD_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
+# Run in a kernel as it starts, before anything imports nbformat
+STARTUP = "from labkit.report.kernel import defer_iri_grammar; defer_iri_grammar()"
 # What every notebook's first cells import (torch, labkit's harness, the panel and the plots):
 # imported by `warm`, before the first notebook, which would otherwise hold their seconds
 WARM_IMPORTS = "import labkit.harness.experiment, labkit.ui.widgets, labkit.views.plots"
@@ -102,6 +141,7 @@ class WarmKernel:
             if self.km is None or not run_sync(self.km.is_alive)():
                 self.km = _manager()
                 run_sync(self.km.start_kernel)(cwd=self.cwd, stderr=f, env=self._env())
+                self._run(STARTUP, what="started")
                 return
         self._run(RESET.format(cwd=self.cwd))
 

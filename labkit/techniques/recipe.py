@@ -24,6 +24,7 @@ after the check's steps on every rank together, so no rank stops inside a collec
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -295,8 +296,9 @@ def observed_forward(trainer: Trainer, seen: Observed):
 def check(trainer: Trainer, seen: Observed, budget: int | None, cfg: Config) -> dict:
     """`steps` steps: the global losses, then the whole weights (host copies, gathered from
     shards: collectives in the same order on every rank); the budget judged on every rank.
-    `cfg`: the experiment's (the trainer's holds one micro-batch)."""
-    with seen.tracker, CommCounter() as comm:
+    `cfg`: the experiment's (the trainer's holds one micro-batch). The budget's tracker runs
+    only where there is a budget: a second dispatch mode over every op costs the steps time."""
+    with seen.tracker if budget is not None else contextlib.nullcontext(), CommCounter() as comm:
         losses = [global_loss(trainer.step(), trainer) for _ in range(cfg.steps)]
     seen.all_gather_bytes = comm.bytes["all_gather"] / cfg.steps
     if budget is not None:
