@@ -24,11 +24,10 @@ pytestmark = [pytest.mark.skipif(hardware.inductor_cpu_problem() is not None,
               pytest.mark.slow]  # cold torch.compile builds: seconds each
 
 
-# the decode step also with cpp_wrapper: its kernels and their caller in one C++ file (the
-# smallest CPU rung's setting)
-@pytest.fixture(scope="module", params=[{"target": "block"}, {"target": "decode"},
-                                        {"target": "decode", "cpp_wrapper": True}],
-                ids=["block", "decode", "decode-cpp_wrapper"])
+# the block with Inductor's Python wrapper, the decode step with cpp_wrapper (its kernels and
+# their caller in one C++ file: the smallest CPU rung's setting): both targets, both wrappers
+@pytest.fixture(scope="module", params=[{"target": "block"}, {"target": "decode", "cpp_wrapper": True}],
+                ids=["block", "decode-cpp_wrapper"])
 def rows(request, tmp_path_factory):
     return run_experiment("compile", preset="tiny", overrides={**SIZES, **request.param},
                           progress=False, runs_dir=str(tmp_path_factory.mktemp("runs"))).rows
