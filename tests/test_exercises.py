@@ -21,6 +21,19 @@ def exercise_notebooks():
     return [p for p in sorted(ROOT.glob("*.ipynb")) if p.stem.split("_", 1)[1] not in exercises.LABS]
 
 
+def one_of_each_kind():
+    """The first exercise notebook of each kind: the Run whose rows it reads, formula or
+    measurement, a number or a choice (28 of 65). The notebooks are one builder's template
+    (`exercise_notebook`, to which test_notebooks.py holds every committed one) that differ only
+    in the exercise's key, and every exercise's check is graded in-process below
+    (test_solution_graded_correct_and_a_wrong_prediction_graded_wrong)."""
+    chosen = {}
+    for path in exercise_notebooks():
+        ex = exercises.get(path.stem.split("_", 1)[1])
+        chosen.setdefault((ex.run, ex.graded_against, bool(ex.choices)), path)
+    return list(chosen.values())
+
+
 def wrong_answer(ex):
     """A prediction outside the tolerance (a number) or another option (a choice)."""
     ref = exercises.reference_answer(ex.key, "cpu")
@@ -182,13 +195,13 @@ def test_tolerance_edges():
 
 @pytest.fixture(scope="module")
 def executed(shared_runs, notebook_kernel, tmp_path_factory):
-    """Every exercise notebook in solution mode, then the first as a learner opens it (its
-    default parameters), on one warm kernel: {(stem, "solution" or "default"): (the executed
-    notebook's path, its printed text)}."""
+    """One exercise notebook of each kind in solution mode (`one_of_each_kind`), then the first
+    as a learner opens it (its default parameters), on one warm kernel: {(stem, "solution" or
+    "default"): (the executed notebook's path, its printed text)}."""
     pytest.importorskip("papermill")
     folder = tmp_path_factory.mktemp("exercise-notebooks")
     solution = {"solution": True, "interactive": False, "device": "cpu", "runs_dir": shared_runs}
-    jobs = [(p, folder / p.name, solution) for p in exercise_notebooks()]
+    jobs = [(p, folder / p.name, solution) for p in one_of_each_kind()]
     first = exercise_notebooks()[0]
     jobs.append((first, folder / "default.ipynb", {"device": "cpu"}))
     texts = execute_notebooks(notebook_kernel, jobs)
@@ -197,9 +210,11 @@ def executed(shared_runs, notebook_kernel, tmp_path_factory):
 
 
 @pytest.mark.notebook
-def test_every_exercise_notebook_in_solution_mode(executed):
-    paths = exercise_notebooks()
-    assert {p.stem.split("_", 1)[1] for p in paths} == set(exercises.EXERCISES)
+def test_an_exercise_notebook_of_each_kind_in_solution_mode(executed):
+    assert {p.stem.split("_", 1)[1] for p in exercise_notebooks()} == set(exercises.EXERCISES)
+    paths = one_of_each_kind()
+    assert {exercises.get(p.stem.split("_", 1)[1]).run for p in paths} == \
+        {exercises.get(k).run for k in exercises.EXERCISES}  # every Run's rows read in a kernel
     for path in paths:
         _, text = executed[path.stem, "solution"]
         # the textbook answer of an exercise graded against this machine's measurement (which is
