@@ -1,6 +1,6 @@
 """The exercises: every one graded correct in solution mode and a wrong prediction graded wrong
-(through labkit.study.exercises directly), and every exercise notebook executed by papermill in solution
-mode. Each run behind the exercises is measured once per session into one shared folder (two
+(through labkit.study.exercises directly), and an exercise notebook of each kind executed by
+papermill in solution mode. Each run behind the exercises is measured once per session into one shared folder (two
 multi-process launches: zero and pipeline_parallel); the checks and the notebooks reuse them."""
 import math
 from pathlib import Path
@@ -23,7 +23,7 @@ def exercise_notebooks():
 
 def one_of_each_kind():
     """The first exercise notebook of each kind: the Run whose rows it reads, formula or
-    measurement, a number or a choice (28 of 65). The notebooks are one builder's template
+    measurement, a number or a choice. The notebooks are one builder's template
     (`exercise_notebook`, to which test_notebooks.py holds every committed one) that differ only
     in the exercise's key, and every exercise's check is graded in-process below
     (test_solution_graded_correct_and_a_wrong_prediction_graded_wrong)."""
