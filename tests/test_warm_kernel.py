@@ -69,6 +69,7 @@ def test_warmed_kernel_forgets_names_keeps_modules_replaces_a_dead_one(tmp_path,
 
 
 
+@pytest.mark.slow  # the grammar is built here: over a second
 def test_the_iri_grammar_is_built_on_first_use_and_answers_as_the_real_one(monkeypatch):
     """What jsonschema imports from the stand-in is there with no grammar built; its first call
     builds it and answers as the real module (a space is not allowed in an IRI; Unicode is)."""
