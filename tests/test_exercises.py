@@ -1,7 +1,7 @@
 """The exercises: every one graded correct in solution mode and a wrong prediction graded wrong
 (through labkit.study.exercises directly), and an exercise notebook of each kind executed by
-papermill in solution mode. Each run behind the exercises is measured once per session into one shared folder (two
-multi-process launches: zero and pipeline_parallel); the checks and the notebooks reuse them."""
+papermill in solution mode. Each run behind the exercises is measured once per session into one
+shared folder; the checks and the notebooks reuse them."""
 import math
 from pathlib import Path
 

@@ -68,11 +68,13 @@ def test_warmed_kernel_forgets_names_keeps_modules_replaces_a_dead_one(tmp_path,
     assert text.count("--- second") == 2 and "--- dies" in text
 
 
+IRIS = ("http://a.b/c d", "http://例え.jp/パス")  # a space is not allowed in an IRI; Unicode is
+
 
 @pytest.mark.slow  # the grammar is built here: over a second
 def test_the_iri_grammar_is_built_on_first_use_and_answers_as_the_real_one(monkeypatch):
     """What jsonschema imports from the stand-in is there with no grammar built; its first call
-    builds it and answers as the real module (a space is not allowed in an IRI; Unicode is)."""
+    builds it and answers as the real module."""
     import sys
 
     from labkit.report.kernel import IRI_MODULE, defer_iri_grammar
@@ -83,8 +85,7 @@ def test_the_iri_grammar_is_built_on_first_use_and_answers_as_the_real_one(monke
     from rfc3987_syntax import is_valid_syntax  # what jsonschema's format checks import
 
     assert f"{IRI_MODULE}.syntax_helpers" not in sys.modules
-    answers = [bool(is_valid_syntax("iri", v)) for v in ("http://a.b/c d", "http://例え.jp/パス")]
+    answers = [bool(is_valid_syntax("iri", v)) for v in IRIS]
     real = sys.modules[IRI_MODULE]  # the first call loaded it in the stand-in's place
     assert f"{IRI_MODULE}.syntax_helpers" in sys.modules and real.is_valid_syntax is not is_valid_syntax
-    assert answers == [False, True] == [bool(real.is_valid_syntax("iri", v))
-                                        for v in ("http://a.b/c d", "http://例え.jp/パス")]
+    assert answers == [False, True] == [bool(real.is_valid_syntax("iri", v)) for v in IRIS]

@@ -39,14 +39,12 @@ def defer_iri_grammar() -> None:
     `iri` check still gives the real module's answer. Nothing where it is loaded or missing."""
     if IRI_MODULE in sys.modules or importlib.util.find_spec(IRI_MODULE) is None:
         return
-    stand_in, real = types.ModuleType(IRI_MODULE), []
+    stand_in = types.ModuleType(IRI_MODULE)
 
-    def load() -> Any:
-        if not real:
-            if sys.modules.get(IRI_MODULE) is stand_in:
-                del sys.modules[IRI_MODULE]
-            real.append(importlib.import_module(IRI_MODULE))
-        return real[0]
+    def load() -> Any:  # the real module, which takes the stand-in's place on the first call
+        if sys.modules.get(IRI_MODULE) is stand_in:
+            del sys.modules[IRI_MODULE]
+        return importlib.import_module(IRI_MODULE)
 
     def attribute(name: str) -> Any:
         if name.startswith("__"):  # what the import system asks of any module (__path__, ...)
