@@ -179,19 +179,19 @@ def test_activation_meter_sees_what_checkpointing_keeps():
 @pytest.mark.slow  # a gloo group, and a buffer held past the wait
 def test_activation_meter_waits_for_a_collectives_buffers_that_another_thread_lets_go_of(tmp_path):
     """An all-gather's input and output that another thread lets go of just after the forward
-    (gloo's worker thread) are waited for and not counted; an output held longer than the wait,
-    or saved for backward, counts."""
+    (gloo's worker thread) are waited for and not counted; an output held until after the
+    measurement (longer than any wait), or saved for backward, counts."""
     import threading
     import time
 
     import torch.distributed as dist
 
-    from labkit.measure.memory import COLLECTIVE_LET_GO_S, ActivationMeter
+    from labkit.measure.memory import ActivationMeter
 
     w = torch.ones(64, 32, requires_grad=True)
     kept, gathered = 8 * 64 * 4, 1024 * 4
 
-    def forward(hold_s=None, save=False):
+    def forward(hold_s=None, save=False, until=None):
         def run():
             group = dist.group.WORLD.group_name
             shard = torch.zeros(1024)
@@ -201,6 +201,8 @@ def test_activation_meter_waits_for_a_collectives_buffers_that_another_thread_le
             threading.Thread(target=lambda held: time.sleep(0.05), args=(shard,)).start()
             if hold_s is not None:
                 threading.Thread(target=lambda held, s: time.sleep(s), args=(buffer, hold_s)).start()
+            if until is not None:  # held until the test lets go, after the measurement
+                threading.Thread(target=lambda held: until.wait(), args=(buffer,)).start()
             # sin's (8, 64) output is kept for backward; so is the buffer, by `* w[0, 0]`
             return (torch.ones(8, 64).sin() @ w).sum(), (buffer * w[0, 0] if save else buffer).sum()
         return run
@@ -208,7 +210,11 @@ def test_activation_meter_waits_for_a_collectives_buffers_that_another_thread_le
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
     try:
         assert ActivationMeter([w]).measure(forward(hold_s=0.05)).total_bytes == kept
-        assert ActivationMeter([w]).measure(forward(hold_s=2 * COLLECTIVE_LET_GO_S)).total_bytes == kept + gathered
+        release = threading.Event()
+        try:
+            assert ActivationMeter([w]).measure(forward(until=release)).total_bytes == kept + gathered
+        finally:
+            release.set()
         assert ActivationMeter([w]).measure(forward(save=True)).total_bytes == kept + gathered
     finally:
         dist.destroy_process_group()

@@ -435,8 +435,8 @@ class ActivationMeter:
 
 
 # How long a collective's buffer that nothing the meter sees holds may take to be let go of: one
-# scheduler period of a CPU quota (100 ms) and as much again
-COLLECTIVE_LET_GO_S = 0.2
+# scheduler period of a CPU quota (100 ms) and as much again, counted in polls of POLL_S (below)
+COLLECTIVE_LET_GO_S, POLL_S = 0.2, 0.001
 
 
 def let_go_of_collectives(tracker: LiveTensorTracker, held: set[int],
@@ -450,12 +450,16 @@ def let_go_of_collectives(tracker: LiveTensorTracker, held: set[int],
     barrier only narrowed that race (gloo has two worker threads, and it can end on the other
     one); this waits for the worker itself, unless it was kept off the CPU for longer than
     `timeout_s`. A buffer held where the meter cannot see (on tensor parallelism, one
-    all-reduce's output a forward) counts, as before, and costs this wait."""
-    deadline = time.monotonic() + timeout_s
-    while any(tracker.live.get(key) and key not in held for key in tracker.collective_buffers):
-        if time.monotonic() > deadline:
+    all-reduce's output a forward) counts, as before, and costs this wait.
+
+    The wait is counted in this loop's own polls, not read off the clock: time this process
+    spends off the CPU (a quota's pauses, a busy host) does not use it up. Under a 0.4-core quota
+    a wall-clock 0.2 s once ran out before gloo's worker ran, and an all-to-all's 32 KiB buffer
+    counted as an activation."""
+    for _ in range(round(timeout_s / POLL_S)):
+        if not any(tracker.live.get(key) and key not in held for key in tracker.collective_buffers):
             return
-        time.sleep(0.001)  # the worker needs the GIL to drop its last reference
+        time.sleep(POLL_S)  # the worker needs the GIL to drop its last reference
 
 
 class _Saved:
