@@ -448,14 +448,12 @@ def let_go_of_collectives(tracker: LiveTensorTracker, held: set[int],
     the waiting thread returns: the logits' all-gather (the head's local shard and the gathered
     copy) left 768 KiB alive at tensor parallelism's forward end in 13 of 144 measurements. A
     barrier only narrowed that race (gloo has two worker threads, and it can end on the other
-    one); this waits for the worker itself, unless it was kept off the CPU for longer than
-    `timeout_s`. A buffer held where the meter cannot see (on tensor parallelism, one
+    one); this waits for the worker itself, for at most `timeout_s` of polls. A buffer held where the meter cannot see (on tensor parallelism, one
     all-reduce's output a forward) counts, as before, and costs this wait.
 
     The wait is counted in this loop's own polls, not read off the clock: time this process
-    spends off the CPU (a quota's pauses, a busy host) does not use it up. Under a 0.4-core quota
-    a wall-clock 0.2 s once ran out before gloo's worker ran, and an all-to-all's 32 KiB buffer
-    counted as an activation."""
+    spends off the CPU (a quota's pauses, a busy host) does not use it up. Under a 0.4-core quota,
+    with 0.2 s on the clock, an all-to-all's 32 KiB buffer once counted as an activation."""
     for _ in range(round(timeout_s / POLL_S)):
         if not any(tracker.live.get(key) and key not in held for key in tracker.collective_buffers):
             return
