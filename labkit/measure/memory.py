@@ -448,8 +448,9 @@ def let_go_of_collectives(tracker: LiveTensorTracker, held: set[int],
     the waiting thread returns: the logits' all-gather (the head's local shard and the gathered
     copy) left 768 KiB alive at tensor parallelism's forward end in 13 of 144 measurements. A
     barrier only narrowed that race (gloo has two worker threads, and it can end on the other
-    one); this waits for the worker itself, for at most `timeout_s` of polls. A buffer held where the meter cannot see (on tensor parallelism, one
-    all-reduce's output a forward) counts, as before, and costs this wait.
+    one); this waits for the worker itself, for at most `timeout_s` of polls. A buffer held
+    where the meter cannot see (on tensor parallelism, one all-reduce's output a forward)
+    counts, as before, and costs this wait.
 
     The wait is counted in this loop's own polls, not read off the clock: time this process
     spends off the CPU (a quota's pauses, a busy host) does not use it up. Under a 0.4-core quota,
