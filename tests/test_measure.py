@@ -191,28 +191,31 @@ def test_activation_meter_waits_for_a_collectives_buffers_that_another_thread_le
     w = torch.ones(64, 32, requires_grad=True)
     kept, gathered = 8 * 64 * 4, 1024 * 4
 
-    def forward(hold_s=None, save=False, until=None):
+    def moment():
+        time.sleep(0.05)
+
+    def held(tensor, until):  # the "worker thread": holds `tensor` until `until()` returns
+        threading.Thread(target=lambda t: until(), args=(tensor,)).start()
+
+    def forward(hold=None, save=False):
         def run():
             group = dist.group.WORLD.group_name
             shard = torch.zeros(1024)
             buffer = torch.ops._c10d_functional.all_gather_into_tensor(shard, 1, group)
             buffer = torch.ops._c10d_functional.wait_tensor(buffer)
-            # the "worker thread" holds the shard a moment, the gathered buffer `hold_s`
-            threading.Thread(target=lambda held: time.sleep(0.05), args=(shard,)).start()
-            if hold_s is not None:
-                threading.Thread(target=lambda held, s: time.sleep(s), args=(buffer, hold_s)).start()
-            if until is not None:  # held until the test lets go, after the measurement
-                threading.Thread(target=lambda held: until.wait(), args=(buffer,)).start()
+            held(shard, moment)  # the shard a moment, the gathered buffer until `hold()` returns
+            if hold is not None:
+                held(buffer, hold)
             # sin's (8, 64) output is kept for backward; so is the buffer, by `* w[0, 0]`
             return (torch.ones(8, 64).sin() @ w).sum(), (buffer * w[0, 0] if save else buffer).sum()
         return run
 
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
     try:
-        assert ActivationMeter([w]).measure(forward(hold_s=0.05)).total_bytes == kept
-        release = threading.Event()
+        assert ActivationMeter([w]).measure(forward(hold=moment)).total_bytes == kept
+        release = threading.Event()  # held until after the measurement, longer than any wait
         try:
-            assert ActivationMeter([w]).measure(forward(until=release)).total_bytes == kept + gathered
+            assert ActivationMeter([w]).measure(forward(hold=release.wait)).total_bytes == kept + gathered
         finally:
             release.set()
         assert ActivationMeter([w]).measure(forward(save=True)).total_bytes == kept + gathered

@@ -435,7 +435,7 @@ class ActivationMeter:
 
 
 # How long a collective's buffer that nothing the meter sees holds may take to be let go of: one
-# scheduler period of a CPU quota (100 ms) and as much again, counted in polls of POLL_S (below)
+# scheduler period of a CPU quota (100 ms) and as much again, counted in polls of POLL_S
 COLLECTIVE_LET_GO_S, POLL_S = 0.2, 0.001
 
 
