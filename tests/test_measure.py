@@ -178,9 +178,10 @@ def test_activation_meter_sees_what_checkpointing_keeps():
 
 @pytest.mark.slow  # a gloo group, and a buffer held past the wait
 def test_activation_meter_waits_for_a_collectives_buffers_that_another_thread_lets_go_of(tmp_path):
-    """An all-gather's input and output that another thread lets go of just after the forward
-    (gloo's worker thread) are waited for and not counted; an output held until after the
-    measurement (longer than any wait), or saved for backward, counts."""
+    """An all-gather's input and output, or an all-to-all's input (c10d's own op, as Ulysses
+    calls it), that another thread lets go of just after the forward (gloo's worker thread) are
+    waited for and not counted; an output held until after the measurement (longer than any
+    wait), or saved for backward, counts."""
     import threading
     import time
 
@@ -210,6 +211,12 @@ def test_activation_meter_waits_for_a_collectives_buffers_that_another_thread_le
             return (torch.ones(8, 64).sin() @ w).sum(), (buffer * w[0, 0] if save else buffer).sum()
         return run
 
+    def all_to_all():
+        send = torch.zeros(1024)
+        dist.all_to_all_single(torch.empty_like(send), send)
+        held(send, moment)
+        return (torch.ones(8, 64).sin() @ w).sum()
+
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
     try:
         assert ActivationMeter([w]).measure(forward(hold=moment)).total_bytes == kept
@@ -219,6 +226,7 @@ def test_activation_meter_waits_for_a_collectives_buffers_that_another_thread_le
         finally:
             release.set()
         assert ActivationMeter([w]).measure(forward(save=True)).total_bytes == kept + gathered
+        assert ActivationMeter([w]).measure(all_to_all).total_bytes == kept
     finally:
         dist.destroy_process_group()
 

@@ -34,7 +34,9 @@ def _release(buffers: tuple[torch.Tensor, ...], keep: tuple[torch.Tensor, ...]) 
     call has finished with) that none of `keep` (its input and result) shares. gloo's worker
     thread drops its own references to them a moment after the call returns, and one still alive
     at the forward's end would count as held for backward: under load the suite measured
-    Ulysses' saved bytes 16,384 and 32,768 above the prediction (one and two buffers), never alone."""
+    Ulysses' saved bytes 16,384 and 32,768 above the prediction (one and two buffers), never alone.
+    A send buffer that is its input's own storage (at batch 1) stays: the activation meter waits
+    for gloo to let go of it (`labkit.measure.memory.let_go_of_collectives`)."""
     kept = {t.untyped_storage().data_ptr() for t in keep}
     for t in buffers:
         if t.untyped_storage().data_ptr() not in kept:
