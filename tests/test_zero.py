@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import FAULTS, TINY_DIST, fault_fixtures
+from conftest import FAULTS, TINY_DIST, TINY_SHAPE, fault_fixtures
 from conftest import one_row as get
 from labkit import planner
 from labkit.config import ConfigError, resolve
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a laun
 
 RAN = ("ddp", "zero1", "zero2", "zero3")  # zero3_offload needs a GPU
 RANKS = (0, 1)
-CPU = {**TINY_DIST, "device": "cpu"}  # two gloo ranks, whatever GPUs the machine has
+# two gloo ranks, whatever GPUs the machine has; the preset's shape, whose DDP peak is the step's
+CPU = {**TINY_DIST, **TINY_SHAPE, "device": "cpu"}
 needs_nccl = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()),
                                 reason="needs CUDA (>= 1 GPU) with NCCL; CPU ranks use gloo")
 
