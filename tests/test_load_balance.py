@@ -88,6 +88,22 @@ def test_the_slow_rank_sleeps_its_slowdown_less_one_times_its_compute(monkeypatc
         assert meter.compute_s == [pytest.approx(0.5 + want)]
 
 
+def test_the_sum_leaves_no_buffer_behind_that_the_collective_still_holds(monkeypatch):
+    """The flat buffer is freed when the sum returns, even while the all-reduce (gloo's worker
+    thread) still holds it: it must not sit under the optimizer's step and raise the peak."""
+    from labkit.blocks.training import Trainer
+    from labkit.measure.memory import MemoryMeter
+
+    trainer = Trainer(resolve(lb.Config, "tiny", OVERRIDES, experiment="load_balance"))
+    trainer.accumulate(sync=False)
+    held = []  # the "worker thread": keeps the tensor it summed
+    monkeypatch.setattr(lb.dist, "all_reduce", held.append)
+    with MemoryMeter("cpu") as meter:
+        lb.RankClock("cpu", 0.0).reduce(trainer)
+        assert meter.current_bytes == 0 and held[0].untyped_storage().nbytes() == 0
+    assert meter.peak_bytes == 4 * sum(p.numel() for p in trainer.model.parameters())
+
+
 def test_the_proportional_split_never_predicts_a_longer_step_than_the_even_one():
     for speeds in ([40.0, 10.0], [10.0, 40.0], [1.0, 1.01], [3.0, 2.0], [1.0, 100.0]):
         even = lb.predicted_step_s([4, 4], speeds)

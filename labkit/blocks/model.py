@@ -303,7 +303,7 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu",
         raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_IMPLS)}")
     device = torch.device(device)
     # Built on meta and then given memory: nn.Linear's and nn.Embedding's own initialisation,
-    # which init_weights overwrites, is never drawn (it was half of a tiny model's build time).
+    # which init_weights overwrites, is never drawn (45% of the tiny preset's build time: 49 -> 27 ms).
     with torch.device("meta"):
         model = Decoder(cfg, attention)
     if device.type != "meta":
