@@ -14,8 +14,8 @@ pytestmark = pytest.mark.multiprocess  # this module starts ranks (6-12 s a laun
 N = 4
 # 4-way 1-D tensor parallel needs 4 kv heads (the tiny preset has 2); one layer keeps 4 ranks on
 # 2 cores fast; the preset's shape, large enough that every split lowers the peak.
-OVERRIDES = {**TINY_DIST, **TINY_SHAPE, "num_layers": 1, "batch_size": 4, "num_kv_heads": 4, "timed_steps": 1,
-             "device": "cpu"}  # four gloo ranks on the CPU
+OVERRIDES = {**TINY_DIST, **TINY_SHAPE, "num_layers": 1, "batch_size": 4, "num_kv_heads": 4,
+             "timed_steps": 1, "device": "cpu"}  # four gloo ranks on the CPU
 VARIANTS = ("single", "fsdp", "tp", "fsdp_tp")
 
 
