@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labkit.blocks.distributed import release_buffers
+
 
 def heads_refusal(heads: int, kv_heads: int, n: int) -> str | None:
     """Why Ulysses cannot split these heads over n ranks, in one line (None: it can)."""
@@ -29,27 +31,13 @@ def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
-def _release(buffers: tuple[torch.Tensor, ...], keep: tuple[torch.Tensor, ...]) -> None:
-    """Free the storage of each of `buffers` (an all-to-all's send and receive buffers, which the
-    call has finished with) that none of `keep` (its input and result) shares. gloo's worker
-    thread drops its own references to them a moment after the call returns, and one still alive
-    at the forward's end would count as held for backward: under load the suite measured
-    Ulysses' saved bytes 16,384 and 32,768 above the prediction (one and two buffers), never alone.
-    A send buffer that is its input's own storage (at batch 1) stays: the activation meter waits
-    for gloo to let go of it (`labkit.measure.memory.let_go_of_collectives`)."""
-    kept = {t.untyped_storage().data_ptr() for t in keep}
-    for t in buffers:
-        if t.untyped_storage().data_ptr() not in kept:
-            t.untyped_storage().resize_(0)
-
-
 def seq_to_heads(x: torch.Tensor, n: int, group=None) -> torch.Tensor:
     """(B, H, L, D) this rank's tokens of every head -> (B, H/n, n·L, D) every token of its heads."""
     b, h, length, d = x.shape
     send = x.reshape(b, n, h // n, length, d).transpose(0, 1).contiguous()  # (n, B, H/n, L, D)
     recv = _all_to_all(send, group)  # chunk j: rank j's L tokens, in sequence order
     out = recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * length, d)
-    _release((send, recv), (x, out))
+    release_buffers((send, recv), keep=(x, out))
     return out
 
 
@@ -59,7 +47,7 @@ def heads_to_seq(x: torch.Tensor, n: int, group=None) -> torch.Tensor:
     send = x.reshape(b, h, n, seq // n, d).permute(2, 0, 1, 3, 4).contiguous()  # (n, B, H/n, L, D)
     recv = _all_to_all(send, group)  # chunk j: rank j's heads of this rank's tokens
     out = recv.transpose(0, 1).reshape(b, n * h, seq // n, d)
-    _release((send, recv), (x, out))
+    release_buffers((send, recv), keep=(x, out))
     return out
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from labkit import planner
 from labkit.config import ConfigError, knob
-from labkit.blocks.distributed import DistConfig, rank, world_size
+from labkit.blocks.distributed import DistConfig, rank, release_buffers, world_size
 from labkit.measure.clock import clock
 from labkit.blocks.training import Trainer, compare_grads
 from labkit.workload import Comparison, Workload
@@ -111,10 +111,7 @@ class RankClock:
         dist.all_reduce(flat)
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad.copy_(g.view_as(p))
-        # gloo's worker thread lets go of `flat` a moment after the call returns; under a CPU
-        # quota it once still held it through AdamW's step, and a rank peaked 513 KiB over the
-        # plan. Freed here, it cannot outlive the sum.
-        flat.untyped_storage().resize_(0)
+        release_buffers((flat,))  # gloo's worker may hold it a moment longer: not into the step
         self.wait_s.append(clock(self.device) - start)
 
 
